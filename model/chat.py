@@ -1,0 +1,120 @@
+"""Chat in the terminal: `python -m model.chat [--checkpoint PATH] ["prompt"]`.
+
+With a prompt it prints one streamed reply; without one it is an interactive multi-turn chat
+(`/reset` forgets the conversation, `/exit` or Ctrl-D quits, Ctrl-C stops a reply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+import torch
+
+from .checkpoint import CheckpointError, load_checkpoint
+from .generate import PromptTooLong, generate, sampling_defaults
+
+DEFAULT_CHECKPOINT = "weights/SmolLM2-135M-Instruct"
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m model.chat", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", nargs="?", help="one message to answer; omit for an interactive chat")
+    p.add_argument("--checkpoint", default=os.environ.get("LLAMA_CHECKPOINT", DEFAULT_CHECKPOINT),
+                   help="checkpoint folder or file (default: $LLAMA_CHECKPOINT or %(default)s)")
+    p.add_argument("--tokenizer", default=os.environ.get("LLAMA_TOKENIZER") or None,
+                   help="tokenizer.model / tokenizer.json to use instead of the checkpoint's")
+    p.add_argument("--system", default=os.environ.get("LLAMA_SYSTEM_PROMPT") or None, help="system prompt")
+    p.add_argument("--temperature", type=float, help="0 is greedy (default: the checkpoint's)")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="sample among the most likely tokens holding this mass")
+    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--max-context", type=int, default=8192, help="context limit in tokens")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, mps")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 where the hardware has it")
+    return p.parse_args(argv)
+
+
+def reply(ckpt, messages, args, sampling, kv_cache=None):
+    """Stream one answer to stdout; returns the Generation (text, stats, cache)."""
+    stop = threading.Event()
+    ids = ckpt.chat_format.encode_dialog(messages)
+    gen = generate(ckpt, ids, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                   max_context=args.max_context, kv_cache=kv_cache, should_stop=stop.is_set, **sampling)
+    try:
+        for piece in gen:
+            print(piece, end="", flush=True)
+    except KeyboardInterrupt:  # the reply so far is kept, as if stopped by a button
+        gen.finish_reason = "cancelled"
+    print()
+    s = gen.stats
+    print(f"[{s.prompt_tokens} prompt tokens ({s.reused_tokens} cached), {s.new_tokens} new, "
+          f"first token {s.time_to_first_token:.2f} s, {s.tokens_per_second:.1f} tokens/s, "
+          f"{gen.finish_reason}]", file=sys.stderr)
+    return gen
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.checkpoint == DEFAULT_CHECKPOINT and not os.path.exists(DEFAULT_CHECKPOINT):
+        from .prepare_default import ConversionError, prepare_default
+        try:
+            prepare_default()
+        except ConversionError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    try:
+        ckpt = load_checkpoint(args.checkpoint, device=args.device,
+                               dtype=DTYPES.get(args.dtype), tokenizer=args.tokenizer)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sampling = sampling_defaults(ckpt)
+    for key in ("temperature", "top_k", "top_p"):
+        if getattr(args, key) is not None:
+            sampling[key] = getattr(args, key)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+
+    if args.prompt is not None:
+        try:
+            reply(ckpt, system + [{"role": "user", "content": args.prompt}], args, sampling)
+        except PromptTooLong as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+
+    print(f"{ckpt.name} ({ckpt.format}, {ckpt.dtype}, {ckpt.device}). /reset forgets, /exit quits.",
+          file=sys.stderr)
+    messages, cache = list(system), None
+    while True:
+        try:
+            text = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if text.strip() in ("/exit", "/bye"):
+            return 0
+        if text.strip() == "/reset":
+            messages, cache = list(system), None
+            continue
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        try:
+            gen = reply(ckpt, messages, args, sampling, cache)
+        except PromptTooLong as e:
+            print(f"error: {e} (/reset starts over)", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": gen.text})
+        cache = gen.kv_cache
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""Find a checkpoint, open its weights memory-mapped and attach them to a model built on `meta`.
+
+Three formats, told apart by the folder's contents:
+- "hf":   config.json + model.safetensors (or model-0000N-of-0000M.safetensors + index)
+- "meta": params.json + consolidated.00.pth (Meta's `original/` folder)
+- "pth":  a .pth state dict in our own names + config.json beside it
+
+Loading never holds two copies of the weights: the model is built on the `meta` device, the file
+is memory-mapped, and its tensors become the model's parameters (`load_state_dict(assign=True)`).
+Only tensors whose dtype must change are copied, one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .chat_format import load_chat_format
+from .config import ConfigError, LlamaConfig
+from .llama import Llama
+from .tokenizer import load_tokenizer
+
+DEFAULT_MAX_CONTEXT = 8192
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be loaded; the message names the file and what was expected."""
+
+
+@dataclass
+class Checkpoint:
+    model: Llama
+    tokenizer: object
+    chat_format: object
+    config: LlamaConfig
+    path: Path
+    format: str
+    stop_ids: set[int] = field(default_factory=set)
+    generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.tok_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.tok_embeddings.weight.dtype
+
+    @property
+    def name(self) -> str:
+        return self.path.name if self.path.is_dir() else self.path.stem
+
+
+@dataclass
+class CheckpointFiles:
+    format: str
+    config: Path  # config.json or params.json
+    weights: list[Path]
+    folder: Path
+
+
+def find_checkpoint(path: str | Path) -> CheckpointFiles:
+    """Tell which format `path` holds (a folder, or a .pth/.safetensors file with config.json beside it)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder")
+    if path.is_file():
+        config = path.parent / "config.json"
+        if path.suffix not in (".pth", ".pt", ".safetensors"):
+            raise CheckpointError(f"{path}: expected a checkpoint folder, a .pth or a .safetensors file")
+        if not config.is_file():
+            raise CheckpointError(f"{path}: expected a config.json beside the weights file")
+        return CheckpointFiles("pth" if path.suffix != ".safetensors" else "hf", config, [path], path.parent)
+
+    config = path / "config.json"
+    index = path / "model.safetensors.index.json"
+    if config.is_file() and index.is_file():
+        return CheckpointFiles("hf", config, _shards_from_index(index), path)
+    if config.is_file() and (path / "model.safetensors").is_file():
+        return CheckpointFiles("hf", config, [path / "model.safetensors"], path)
+    consolidated = sorted(path.glob("consolidated.*.pth"))
+    if (path / "params.json").is_file() and consolidated:
+        if len(consolidated) > 1:
+            raise CheckpointError(f"{path}: {len(consolidated)} model-parallel shards "
+                                  "(consolidated.*.pth); only single-file Meta checkpoints are supported")
+        return CheckpointFiles("meta", path / "params.json", consolidated, path)
+    pth = sorted(p for p in path.glob("*.pth") if not p.name.startswith("consolidated."))
+    if config.is_file() and len(pth) == 1:
+        return CheckpointFiles("pth", config, pth, path)
+    if (path / "original" / "params.json").is_file():
+        return find_checkpoint(path / "original")
+    found = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
+    raise CheckpointError(
+        f"{path}: no checkpoint found. Expected config.json + model.safetensors (Hugging Face), "
+        f"params.json + consolidated.00.pth (Meta), or config.json + one .pth file; found: {found}")
+
+
+def _shards_from_index(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: expected JSON with a 'weight_map' ({e})") from None
+    shards = [index.parent / name for name in sorted(set(weight_map.values()))]
+    missing = [s.name for s in shards if not s.is_file()]
+    if missing:
+        raise CheckpointError(f"{index}: lists shards that are missing: {', '.join(missing)}")
+    return shards
+
+
+def read_config(files: CheckpointFiles, state: dict[str, torch.Tensor]) -> LlamaConfig:
+    try:
+        if files.format == "meta":  # params.json leaves the vocabulary size and tying to the weights
+            embeddings = state.get("tok_embeddings.weight")
+            return LlamaConfig.from_meta_params(
+                files.config, vocab_size=None if embeddings is None else embeddings.shape[0],
+                tie_word_embeddings="output.weight" not in state)
+        return LlamaConfig.from_hf_config(files.config)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+
+# Hugging Face name -> our (Meta's) name.
+HF_NAMES = [
+    (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
+    (r"model\.norm\.weight", "norm.weight"),
+    (r"lm_head\.weight", "output.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight", r"layers.\1.attention.w\2.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", r"layers.\1.feed_forward.w1.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", r"layers.\1.feed_forward.w2.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", r"layers.\1.feed_forward.w3.weight"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attention_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+]
+IGNORED = re.compile(r"(.*rotary_emb\.inv_freq|rope\.freqs)$")  # RoPE tables some files carry
+
+
+def hf_to_ours(name: str) -> str:
+    for pattern, ours in HF_NAMES:
+        if re.fullmatch(pattern, name):
+            return re.sub(pattern, ours, name)
+    return name  # left for the unexpected-tensor check to report
+
+
+def unpermute_meta_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Meta's interleaved RoPE pairs (0,1),(2,3).. -> our half-split layout (0,d/2),(1,d/2+1)..
+
+    w: (n_heads * head_dim, dim)
+    """
+    rows, dim = w.shape
+    head_dim = rows // n_heads
+    return w.view(n_heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(rows, dim)
+
+
+def read_state_dict(files: CheckpointFiles) -> dict[str, torch.Tensor]:
+    """Tensors of the checkpoint in our names, memory-mapped (not yet checked against a config)."""
+    state: dict[str, torch.Tensor] = {}
+    for file in files.weights:
+        if file.suffix == ".safetensors":
+            tensors = _open_safetensors(file)
+        else:
+            tensors = _open_pth(file)
+        for name, tensor in tensors.items():
+            if IGNORED.fullmatch(name):
+                continue
+            state[hf_to_ours(name) if files.format == "hf" else name] = tensor
+    return state
+
+
+def _open_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:  # memory-mapped, zero copy
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def _open_pth(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{file}: refused: the file holds Python objects other than tensors, and loading it could "
+            f"run code. Only plain state dicts are loaded (weights_only=True). ({str(e).splitlines()[0]})"
+        ) from None
+    except Exception as e:
+        raise CheckpointError(f"{file}: not a readable PyTorch file ({e})") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise CheckpointError(f"{file}: expected a state dict (name -> tensor), found {type(state).__name__}")
+    return state
+
+
+def check_state_dict(state: dict[str, torch.Tensor], model: Llama, files: CheckpointFiles) -> None:
+    """Every tensor the config asks for is there, with its shape; nothing unknown is there."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    where = files.weights[0] if len(files.weights) == 1 else files.folder
+    if model.config.tie_word_embeddings:
+        expected.pop("output.weight")
+        state.pop("output.weight", None)  # some files store the tied head anyway
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = [f"{n}: {tuple(state[n].shape)} in the file, {expected[n]} from {files.config.name}"
+             for n in expected if n in state and tuple(state[n].shape) != expected[n]]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_some(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_some(unexpected)}")
+    if wrong:
+        problems.append(f"wrong shapes: {_some(wrong)}")
+    if problems:
+        raise CheckpointError(f"{where}: does not match {files.config}: " + "; ".join(problems))
+
+
+def _some(items: list[str], n: int = 5) -> str:
+    return ", ".join(items[:n]) + (f" (and {len(items) - n} more)" if len(items) > n else "")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where the hardware computes it natively, else float32."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                    tokenizer: str | Path | None = None) -> Checkpoint:
+    """Load a checkpoint folder or file: model (in eval mode), tokenizer, chat format and config."""
+    files = find_checkpoint(path)
+    state = read_state_dict(files)
+    config = read_config(files, state)
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+
+    with torch.device("meta"):
+        model = Llama(config)
+    check_state_dict(state, model, files)
+    for name, tensor in state.items():
+        if files.format == "meta" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
+            n_heads = config.n_heads if name.endswith("wq.weight") else config.n_kv_heads
+            tensor = unpermute_meta_qk(tensor, n_heads)
+        state[name] = tensor.to(device=device, dtype=dtype)  # a no-op for a matching file
+    model.load_state_dict(state, strict=False, assign=True)
+    del state
+    model.tie_weights()
+    model.setup_rope(min(config.max_seq_len, DEFAULT_MAX_CONTEXT))
+    model.eval().requires_grad_(False)
+
+    tok = _load_tokenizer(files, tokenizer)
+    if tok.vocab_size > config.vocab_size:
+        raise CheckpointError(f"{files.folder}: the tokenizer has {tok.vocab_size} tokens but the model "
+                              f"only {config.vocab_size} embeddings; wrong tokenizer for this checkpoint?")
+    generation = _read_optional_json(files.folder / "generation_config.json")
+    return Checkpoint(model=model, tokenizer=tok, chat_format=load_chat_format(tok, files.folder),
+                      config=config, path=Path(path), format=files.format,
+                      stop_ids=set(tok.stop_ids) | _eos_ids(generation) | _eos_ids(
+                          _read_optional_json(files.folder / "config.json")),
+                      generation_defaults=generation)
+
+
+def _load_tokenizer(files: CheckpointFiles, override):
+    try:
+        return load_tokenizer(files.folder, override)
+    except Exception as e:
+        raise CheckpointError(f"{files.folder}: cannot load the tokenizer ({e})") from None
+
+
+def _read_optional_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _eos_ids(config: dict) -> set[int]:
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return set()
+    return {int(i) for i in (eos if isinstance(eos, list) else [eos])}

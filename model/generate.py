@@ -1,0 +1,160 @@
+"""Prefill + decode with a per-request KV cache, stop tokens, cancellation and UTF-8 safe streaming."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import DEFAULT_MAX_CONTEXT, Checkpoint
+from .kv_cache import KVCache
+from .sampling import make_generator, sample
+
+
+class PromptTooLong(ValueError):
+    """The prompt does not fit the context limit."""
+
+
+class TextStream:
+    """Turns token ids into text pieces, holding back a piece until its characters are whole.
+
+    Emoji and many CJK characters span two or more byte-level tokens; decoding one token alone
+    gives U+FFFD. Decoding a short window of recent ids and emitting only what grew, once it no
+    longer ends in U+FFFD, is exact for any tokenizer with a `decode(ids)`.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] were already emitted; decoded as context for the next piece
+        self.read = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(text) <= len(done) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done):]
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens whose keys/values came from the conversation's cache
+    new_tokens: int = 0
+    time_to_first_token: float = 0.0  # seconds from start to the first sampled token
+    total_time: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode_time = self.total_time - self.time_to_first_token
+        return (self.new_tokens - 1) / decode_time if self.new_tokens > 1 and decode_time > 0 else 0.0
+
+
+class Generation:
+    """One reply. Iterate it for text pieces; afterwards read `tokens`, `finish_reason`, `stats`.
+
+    finish_reason: "stop" (a stop token), "length" (max_new_tokens or the context limit),
+    "cancelled" (should_stop() returned True).
+    """
+
+    def __init__(self, checkpoint: Checkpoint, prompt_ids: list[int], *, max_new_tokens: int = 512,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0,
+                 seed: int | None = None, should_stop: Callable[[], bool] | None = None,
+                 max_context: int | None = None, kv_cache: KVCache | None = None,
+                 stop_ids: set[int] | None = None):
+        model = checkpoint.model
+        limit = min(max_context or DEFAULT_MAX_CONTEXT, checkpoint.config.max_seq_len)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= limit:
+            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the context limit is {limit} "
+                                f"tokens, which must also leave room for the reply")
+        self.checkpoint, self.prompt_ids = checkpoint, list(prompt_ids)
+        self.max_new_tokens = max(0, min(max_new_tokens, limit - len(prompt_ids)))
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.generator = make_generator(seed, device=checkpoint.device)
+        self.should_stop = should_stop or (lambda: False)
+        self.stop_ids = checkpoint.stop_ids if stop_ids is None else stop_ids
+        needed = len(prompt_ids) + self.max_new_tokens
+        if kv_cache is None:
+            kv_cache = KVCache(checkpoint.config, needed, device=checkpoint.device, dtype=checkpoint.dtype)
+        elif kv_cache.max_len < needed:
+            kv_cache = kv_cache.resized(needed)
+        self.kv_cache = kv_cache
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self._model = model
+
+    def __iter__(self) -> Iterator[str]:
+        start = time.perf_counter()
+        stream = TextStream(self.checkpoint.tokenizer)
+        cache = self.kv_cache
+        # Keys/values of a common prefix are kept; at least the last prompt token is run for logits.
+        reused = min(cache.common_prefix(self.prompt_ids), len(self.prompt_ids) - 1)
+        self.stats.reused_tokens = reused
+        self.finish_reason = "length"
+        cache.tokens = cache.tokens[:reused]
+        if self.should_stop():
+            self.finish_reason = "cancelled"
+            return
+        logits = self._forward(self.prompt_ids[reused:], reused)
+        cache.tokens = list(self.prompt_ids)
+        for _ in range(self.max_new_tokens):
+            if self.should_stop():
+                self.finish_reason = "cancelled"
+                break
+            token = int(sample(logits, self.temperature, self.top_k, self.top_p, self.generator))
+            if not self.tokens:
+                self.stats.time_to_first_token = time.perf_counter() - start
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+                break
+            self.tokens.append(token)
+            self.stats.new_tokens = len(self.tokens)
+            piece = stream.push(token)
+            if piece:
+                yield piece
+            if len(self.tokens) == self.max_new_tokens:
+                break
+            logits = self._forward([token], cache.length)
+            cache.tokens.append(token)
+        piece = stream.flush()
+        if piece:
+            yield piece
+        self.stats.total_time = time.perf_counter() - start
+
+    @property
+    def text(self) -> str:
+        return self.checkpoint.tokenizer.decode(self.tokens)
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[int], start_pos: int) -> torch.Tensor:
+        """Run ids at start_pos through the model, filling the cache; logits of the last one (vocab,)."""
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.checkpoint.device)
+        return self._model(tokens, start_pos=start_pos, kv_cache=self.kv_cache, last_only=True)[0, -1]
+
+
+def sampling_defaults(checkpoint: Checkpoint) -> dict:
+    """temperature, top_k, top_p from the checkpoint's generation_config.json, else Llama 3's."""
+    g = checkpoint.generation_defaults
+    if g.get("do_sample") is False:
+        return {"temperature": 0.0, "top_k": None, "top_p": 1.0}
+    return {"temperature": float(g.get("temperature", 0.6)), "top_k": g.get("top_k") or None,
+            "top_p": float(g.get("top_p", 0.9))}
+
+
+def generate(checkpoint: Checkpoint, prompt_ids: list[int], **options) -> Generation:
+    """Start a reply to prompt_ids; see Generation for the options and the results."""
+    return Generation(checkpoint, prompt_ids, **options)

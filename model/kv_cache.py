@@ -1,0 +1,60 @@
+"""The key/value cache of one conversation: pre-allocated, written in place at each position."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import LlamaConfig
+
+
+class KVCache:
+    """Keys and values of every layer for the first `length` positions of one sequence.
+
+    Owned by one request (never by the shared model), so two conversations can run side by side.
+    `tokens` records the ids whose keys/values are stored, so a later turn of the same conversation
+    can reuse the common prefix and prefill only what is new.
+    """
+
+    def __init__(self, config: LlamaConfig, max_len: int, *, batch: int = 1,
+                 device=None, dtype=torch.float32):
+        self.config = config
+        shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.tokens: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def resized(self, max_len: int) -> KVCache:
+        """A cache of another size holding the same positions (as many as fit)."""
+        new = KVCache(self.config, max_len, batch=self.k.shape[1], device=self.k.device, dtype=self.k.dtype)
+        n = min(self.length, max_len)
+        new.k[:, :, :, :n] = self.k[:, :, :, :n]
+        new.v[:, :, :, :n] = self.v[:, :, :, :n]
+        new.tokens = self.tokens[:n]
+        return new
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v (batch, n_kv_heads, seq, head_dim) at start.. and return all keys/values so far."""
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; asked to write up to {end}")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def common_prefix(self, tokens: list[int]) -> int:
+        """How many leading ids of `tokens` already have their keys/values here."""
+        n = 0
+        for cached, new in zip(self.tokens, tokens):
+            if cached != new:
+                break
+            n += 1
+        return n

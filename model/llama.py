@@ -1,0 +1,109 @@
+"""The Llama 3 decoder: token embedding, blocks of grouped-query attention and SwiGLU, final norm, head.
+
+Module names follow Meta's checkpoints (wq/wk/wv/wo, w1/w2/w3), so loading is renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import LlamaConfig
+from .kv_cache import KVCache
+from .rope import apply_rope, rope_tables
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(self, x, cos, sin, mask, kv_cache: KVCache | None, layer: int, start_pos: int):
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (b, h, s, d)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (b, kv, s, d)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer, start_pos, k, v)  # (b, kv, start_pos + s, d)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1 and start_pos == 0,
+            enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x, cos, sin, mask, kv_cache, layer, start_pos):
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, kv_cache, layer, start_pos)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.tie_weights()
+        # RoPE tables are not in any checkpoint: built by setup_rope() on the real device.
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def setup_rope(self, max_len: int):
+        device = self.tok_embeddings.weight.device
+        self.rope_cos, self.rope_sin = rope_tables(self.config, max_len, device=device)
+
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, kv_cache: KVCache | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """tokens (batch, seq) at positions start_pos.. -> logits (batch, seq or 1, vocab).
+
+        Without a kv_cache the sequence attends only to itself (start_pos must be 0).
+        """
+        seq = tokens.shape[1]
+        end = start_pos + seq
+        if self.rope_cos is None or end > self.rope_cos.shape[0]:
+            self.setup_rope(max(end, 2 * (0 if self.rope_cos is None else self.rope_cos.shape[0])))
+        x = self.tok_embeddings(tokens)  # (b, s, dim)
+        cos = self.rope_cos[start_pos:end].to(x.dtype)
+        sin = self.rope_sin[start_pos:end].to(x.dtype)
+        mask = None
+        if kv_cache is not None and start_pos > 0 and seq > 1:
+            # New tokens see every cached position and the new ones up to themselves.
+            positions = torch.arange(end, device=tokens.device)
+            mask = positions[None, :] <= positions[start_pos:, None]  # (s, start_pos + s)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, kv_cache, i, start_pos)
+        if last_only:
+            x = x[:, -1:, :]
+        return self.output(self.norm(x))

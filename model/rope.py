@@ -1,0 +1,52 @@
+"""Rotary position embedding (RoPE) with the Llama 3 frequency scaling.
+
+We use the "half split" layout of Hugging Face checkpoints: a head vector is rotated as two halves
+(x1, x2), not as interleaved pairs. Meta's checkpoints use interleaved pairs; their q/k weights are
+permuted once at load time (see checkpoint.py), which gives identical attention scores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import LlamaConfig
+
+
+def inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """The rotation frequency of each pair of channels, (head_dim // 2,), float32."""
+    d = config.head_dim
+    freqs = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = config.rope_scaling
+    if s is None:
+        return freqs
+    # Llama 3: long wavelengths are slowed down by `factor`, short ones kept, and the band
+    # between them interpolated smoothly.
+    wavelen = 2 * math.pi / freqs
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / s.factor, freqs)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(config: LlamaConfig, max_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions 0..max_len-1, each (max_len, head_dim), float32."""
+    positions = torch.arange(max_len, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, inv_freq(config).to(device))  # (max_len, head_dim // 2)
+    angles = torch.cat([angles, angles], dim=-1)  # (max_len, head_dim)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, seq, head_dim); cos, sin: (seq, head_dim) in x's dtype."""
+    return x * cos + rotate_half(x) * sin

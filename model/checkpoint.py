@@ -156,19 +156,18 @@ def unpermute_meta_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(rows, dim)
 
 
-def read_state_dict(files: CheckpointFiles) -> dict[str, torch.Tensor]:
-    """Tensors of the checkpoint in our names, memory-mapped (not yet checked against a config)."""
+def read_state_dict(files: CheckpointFiles) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors of the checkpoint in our names, memory-mapped, and each one's name in the file."""
     state: dict[str, torch.Tensor] = {}
+    names: dict[str, str] = {}
     for file in files.weights:
-        if file.suffix == ".safetensors":
-            tensors = _open_safetensors(file)
-        else:
-            tensors = _open_pth(file)
+        tensors = _open_safetensors(file) if file.suffix == ".safetensors" else _open_pth(file)
         for name, tensor in tensors.items():
             if IGNORED.fullmatch(name):
                 continue
-            state[hf_to_ours(name) if files.format == "hf" else name] = tensor
-    return state
+            ours = hf_to_ours(name) if files.format == "hf" else name
+            state[ours], names[ours] = tensor, name
+    return state, names
 
 
 def _open_safetensors(file: Path) -> dict[str, torch.Tensor]:
@@ -196,7 +195,8 @@ def _open_pth(file: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def check_state_dict(state: dict[str, torch.Tensor], model: Llama, files: CheckpointFiles) -> None:
+def check_state_dict(state: dict[str, torch.Tensor], model: Llama, files: CheckpointFiles,
+                     names: dict[str, str] | None = None) -> None:
     """Every tensor the config asks for is there, with its shape; nothing unknown is there."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     where = files.weights[0] if len(files.weights) == 1 else files.folder
@@ -204,8 +204,8 @@ def check_state_dict(state: dict[str, torch.Tensor], model: Llama, files: Checkp
         expected.pop("output.weight")
         state.pop("output.weight", None)  # some files store the tied head anyway
     missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = [f"{n}: {tuple(state[n].shape)} in the file, {expected[n]} from {files.config.name}"
+    unexpected = sorted((names or {}).get(n, n) for n in set(state) - set(expected))
+    wrong = [f"{(names or {}).get(n, n)}: {tuple(state[n].shape)} in the file, {expected[n]} from {files.config.name}"
              for n in expected if n in state and tuple(state[n].shape) != expected[n]]
     problems = []
     if missing:
@@ -243,14 +243,14 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
                     tokenizer: str | Path | None = None) -> Checkpoint:
     """Load a checkpoint folder or file: model (in eval mode), tokenizer, chat format and config."""
     files = find_checkpoint(path)
-    state = read_state_dict(files)
+    state, names = read_state_dict(files)
     config = read_config(files, state)
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
 
     with torch.device("meta"):
         model = Llama(config)
-    check_state_dict(state, model, files)
+    check_state_dict(state, model, files, names)
     for name, tensor in state.items():
         if files.format == "meta" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
             n_heads = config.n_heads if name.endswith("wq.weight") else config.n_kv_heads

@@ -313,7 +313,8 @@ def test_config_that_does_not_match_weights(hf_folder, tmp_path):
         (tmp_path / f.name).write_bytes(f.read_bytes())
     c = json.loads((hf_folder / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(c | {"intermediate_size": 256}))
-    with pytest.raises(CheckpointError, match=r"wrong shapes: layers\.0\.feed_forward\.w1\.weight"):
+    wrong = r"wrong shapes: model\.layers\.0\.mlp\.gate_proj\.weight: \(192, 64\) in the file, \(256, 64\)"
+    with pytest.raises(CheckpointError, match=wrong):
         load_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(c | {"num_hidden_layers": 4}))
     with pytest.raises(CheckpointError, match=r"missing tensors: layers\.3\."):

@@ -1,6 +1,9 @@
 """Shared test fixtures."""
 
 import os
+import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,3 +17,39 @@ def smollm2_gguf() -> Path:
         return Path(os.environ["SMOLLM2_GGUF"])
     from model.prepare_default import default_gguf
     return default_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_folder(smollm2_gguf) -> Path:
+    """tokenizer.json, tokenizer_config.json and chat_template.jinja of SmolLM2-135M-Instruct, written by
+    transformers from the GGUF file."""
+    import transformers
+    from model.prepare_default import cache_dir
+    folder = cache_dir() / f"SmolLM2-135M-Instruct-tokenizer-transformers-{transformers.__version__}"
+    if not (folder / "tokenizer.json").is_file():  # converting takes ~10 s, so keep the result
+        tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+        scratch = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=folder.parent))
+        tokenizer.save_pretrained(scratch)
+        shutil.rmtree(folder, ignore_errors=True)
+        scratch.rename(folder)  # whole or not at all
+    return folder
+
+
+FRAGMENTS = [
+    "Hello", " world", "!", "I'm", " they'LL", "'s", " naïve café", " Ünïcödé", "你好，世界", "日本語のテキスト",
+    "한국어", " مرحبا", " नमस्ते", " Привет", "👍🏽", "🇫🇷", "👨‍👩‍👧", "∑∫√", "def f(x):\n    return x**2\n",
+    '{"a": [1, 2.5e-3]}', "1234567890", " 3.14159", "\t\t", "\r\n", "\n\n\n", "   ", "\u00a0", "\u2028", "\u3000",
+    "\u200b", "\ufeff", "\x00", "https://example.com/a?b=c", "<|eot_id|>", "<|begin_of_text|>", "<|end_of_text|>",
+    "<|start_header_id|>system<|end_header_id|>", "<|python_tag|>", "<|eom_id|>", "<|image|>",
+    "<|reserved_special_token_7|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<file_sep>", "<|", "|>",
+    "<s>", "</s>", "[INST]", " ", "a", "Z", "...", "—", "¿", "ß", "ﬁ", "x" * 300, " " * 200, "\n" * 50,
+]
+
+
+@pytest.fixture(scope="session")
+def varied_texts() -> list[str]:
+    """300 strings: hand-picked fragments (scripts, emoji, code, whitespace, names of special tokens), alone
+    and in seeded random mixes."""
+    rng = random.Random(0)
+    return FRAGMENTS + ["".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(2, 12)))
+                        for _ in range(300 - len(FRAGMENTS))]

@@ -12,6 +12,7 @@ Only tensors whose dtype must change are copied, one at a time.
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 import re
@@ -23,6 +24,7 @@ import torch
 from .chat_format import load_chat_format
 from .config import ConfigError, LlamaConfig
 from .llama import Llama
+from .matvec import kernels, quantize_model
 from .tokenizer import load_tokenizer
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -49,7 +51,8 @@ class Checkpoint:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.tok_embeddings.weight.dtype
+        """The dtype of activations and of the KV cache."""
+        return self.model.compute_dtype
 
     @property
     def name(self) -> str:
@@ -223,15 +226,24 @@ def _some(items: list[str], n: int = 5) -> str:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where the hardware computes it natively, else float32."""
+    """How to store the weights: bf16 where it runs fast (native bf16, or the decode kernel), else fp32."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type == "mps":
         return torch.float16
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has_bf16() or kernels() is not None else torch.float32
 
 
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Activations and the KV cache: the weights' dtype where the hardware computes in it, else fp32."""
+    if dtype == torch.float32 or device.type != "cpu":
+        return dtype
+    return dtype if dtype == torch.bfloat16 and cpu_has_bf16() else torch.float32
+
+
+@functools.cache
 def cpu_has_bf16() -> bool:
+    """AVX-512 BF16 or AMX: CPUs on which PyTorch's bf16 matrix products are fast."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -240,13 +252,21 @@ def cpu_has_bf16() -> bool:
 
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                    tokenizer: str | Path | None = None) -> Checkpoint:
-    """Load a checkpoint folder or file: model (in eval mode), tokenizer, chat format and config."""
+                    tokenizer: str | Path | None = None, quantize: str | None = None) -> Checkpoint:
+    """Load a checkpoint folder or file: model (in eval mode), tokenizer, chat format and config.
+
+    dtype: how weight matrices are stored (default: bf16 where that is fast, else fp32); the
+    activations run in it too where the hardware computes natively in it, else in fp32.
+    quantize: "int8" stores the linear layers as int8 with one scale per output row.
+    """
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize={quantize!r}: expected None or 'int8'")
     files = find_checkpoint(path)
     state, names = read_state_dict(files)
     config = read_config(files, state)
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
+    compute = compute_dtype(dtype, device)
 
     with torch.device("meta"):
         model = Llama(config)
@@ -255,10 +275,14 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
         if files.format == "meta" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
             n_heads = config.n_heads if name.endswith("wq.weight") else config.n_kv_heads
             tensor = unpermute_meta_qk(tensor, n_heads)
-        state[name] = tensor.to(device=device, dtype=dtype)  # a no-op for a matching file
+        # Matrices in `dtype`, norms in the compute dtype; a no-op (no copy) for a matching file.
+        state[name] = tensor.to(device=device, dtype=dtype if tensor.dim() == 2 else compute)
     model.load_state_dict(state, strict=False, assign=True)
     del state
     model.tie_weights()
+    model.compute_dtype = compute
+    if quantize == "int8":
+        quantize_model(model)
     model.setup_rope(min(config.max_seq_len, DEFAULT_MAX_CONTEXT))
     model.eval().requires_grad_(False)
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from .config import LlamaConfig
 from .kv_cache import KVCache
+from .matvec import Linear
 from .rope import apply_rope, rope_tables
 
 
@@ -18,10 +19,10 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        self.wq = Linear(config.dim, config.n_heads * config.head_dim)
+        self.wk = Linear(config.dim, config.n_kv_heads * config.head_dim)
+        self.wv = Linear(config.dim, config.n_kv_heads * config.head_dim)
+        self.wo = Linear(config.n_heads * config.head_dim, config.dim)
 
     def forward(self, x, cos, sin, mask, kv_cache: KVCache | None, layer: int, start_pos: int):
         batch, seq, _ = x.shape
@@ -42,9 +43,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w1 = Linear(config.dim, config.ffn_dim)
+        self.w2 = Linear(config.ffn_dim, config.dim)
+        self.w3 = Linear(config.dim, config.ffn_dim)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -70,11 +71,14 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = Linear(config.dim, config.vocab_size)
         self.tie_weights()
         # RoPE tables are not in any checkpoint: built by setup_rope() on the real device.
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        # Activations, norms and the KV cache use compute_dtype; matrices may be stored narrower
+        # (bf16 or int8 weights with fp32 compute on CPUs without native bf16).
+        self.compute_dtype = torch.float32
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
@@ -94,7 +98,7 @@ class Llama(nn.Module):
         end = start_pos + seq
         if self.rope_cos is None or end > self.rope_cos.shape[0]:
             self.setup_rope(max(end, 2 * (0 if self.rope_cos is None else self.rope_cos.shape[0])))
-        x = self.tok_embeddings(tokens)  # (b, s, dim)
+        x = self.tok_embeddings(tokens).to(self.compute_dtype)  # (b, s, dim)
         cos = self.rope_cos[start_pos:end].to(x.dtype)
         sin = self.rope_sin[start_pos:end].to(x.dtype)
         mask = None

@@ -1,0 +1,90 @@
+"""Linear layers whose weights may be stored as bf16 or int8 while activations stay in fp32.
+
+Prefill (many rows) goes to `F.linear`. Decode (one row) is a matrix-vector product bound by
+memory bandwidth; a small C++ kernel (csrc/matvec.cpp, built with the system compiler on first use
+and cached) streams the 16-bit or 8-bit weights directly. Without a compiler everything still works
+through `F.linear`, only slower. `LLAMA_KERNELS=0` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_lock = threading.Lock()
+_ops = None  # None: not tried yet; False: unavailable
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LLAMA_CACHE_DIR", Path.home() / ".cache" / "llama-chat"))
+
+
+def kernels():
+    """torch.ops.llama_kernels, built on first call; None where no compiler is available."""
+    global _ops
+    with _lock:
+        if _ops is None:
+            _ops = _build() if os.environ.get("LLAMA_KERNELS", "1") != "0" else False
+    return _ops or None
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+    build_dir = cache_dir() / "kernels"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        load(name="llama_kernels", sources=[str(Path(__file__).parent / "csrc" / "matvec.cpp")],
+             extra_cflags=["-O3", "-march=native", "-ffast-math"], build_directory=str(build_dir),
+             is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, or an unsupported platform
+        warnings.warn(f"decode kernel unavailable, using F.linear ({str(e).splitlines()[0][:200]})")
+        return False
+    return torch.ops.llama_kernels
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ weight (N, K).T, weight in any dtype (int8 with per-row scale (N,))."""
+    if x.numel() == x.shape[-1] and x.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.int8):
+        ops = kernels()
+        if ops is not None:
+            flat = x.reshape(-1).float()
+            y = ops.matvec_bf16(flat, weight) if scale is None else ops.matvec_int8(flat, weight, scale)
+            return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    if scale is not None:
+        weight = weight.to(x.dtype) * scale.to(x.dtype)[:, None]
+    return F.linear(x, weight.to(x.dtype))
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias whose weight may be bf16, or int8 with a per-output-row `scale`."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+        self.scale: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.scale)
+
+
+@torch.no_grad()
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: weight ~= q * scale[:, None]. Returns (q int8 (N, K), scale fp32 (N,))."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module) -> None:
+    """Store every Linear of `model` as int8 (a tied output head gets its own int8 copy)."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.dtype != torch.int8:
+            q, module.scale = quantize_int8(module.weight)
+            module.weight = nn.Parameter(q, requires_grad=False)

@@ -6,13 +6,14 @@ text given to `encode` as plain text: a user who types "<|eot_id|>" gets the pie
 the control token. `load_tokenizer` finds the right one for a checkpoint.
 """
 
-import base64
+import hashlib
 import importlib.util
 import json
 import re
 from pathlib import Path
 
 import tiktoken
+from tiktoken.load import load_tiktoken_bpe
 import tokenizers
 
 
@@ -51,23 +52,18 @@ def split_for_tiktoken(text: str):
 
 
 def load_bpe_ranks(path: Path) -> dict[bytes, int]:
-    """Read a tiktoken BPE file: one "<base64 token> <rank>" per line.
+    """Read a tiktoken BPE file ("<base64 token> <rank>" per line) with tiktoken's own reader.
 
-    Parsed here, not with tiktoken.load.load_tiktoken_bpe: that copies each file into a temp cache keyed by
-    its path (so a replaced file loads stale) and gives no hint when the file is another format.
+    The file's hash is passed along: tiktoken caches files by path, and the hash keeps it from
+    serving a stale copy after the file is replaced.
     """
-    ranks = {}
-    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
-        except ValueError:
-            raise TokenizerError(
-                f"{path}: expected a tiktoken BPE file (lines of '<base64 token> <rank>'), found "
-                f"{line[:40]!r} on line {number}; a SentencePiece tokenizer.model (Llama 1/2) is not "
-                f"supported") from None
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    try:
+        ranks = load_tiktoken_bpe(str(path), expected_hash=digest)
+    except ValueError as e:  # also binascii.Error: not base64
+        raise TokenizerError(
+            f"{path}: expected a tiktoken BPE file (lines of '<base64 token> <rank>'); a SentencePiece "
+            f"tokenizer.model (Llama 1/2) is not supported ({e})") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise TokenizerError(f"{path}: expected ranks 0..{len(ranks) - 1}, each once, found gaps or repeats")
     return ranks

@@ -37,7 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--max-context", type=int, default=8192, help="context limit in tokens")
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 where the hardware has it")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="how weights are stored (default: bf16 where fast)")
+    p.add_argument("--int8", action="store_true", help="store linear weights as int8 (faster decode)")
     return p.parse_args(argv)
 
 
@@ -71,7 +72,8 @@ def main(argv=None) -> int:
             return 2
     try:
         ckpt = load_checkpoint(args.checkpoint, device=args.device,
-                               dtype=DTYPES.get(args.dtype), tokenizer=args.tokenizer)
+                               dtype=DTYPES.get(args.dtype), tokenizer=args.tokenizer,
+                               quantize="int8" if args.int8 else None)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -252,12 +252,14 @@ def cpu_has_bf16() -> bool:
 
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                    tokenizer: str | Path | None = None, quantize: str | None = None) -> Checkpoint:
+                    tokenizer: str | Path | None = None, quantize: str | None = None,
+                    compile: bool = False) -> Checkpoint:
     """Load a checkpoint folder or file: model (in eval mode), tokenizer, chat format and config.
 
     dtype: how weight matrices are stored (default: bf16 where that is fast, else fp32); the
     activations run in it too where the hardware computes natively in it, else in fp32.
     quantize: "int8" stores the linear layers as int8 with one scale per output row.
+    compile: run single-token decode steps through torch.compile (compiled on the first reply).
     """
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize={quantize!r}: expected None or 'int8'")
@@ -283,6 +285,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
     model.compute_dtype = compute
     if quantize == "int8":
         quantize_model(model)
+    if compile:
+        model.decode = torch.compile(model.forward, dynamic=True)
     model.setup_rope(min(config.max_seq_len, DEFAULT_MAX_CONTEXT))
     model.eval().requires_grad_(False)
 

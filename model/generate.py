@@ -143,7 +143,8 @@ class Generation:
     def _forward(self, ids: list[int], start_pos: int) -> torch.Tensor:
         """Run ids at start_pos through the model, filling the cache; logits of the last one (vocab,)."""
         tokens = torch.tensor([ids], dtype=torch.long, device=self.checkpoint.device)
-        return self._model(tokens, start_pos=start_pos, kv_cache=self.kv_cache, last_only=True)[0, -1]
+        forward = self._model.decode if len(ids) == 1 else self._model
+        return forward(tokens, start_pos=start_pos, kv_cache=self.kv_cache, last_only=True)[0, -1]
 
 
 def sampling_defaults(checkpoint: Checkpoint) -> dict:

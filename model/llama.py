@@ -79,6 +79,7 @@ class Llama(nn.Module):
         # Activations, norms and the KV cache use compute_dtype; matrices may be stored narrower
         # (bf16 or int8 weights with fp32 compute on CPUs without native bf16).
         self.compute_dtype = torch.float32
+        self.decode = self.forward  # replaced by a torch.compile'd forward when asked for
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:

@@ -45,6 +45,9 @@ def _build():
     except Exception as e:  # no compiler, or an unsupported platform
         warnings.warn(f"decode kernel unavailable, using F.linear ({str(e).splitlines()[0][:200]})")
         return False
+    # Shapes of the outputs, so torch.compile can trace through the ops.
+    torch.library.register_fake("llama_kernels::matvec_bf16")(lambda x, w: x.new_empty(w.shape[0]))
+    torch.library.register_fake("llama_kernels::matvec_int8")(lambda x, w, scale: x.new_empty(w.shape[0]))
     return torch.ops.llama_kernels
 
 

@@ -72,3 +72,14 @@ def test_int8_model_stays_close_to_float32(folder):
     # (bench/quality.py measures that on the default model).
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
     assert (a - b).abs().mean() / a.abs().mean() < 0.05
+
+
+def test_compiled_decode_gives_the_same_tokens(folder):
+    plain = load_checkpoint(folder, dtype=torch.bfloat16)
+    compiled = load_checkpoint(folder, dtype=torch.bfloat16, compile=True)
+    assert compiled.model.decode is not compiled.model.forward
+    prompt = prompt_ids(n=10, seed=5)[0].tolist()
+    a = generate(plain, prompt, max_new_tokens=12, stop_ids=set())
+    b = generate(compiled, prompt, max_new_tokens=12, stop_ids=set())
+    list(a), list(b)
+    assert a.tokens == b.tokens

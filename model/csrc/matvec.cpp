@@ -76,6 +76,11 @@ at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY(llama_kernels, m) {
-  m.def("matvec_bf16(Tensor x, Tensor w) -> Tensor", matvec_bf16);
-  m.def("matvec_int8(Tensor x, Tensor w, Tensor scale) -> Tensor", matvec_int8);
+  m.def("matvec_bf16(Tensor x, Tensor w) -> Tensor");
+  m.def("matvec_int8(Tensor x, Tensor w, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llama_kernels, CPU, m) {
+  m.impl("matvec_bf16", matvec_bf16);
+  m.impl("matvec_int8", matvec_int8);
 }

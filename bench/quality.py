@@ -1,0 +1,83 @@
+"""How much int8 (and bf16) weights change the default model's answers.
+
+    python bench/quality.py [--checkpoint weights/SmolLM2-135M-Instruct]
+
+For a fixed set of prompts: does greedy decoding give the same first 20 tokens as the reference
+(fp32 weights)? And the perplexity of a fixed text under each variant. Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model import generate, load_checkpoint  # noqa: E402
+
+PROMPTS = [
+    "What is the capital of France?", "Explain photosynthesis in one sentence.",
+    "Write a haiku about the sea.", "What is 12 times 7?", "Name three primary colors.",
+    "How do I reverse a list in Python?", "Who wrote Romeo and Juliet?",
+    "Give me a tip for sleeping better.", "What is the boiling point of water in Fahrenheit?",
+    "Translate 'good morning' into Spanish.", "Why is the sky blue?", "What does a CPU do?",
+    "Suggest a name for a pet turtle.", "What is the largest planet in our solar system?",
+    "How many legs does a spider have?", "Summarize the plot of Cinderella in two sentences.",
+    "What is the difference between weather and climate?", "List two uses of vinegar.",
+    "What language is spoken in Brazil?", "Write a SQL query that counts rows in a table named users.",
+]
+
+TEXT = (
+    "The river rose slowly through the night, and by morning the low fields near the village were "
+    "under water. Farmers moved their animals to the hills, while children watched from the bridge "
+    "as branches and barrels floated past. By noon the rain had stopped, the sun came out, and the "
+    "water began to fall again, leaving a thin layer of mud over the roads. Within a week the fields "
+    "were green, and the people of the village said that the flood had been good for the soil."
+)
+
+
+def greedy(ckpt, prompt: str, n: int = 20) -> list[int]:
+    ids = ckpt.chat_format.encode_dialog([{"role": "user", "content": prompt}])
+    gen = generate(ckpt, ids, max_new_tokens=n, temperature=0.0, stop_ids=set())
+    list(gen)
+    return gen.tokens
+
+
+@torch.inference_mode()
+def perplexity(ckpt, text: str) -> float:
+    ids = torch.tensor([ckpt.tokenizer.encode(text)])
+    logits = ckpt.model(ids)[0, :-1].float()
+    return math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default="weights/SmolLM2-135M-Instruct")
+    p.add_argument("--tokens", type=int, default=20)
+    args = p.parse_args()
+    variants = {
+        "fp32": dict(dtype=torch.float32),
+        "bf16": dict(dtype=torch.bfloat16),
+        "int8": dict(dtype=torch.bfloat16, quantize="int8"),
+    }
+    results = {}
+    for name, options in variants.items():
+        ckpt = load_checkpoint(args.checkpoint, **options)
+        results[name] = ([greedy(ckpt, q, args.tokens) for q in PROMPTS], perplexity(ckpt, TEXT))
+        del ckpt
+    reference, ref_ppl = results["fp32"]
+    print(f"{args.checkpoint}: {len(PROMPTS)} prompts, greedy, first {args.tokens} tokens vs fp32\n")
+    print("| weights | same first tokens | mean tokens before first difference | perplexity | vs fp32 |")
+    print("|---|---|---|---|---|")
+    for name, (tokens, ppl) in results.items():
+        same = sum(a == b for a, b in zip(tokens, reference))
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(tokens, reference)]
+        print(f"| {name} | {same}/{len(PROMPTS)} | {sum(prefix) / len(prefix):.1f} | {ppl:.3f} | "
+              f"{(ppl / ref_ppl - 1) * 100:+.2f}% |")
+
+
+if __name__ == "__main__":
+    main()

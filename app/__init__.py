@@ -1,0 +1,1 @@
+"""The Chainlit chat app (main.py) and the generation service it runs on (service.py)."""

@@ -1,0 +1,118 @@
+"""The app's configuration, read once from environment variables.
+
+Every variable is optional. An empty value counts as unset. A value that cannot be used stops the
+app at start-up with a message naming the variable, what was expected and what was found:
+
+    LLAMA_TOP_P=abc: expected a number between 0 and 1
+
+Sampling values left unset come from each checkpoint's generation_config.json
+(`model.generate.sampling_defaults`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_WEIGHTS_DIR = PROJECT_ROOT / "weights"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # converted by model.prepare_default on first start
+DEFAULT_MAX_CONTEXT = 8192
+DEFAULT_MAX_NEW_TOKENS = 1024
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+class SettingsError(ValueError):
+    """A configuration value that cannot be used; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    checkpoint: Path
+    weights_dir: Path
+    tokenizer: Path | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_context: int = DEFAULT_MAX_CONTEXT
+    system_prompt: str | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    threads: int | None = None
+
+    @property
+    def is_default_checkpoint(self) -> bool:
+        """True when the checkpoint is the default model, which the app may prepare itself."""
+        return self.checkpoint.resolve() == (self.weights_dir / DEFAULT_MODEL_NAME).resolve()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = _Reader(os.environ if environ is None else environ)
+        weights_dir = env.path("LLAMA_WEIGHTS_DIR") or DEFAULT_WEIGHTS_DIR
+        return cls(
+            checkpoint=env.path("LLAMA_CHECKPOINT") or weights_dir / DEFAULT_MODEL_NAME,
+            weights_dir=weights_dir,
+            tokenizer=env.path("LLAMA_TOKENIZER"),
+            device=env.choice("LLAMA_DEVICE", DEVICES) or "auto",
+            dtype=env.choice("LLAMA_DTYPE", DTYPES) or "auto",
+            max_context=env.integer("LLAMA_MAX_CONTEXT", low=16) or DEFAULT_MAX_CONTEXT,
+            system_prompt=env.text("LLAMA_SYSTEM_PROMPT"),
+            max_new_tokens=env.integer("LLAMA_MAX_NEW_TOKENS", low=1) or DEFAULT_MAX_NEW_TOKENS,
+            temperature=env.number("LLAMA_TEMPERATURE", low=0.0, high=100.0),
+            top_k=env.integer("LLAMA_TOP_K", low=0),
+            top_p=env.number("LLAMA_TOP_P", low=0.0, high=1.0, low_open=True),
+            threads=env.integer("LLAMA_THREADS", low=1),
+        )
+
+
+class _Reader:
+    """Typed reads of optional variables; each raises SettingsError naming the variable."""
+
+    def __init__(self, environ: Mapping[str, str]):
+        self.environ = environ
+
+    def text(self, name: str) -> str | None:
+        value = self.environ.get(name)
+        return value if value is not None and value.strip() else None
+
+    def path(self, name: str) -> Path | None:
+        value = self.text(name)
+        return Path(value.strip()).expanduser() if value else None
+
+    def choice(self, name: str, choices: tuple[str, ...]) -> str | None:
+        value = self.text(name)
+        if value is None:
+            return None
+        if value.strip().lower() not in choices:
+            raise SettingsError(f"{name}={value}: expected one of {', '.join(choices)}")
+        return value.strip().lower()
+
+    def integer(self, name: str, low: int) -> int | None:
+        value = self.text(name)
+        if value is None:
+            return None
+        try:
+            number = int(value.strip())
+        except ValueError:
+            number = None
+        if number is None or number < low:
+            raise SettingsError(f"{name}={value}: expected a whole number of at least {low}")
+        return number
+
+    def number(self, name: str, low: float, high: float, low_open: bool = False) -> float | None:
+        value = self.text(name)
+        if value is None:
+            return None
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = math.nan
+        above_low = number > low if low_open else number >= low
+        if not (above_low and number <= high):  # also catches nan
+            raise SettingsError(f"{name}={value}: expected a number between {low:g} and {high:g}")
+        return number

@@ -1,0 +1,91 @@
+"""Shared by the app's tests: a tiny random Llama checkpoint, and a real Chainlit server to drive.
+
+The tiny checkpoint has Llama 3's vocabulary (128256), so the Llama 3 tokenizer that ships with the
+llama-models package loads for it, and everything else small: it writes and loads in seconds and
+generates hundreds of (random) tokens a second on one CPU core.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT / "weights" / "SmolLM2-135M-Instruct"
+# Chainlit reads these bare names itself (CI=true switches on its CI mode): never pass them on.
+CHAINLIT_OWN_ENV = ("CI", "HEADLESS", "DEBUG", "WATCH", "DATABASE_URL", "NO_CACHE", "RUN_TARGET")
+
+
+def write_tiny_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """A random Llama 3-shaped model in Hugging Face format (config.json + model.safetensors)."""
+    from checkpoints import hf_model
+
+    hf_model(seed=seed, num_hidden_layers=2).save_pretrained(folder)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(**llama) -> dict[str, str]:
+    """This process's environment, minus what Chainlit would misread, plus LLAMA_* values."""
+    env = {k: v for k, v in os.environ.items() if k not in CHAINLIT_OWN_ENV and not k.startswith("LLAMA_")}
+    env.update({f"LLAMA_{k.upper()}": str(v) for k, v in llama.items()})
+    env["PYTHONUNBUFFERED"] = "1"
+    env["CHAINLIT_ENV_FILE"] = os.devnull  # a developer's .env must not change what is tested
+    return env
+
+
+class ChainlitServer:
+    """`chainlit run app/main.py -h --port N` from the project root; always stopped by stop()."""
+
+    def __init__(self, env: dict[str, str], log: Path, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "chainlit", "run", "app/main.py", "-h", "--host", "127.0.0.1",
+             "--port", str(self.port)],
+            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"chainlit exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"chainlit did not answer /health within {timeout:.0f} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self) -> None:
+        """Stop the server and everything it started (its process group), waiting for them to end."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        self._log.close()

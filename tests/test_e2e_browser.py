@@ -1,0 +1,197 @@
+"""The app as a user meets it: `chainlit run app/main.py` driven by headless Chromium.
+
+Uses the default model (SmolLM2-135M-Instruct, prepared if missing) with greedy decoding
+(LLAMA_TEMPERATURE=0, float32) so the answers are the same on every run. Screenshots of each step go
+to test-output/e2e/; with LLAMA_UPDATE_SCREENSHOT=1 (or when it is missing) the one of the
+follow-up also becomes docs/screenshot.png, the README's picture. Needs Debian's Chromium at
+/usr/bin/chromium (`apt-get install chromium`); without it the test fails, unless
+LLAMA_SKIP_BROWSER=1 says to skip it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from e2e_helpers import DEFAULT_MODEL, ROOT, ChainlitServer, server_env
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+SHOTS = ROOT / "test-output" / "e2e"
+SCREENSHOT = ROOT / "docs" / "screenshot.png"
+
+ANSWERS = '.step[data-step-type="assistant_message"]:not(:has(img[alt="Avatar for stats"])) .message-content'
+STATS = '.step:has(img[alt="Avatar for stats"]) .message-content'
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def browser_or_reason() -> str | None:
+    """None when the browser test can run, else why not."""
+    if not CHROMIUM.exists():
+        return f"{CHROMIUM} is missing: install Debian's Chromium with `apt-get install -y chromium`"
+    if importlib.util.find_spec("playwright") is None:
+        return "the playwright package is missing: `pip install -r requirements-test.txt`"
+    return None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    reason = browser_or_reason()
+    if reason and os.environ.get("LLAMA_SKIP_BROWSER") == "1":
+        pytest.skip(f"LLAMA_SKIP_BROWSER=1: {reason}")
+    if reason:
+        pytest.fail(f"{reason} (or set LLAMA_SKIP_BROWSER=1 to skip the browser test)", pytrace=False)
+    if not DEFAULT_MODEL.exists():
+        from model.prepare_default import prepare_default
+        prepare_default(DEFAULT_MODEL.parent)
+    # One torch thread: on 2 cores the browser and the test need the other one.
+    env = server_env(checkpoint=DEFAULT_MODEL, temperature=0, dtype="fp32", threads=1)
+    server = ChainlitServer(env, log=tmp_path_factory.mktemp("chainlit") / "chainlit.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+    assert server.process.poll() is not None
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    from playwright.sync_api import sync_playwright
+
+    shutil.rmtree(SHOTS, ignore_errors=True)
+    SHOTS.mkdir(parents=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 800})
+            page.set_default_timeout(60_000)
+            page.goto(server.url)
+            page.wait_for_selector("#chat-input")
+            yield page
+        finally:
+            browser.close()
+
+
+def shot(page, name: str) -> Path:
+    path = SHOTS / f"{name}.png"
+    page.screenshot(path=path)
+    return path
+
+
+def send(page, text: str) -> None:
+    page.fill("#chat-input", text)
+    page.wait_for_selector("#chat-submit:enabled")  # Enter is ignored while a reply runs
+    page.press("#chat-input", "Enter")
+
+
+def answer_texts(page) -> list[str]:
+    return page.locator(ANSWERS).all_inner_texts()
+
+
+def stats_lines(page) -> list[str]:
+    return page.locator(STATS).all_inner_texts()
+
+
+def ask(page, text: str) -> tuple[str, str, list[str]]:
+    """Send text; return the answer, its stats line, and the answer's text as seen while it streamed."""
+    answers, stats = len(answer_texts(page)), len(stats_lines(page))
+    send(page, text)
+    seen = []
+    deadline = time.monotonic() + 120
+    while len(stats_lines(page)) <= stats:
+        assert time.monotonic() < deadline, f"no reply to {text!r} within 120 s"
+        texts = answer_texts(page)
+        if len(texts) > answers and (not seen or texts[answers] != seen[-1]):
+            seen.append(texts[answers])
+        time.sleep(0.02)
+    page.wait_for_selector("#stop-button", state="detached")
+    return answer_texts(page)[answers], stats_lines(page)[stats], seen
+
+
+def test_chat_follow_up_stop_and_settings(page, server):
+    page.wait_for_selector("#starter-capital-of-france")
+    shot(page, "01-welcome")
+
+    # A question, answered as a stream.
+    answer, stats, seen = ask(page, "What is the capital of France?")
+    assert "Paris" in answer
+    assert len(seen) >= 2 and seen[0] != answer, f"the answer did not stream: {seen}"
+    assert "tokens/s" in stats and "first token" in stats and "stop token" in stats
+    shot(page, "02-answer")
+
+    # A follow-up that only makes sense with the first turn in memory.
+    answer, stats, _ = ask(page, "What famous tower is in that city?")
+    assert "Eiffel" in answer
+    page.mouse.move(550, 300)
+    page.mouse.wheel(0, -3000)  # both turns in view (a new question is scrolled to the top)
+    page.mouse.move(5, 400)  # no hover buttons in the picture
+    page.wait_for_timeout(400)
+    shot(page, "03-follow-up")
+    if not SCREENSHOT.exists() or os.environ.get("LLAMA_UPDATE_SCREENSHOT") == "1":
+        shutil.copyfile(SHOTS / "03-follow-up.png", SCREENSHOT)
+
+    # Stop during a long answer: it ends at once, what was written stays, the next message is taken.
+    answers = len(answer_texts(page))
+    send(page, "Write a 2000 word story about a dragon.")
+    page.wait_for_function(f"""() => {{
+        const answers = document.querySelectorAll('{ANSWERS}');
+        return answers.length > {answers} && answers[{answers}].innerText.length > 80; }}""")
+    page.click("#stop-button")
+    stopped_at = time.monotonic()
+    page.wait_for_selector("#stop-button", state="detached", timeout=5_000)
+    wait = 1.0 - (time.monotonic() - stopped_at)
+    if wait > 0:
+        time.sleep(wait)
+    at_one_second = answer_texts(page)[answers]
+    time.sleep(1.5)
+    assert answer_texts(page)[answers] == at_one_second, "the answer kept growing after Stop"
+    assert "dragon" in at_one_second.lower()
+    page.wait_for_function(f"() => [...document.querySelectorAll('{STATS}')].some("
+                           "e => e.innerText.includes('stopped by user'))", timeout=5_000)
+    shot(page, "04-stopped")
+    answer, _, _ = ask(page, "What is the capital of France?")
+    assert "Paris" in answer
+
+    # Settings: temperature up, replies cut at 16 tokens; the next reply follows them.
+    page.click("#chat-settings-open-modal")
+    page.wait_for_selector("#chat-settings")
+    temperature = page.locator('#temperature [role="slider"]')
+    temperature.focus()
+    for _ in range(14):  # 0 -> 0.7 in steps of 0.05
+        temperature.press("ArrowRight")
+    assert temperature.get_attribute("aria-valuenow") == "0.7"
+    max_tokens = page.locator('#max_new_tokens [role="slider"]')
+    max_tokens.focus()
+    max_tokens.press("Home")  # the lowest: 16
+    assert max_tokens.get_attribute("aria-valuenow") == "16"
+    page.fill("#seed", "7")
+    shot(page, "05-settings")
+    page.click("#confirm")
+    page.wait_for_selector("#chat-settings", state="detached")
+    answer, stats, _ = ask(page, "Write a 2000 word story about a dragon.")
+    assert answer and stats.startswith("16 tokens") and "length limit" in stats, stats
+    shot(page, "06-after-settings")
+
+    # Editing the first message answers it again; everything after it is gone.
+    first = page.locator('.step[data-step-type="user_message"]').first
+    first.hover()
+    first.locator("button").first.click()  # the pencil
+    first.locator("textarea").fill("What is the capital of Italy?")
+    first.locator("button", has_text="Confirm").click()
+    page.wait_for_function(f"""() => {{
+        const users = [...document.querySelectorAll('.step[data-step-type="user_message"]')];
+        return users.length === 1 && users[0].innerText.includes('Italy')
+            && document.querySelectorAll('{ANSWERS}').length === 1
+            && document.querySelectorAll('{STATS}').length === 1 && !document.querySelector('#stop-button'); }}""",
+                           timeout=60_000)
+    assert "Eiffel" not in page.inner_text("body") and answer_texts(page)[0]
+    shot(page, "07-edited")
+    assert "Traceback" not in server.log()

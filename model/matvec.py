@@ -40,7 +40,7 @@ def _build():
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         load(name="llama_kernels", sources=[str(Path(__file__).parent / "csrc" / "matvec.cpp")],
-             extra_cflags=["-O3", "-march=native", "-ffast-math"], build_directory=str(build_dir),
+             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], build_directory=str(build_dir),
              is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, or an unsupported platform
         warnings.warn(f"decode kernel unavailable, using F.linear ({str(e).splitlines()[0][:200]})")

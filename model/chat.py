@@ -10,13 +10,15 @@ import argparse
 import os
 import sys
 import threading
+from pathlib import Path
 
 import torch
 
 from .checkpoint import CheckpointError, load_checkpoint
 from .generate import PromptTooLong, generate, sampling_defaults
 
-DEFAULT_CHECKPOINT = "weights/SmolLM2-135M-Instruct"
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CHECKPOINT = str(ROOT / "weights" / "SmolLM2-135M-Instruct")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
@@ -37,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--max-context", type=int, default=8192, help="context limit in tokens")
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps")
+    p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="how weights are stored (default: bf16 where fast)")
     p.add_argument("--int8", action="store_true", help="store linear weights as int8 (faster decode)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first reply)")
@@ -64,10 +67,12 @@ def reply(ckpt, messages, args, sampling, kv_cache=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.checkpoint == DEFAULT_CHECKPOINT and not os.path.exists(DEFAULT_CHECKPOINT):
         from .prepare_default import ConversionError, prepare_default
         try:
-            prepare_default()
+            prepare_default(ROOT / "weights")
         except ConversionError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

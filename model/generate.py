@@ -13,6 +13,9 @@ from .kv_cache import KVCache
 from .sampling import make_generator, sample
 
 
+PREFILL_CHUNK = 256  # prompt tokens per forward pass; a cancel is noticed between chunks
+
+
 class PromptTooLong(ValueError):
     """The prompt does not fit the context limit."""
 
@@ -93,12 +96,14 @@ class Generation:
             kv_cache = kv_cache.resized(needed)
         self.kv_cache = kv_cache
         self.tokens: list[int] = []
+        # Control tokens the model may emit (e.g. <|python_tag|>) stay in `tokens` but not in the text.
+        self.hidden_ids = set(checkpoint.tokenizer.special_tokens.values())
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self._model = model
 
     def __iter__(self) -> Iterator[str]:
-        start = time.perf_counter()
+        start_time = time.perf_counter()
         stream = TextStream(self.checkpoint.tokenizer)
         cache = self.kv_cache
         # Keys/values of a common prefix are kept; at least the last prompt token is run for logits.
@@ -106,24 +111,27 @@ class Generation:
         self.stats.reused_tokens = reused
         self.finish_reason = "length"
         cache.tokens = cache.tokens[:reused]
-        if self.should_stop():
-            self.finish_reason = "cancelled"
-            return
-        logits = self._forward(self.prompt_ids[reused:], reused)
-        cache.tokens = list(self.prompt_ids)
+        for start in range(reused, len(self.prompt_ids), PREFILL_CHUNK):
+            if self.should_stop():
+                self.finish_reason = "cancelled"
+                self.stats.total_time = time.perf_counter() - start_time
+                return
+            chunk = self.prompt_ids[start:start + PREFILL_CHUNK]
+            logits = self._forward(chunk, start)
+            cache.tokens.extend(chunk)
         for _ in range(self.max_new_tokens):
             if self.should_stop():
                 self.finish_reason = "cancelled"
                 break
             token = int(sample(logits, self.temperature, self.top_k, self.top_p, self.generator))
             if not self.tokens:
-                self.stats.time_to_first_token = time.perf_counter() - start
+                self.stats.time_to_first_token = time.perf_counter() - start_time
             if token in self.stop_ids:
                 self.finish_reason = "stop"
                 break
             self.tokens.append(token)
             self.stats.new_tokens = len(self.tokens)
-            piece = stream.push(token)
+            piece = stream.push(token) if token not in self.hidden_ids else ""
             if piece:
                 yield piece
             if len(self.tokens) == self.max_new_tokens:
@@ -133,11 +141,11 @@ class Generation:
         piece = stream.flush()
         if piece:
             yield piece
-        self.stats.total_time = time.perf_counter() - start
+        self.stats.total_time = time.perf_counter() - start_time
 
     @property
     def text(self) -> str:
-        return self.checkpoint.tokenizer.decode(self.tokens)
+        return self.checkpoint.tokenizer.decode([t for t in self.tokens if t not in self.hidden_ids])
 
     @torch.inference_mode()
     def _forward(self, ids: list[int], start_pos: int) -> torch.Tensor:

@@ -32,5 +32,7 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
         # Keep the smallest set of top tokens whose mass reaches top_p (always at least one).
         mass_before = torch.cumsum(probs, dim=-1) - probs
         probs = probs.masked_fill(mass_before >= top_p, 0.0)
-    choice = torch.multinomial(probs, 1, generator=generator)[0]
+    # argmax(p / E) with E ~ Exp(1) draws from p (exponential race): one pass, no cumulative sums.
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    choice = torch.argmax(probs / noise)
     return choice if ids is None else ids[choice]

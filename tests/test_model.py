@@ -297,3 +297,42 @@ def test_pickle_that_would_run_code_is_refused(hf_folder, tmp_path):
     torch.save({"x": Boom()}, tmp_path / "model.pth")
     with pytest.raises(CheckpointError, match="refused.*could run code"):
         load_checkpoint(tmp_path)
+
+
+def test_cancel_during_prefill_stops_between_chunks(hf_folder):
+    from model.generate import PREFILL_CHUNK
+    ckpt = load_checkpoint(hf_folder, dtype=torch.float32)
+    prompt = prompt_ids(n=PREFILL_CHUNK * 2 + 10, seed=8)[0].tolist()
+    checks = []
+    gen = generate(ckpt, prompt, max_new_tokens=5, stop_ids=set(),
+                   should_stop=lambda: checks.append(1) or len(checks) > 1)
+    assert list(gen) == [] and gen.finish_reason == "cancelled" and gen.tokens == []
+    assert gen.kv_cache.tokens == prompt[:PREFILL_CHUNK]  # one chunk ran, the rest never did
+    # A chunked prefill gives the same reply as a single pass would.
+    full = generate(ckpt, prompt, max_new_tokens=5, stop_ids=set())
+    list(full)
+    with torch.no_grad():
+        expected = ckpt.model(torch.tensor([prompt]))[0, -1].argmax().item()
+    assert full.tokens[0] == expected
+
+
+def test_control_tokens_are_kept_as_ids_but_not_shown(hf_folder):
+    ckpt = load_checkpoint(hf_folder, dtype=torch.float32)
+    prompt = prompt_ids(n=8)[0].tolist()
+    probe = generate(ckpt, prompt, max_new_tokens=6, stop_ids=set())
+    list(probe)
+    # Make the model's third token a control token by editing the output head's choice.
+    python_tag = ckpt.tokenizer.special_tokens["<|python_tag|>"]
+    gen = generate(ckpt, prompt, max_new_tokens=6, stop_ids=set())
+    original = ckpt.model.forward
+
+    def forward(tokens, *args, **kw):
+        logits = original(tokens, *args, **kw)
+        if len(gen.tokens) == 2:
+            logits[..., python_tag] = 1e4
+        return logits
+
+    ckpt.model.forward = ckpt.model.decode = forward
+    text = "".join(gen)
+    assert gen.tokens[2] == python_tag
+    assert "<|python_tag|>" not in text and text == gen.text

@@ -30,7 +30,9 @@ def test_int8_matvec_matches_dequantized_linear(n, k):
     q, scale = quantize_int8(torch.randn(n, k, generator=g))
     x = torch.randn(1, k, generator=g)
     reference = F.linear(x, q.float() * scale[:, None])
-    torch.testing.assert_close(linear(x, q, scale), reference, rtol=1e-4, atol=1e-4)
+    # Decode rounds x to int16 (one scale per vector): a relative error near 2**-16.
+    ours = linear(x, q, scale)
+    assert ((ours - reference).norm() / reference.norm()) < 1e-4
     torch.testing.assert_close(linear(x.repeat(4, 1), q, scale), reference.repeat(4, 1), rtol=1e-4, atol=1e-4)
 
 

@@ -12,8 +12,11 @@ Only tensors whose dtype must change are copied, one at a time.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import json
+import os
 import pickle
 import re
 from dataclasses import dataclass, field
@@ -24,7 +27,7 @@ import torch
 from .chat_format import load_chat_format
 from .config import ConfigError, LlamaConfig
 from .llama import Llama
-from .matvec import kernels, quantize_model
+from .matvec import kernels, quantize_int8, quantize_model
 from .tokenizer import load_tokenizer
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -221,6 +224,32 @@ def check_state_dict(state: dict[str, torch.Tensor], model: Llama, files: Checkp
         raise CheckpointError(f"{where}: does not match {files.config}: " + "; ".join(problems))
 
 
+def release_pages(mapped: torch.Tensor) -> None:
+    """Drop the resident file pages behind a memory-mapped tensor once a converted copy replaces it.
+
+    Only whole pages inside the tensor are dropped; the mapping is private and never written, so
+    a later read would simply fault the pages in again from the file. Linux only; a no-op elsewhere.
+    """
+    if mapped.device.type != "cpu" or not hasattr(os, "sysconf") or _libc() is None:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-mapped.data_ptr() // page) * page
+    end = (mapped.data_ptr() + mapped.nbytes) // page * page
+    if end > start:
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+
+
+MADV_DONTNEED = 4
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
 def _some(items: list[str], n: int = 5) -> str:
     return ", ".join(items[:n]) + (f" (and {len(items) - n} more)" if len(items) > n else "")
 
@@ -271,20 +300,29 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
     compute = compute_dtype(dtype, device)
 
     with torch.device("meta"):
-        model = Llama(config)
+        model = Llama(config).requires_grad_(False)
     check_state_dict(state, model, files, names)
-    for name, tensor in state.items():
+    scales = {}
+    for name, mapped in state.items():
+        tensor = mapped
         if files.format == "meta" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
             n_heads = config.n_heads if name.endswith("wq.weight") else config.n_kv_heads
             tensor = unpermute_meta_qk(tensor, n_heads)
-        # Matrices in `dtype`, norms in the compute dtype; a no-op (no copy) for a matching file.
-        state[name] = tensor.to(device=device, dtype=dtype if tensor.dim() == 2 else compute)
+        if quantize == "int8" and name.startswith("layers.") and tensor.dim() == 2:
+            tensor, scales[name] = quantize_int8(tensor.to(device))
+        else:  # matrices in `dtype`, norms in the compute dtype; no copy for a matching file
+            tensor = tensor.to(device=device, dtype=dtype if tensor.dim() == 2 else compute)
+        if tensor is not mapped:
+            release_pages(mapped)  # the copy replaces the file's pages: don't keep both resident
+        state[name] = tensor
     model.load_state_dict(state, strict=False, assign=True)
     del state
+    for name, scale in scales.items():
+        model.get_submodule(name.removesuffix(".weight")).scale = scale
     model.tie_weights()
     model.compute_dtype = compute
     if quantize == "int8":
-        quantize_model(model)
+        quantize_model(model)  # what is left: the output head
     if compile:
         model.decode = torch.compile(model.forward, dynamic=True)
     model.setup_rope(min(config.max_seq_len, DEFAULT_MAX_CONTEXT))

@@ -76,11 +76,18 @@ class Linear(nn.Linear):
 
 
 @torch.no_grad()
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: weight ~= q * scale[:, None]. Returns (q int8 (N, K), scale fp32 (N,))."""
-    w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+def quantize_int8(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: weight ~= q * scale[:, None]. Returns (q int8 (N, K), scale fp32 (N,)).
+
+    Works through `rows` rows at a time, so a large matrix never has a full fp32 copy.
+    """
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for i in range(0, weight.shape[0], rows):
+        w = weight[i:i + rows].float()
+        s = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        q[i:i + rows] = torch.round(w / s[:, None]).clamp_(-127, 127)
+        scale[i:i + rows] = s
     return q, scale
 
 

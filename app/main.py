@@ -53,6 +53,8 @@ STARTERS = [
 @cl.on_app_startup
 async def load_default_model():
     """Load (and on first start, prepare) the default model before the first chat needs it."""
+    for name, path in SERVICE.profiles.items():  # where each model comes from, symbolic links followed
+        log.info("model %s%s: %s", name, " (default)" if name == SERVICE.default else "", path.resolve())
     try:
         await SERVICE.load()
     except Exception as e:  # the app still starts, and each chat shows the error
@@ -114,6 +116,7 @@ async def update_settings(values: dict):
 @cl.on_message
 async def on_message(message: cl.Message):
     conversation = current_conversation()
+    cl.user_session.set("ended", False)  # a reconnected tab chats on
     conversation.truncate(message.id)  # an edited message: answer again from there
     if not message.content.strip():
         await cl.Message(content="Please type a message.").send()
@@ -131,9 +134,14 @@ async def stop_reply():
 
 @cl.on_chat_end
 async def end_chat():
+    """The tab closed or lost its connection, or a new chat began: free the model and the chat's memory."""
+    cl.user_session.set("ended", True)
     request = cl.user_session.get("request")
     if request is not None:  # nobody is reading the reply any more: free the model for others
-        request.cancel()
+        request.cancel()  # and reply() drops the KV cache once the worker has handed it back
+    conversation = cl.user_session.get("conversation")
+    if conversation is not None:  # a reconnected tab prefills the conversation again
+        conversation.kv_cache = None
     session = cl.context.session
     if getattr(session, "to_clear", False):  # a new chat replaces this one for good
         chat_contexts.pop(session.id, None)
@@ -186,6 +194,8 @@ async def reply(conversation: Conversation) -> None:
         raise
     finally:
         request.cancel()  # a no-op once it is done
+        if cl.user_session.get("ended"):  # the chat ended while it ran: free its KV cache
+            conversation.kv_cache = None
         if status is not None:
             await status.remove()
         if cl.user_session.get("request") is request:

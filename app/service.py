@@ -380,6 +380,12 @@ class GenerationService:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def active(self) -> int:
+        """Requests waiting or running; 0 when the model is free."""
+        with self._lock:
+            return len(self._waiting) + (self._running is not None)
+
     def close(self, timeout: float = 10.0) -> None:
         """Cancel everything and stop the worker thread."""
         with self._lock:

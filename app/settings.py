@@ -81,8 +81,9 @@ class _Reader:
         return value if value is not None and value.strip() else None
 
     def path(self, name: str) -> Path | None:
+        """Absolute: a relative path is taken from the working folder at start-up."""
         value = self.text(name)
-        return Path(value.strip()).expanduser() if value else None
+        return Path(os.path.abspath(Path(value.strip()).expanduser())) if value else None
 
     def choice(self, name: str, choices: tuple[str, ...]) -> str | None:
         value = self.text(name)

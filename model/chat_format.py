@@ -9,6 +9,7 @@
 the format's own markup into control tokens: message content is always tokenized as plain text.
 """
 
+import itertools
 import json
 import re
 from datetime import datetime
@@ -21,6 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from .tokenizer import HFTokenizer, Tokenizer, TokenizerError, read_json
 
 ROLES = ("system", "user", "assistant")
+PRIVATE_USE = (range(0xE000, 0xF900), range(0xF0000, 0xFFFFE), range(0x100000, 0x10FFFE))  # Unicode's areas
 
 
 def check_messages(messages) -> None:
@@ -130,8 +132,11 @@ class TemplateChatFormat:
 
     def encode_dialog(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         check_messages(messages)
-        seen = "".join([self.template_source, *self.special_tokens.values(), *(m["content"] for m in messages)])
-        mark = next(chr(c) for c in range(0xE000, 0xF900) if chr(c) not in seen)  # Unicode private use area
+        seen = set(self.template_source).union(*self.special_tokens.values(), *(m["content"] for m in messages))
+        mark = next((chr(c) for c in itertools.chain(*PRIVATE_USE) if chr(c) not in seen), None)
+        if mark is None:
+            raise ValueError("chat template: the messages use every Unicode private-use character; "
+                             "expected at least one free to mark control-token names in the content")
         marked = [{**m, "content": self._added_text.sub(lambda t: mark + t[0] + mark, m["content"])}
                   for m in messages]
         prompt = self._render(marked, add_generation_prompt)

@@ -163,8 +163,11 @@ class HFTokenizer:
         return token_id
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        """Ids of `text` as plain text (added-token names in it are spelled out), with optional bos/eos."""
-        ids = self.plain.encode(text, add_special_tokens=False).ids
+        """Ids of `text` as plain text (added-token names in it are spelled out), with optional bos/eos.
+        Lone surrogates (a str that is not valid Unicode) read as U+FFFD, as tiktoken reads them."""
+        # encode_batch lets go of the GIL while it works (encode holds it): a long text tokenized on a
+        # worker thread leaves the event loop and the other threads running.
+        ids = self.plain.encode_batch([valid_unicode(text)], add_special_tokens=False)[0].ids
         if bos and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids + [self.eos_id] if eos else ids
@@ -182,6 +185,15 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         """Text of `ids`, special tokens included."""
         return self.model.decode(list(ids), skip_special_tokens=False)
+
+
+def valid_unicode(text: str) -> str:
+    """`text` with lone surrogates (e.g. half an emoji from a browser), which UTF-8 cannot encode, as U+FFFD."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
 
 
 def read_json(path: Path) -> dict:

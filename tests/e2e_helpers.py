@@ -47,16 +47,17 @@ def server_env(**llama) -> dict[str, str]:
 
 
 class ChainlitServer:
-    """`chainlit run app/main.py -h --port N` from the project root; always stopped by stop()."""
+    """`chainlit run app/main.py -h --host H --port N` from the project root; always stopped by stop().
+    host=None leaves --host out, to start it as the README says."""
 
-    def __init__(self, env: dict[str, str], log: Path, port: int | None = None):
+    def __init__(self, env: dict[str, str], log: Path, port: int | None = None, host: str | None = "127.0.0.1"):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "chainlit", "run", "app/main.py", "-h", "--host", "127.0.0.1",
+            [sys.executable, "-m", "chainlit", "run", "app/main.py", "-h", *(["--host", host] if host else []),
              "--port", str(self.port)],
             cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -1,0 +1,32 @@
+"""app.main imported as `chainlit run` imports it, with the LLAMA_* variables a test chooses."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from contextlib import contextmanager
+
+
+@contextmanager
+def imported_app(**llama):
+    """Yield app.main imported with LLAMA_<NAME>=value for each name=value (every other LLAMA_* unset);
+    afterwards the module is forgotten, the environment restored and its service closed."""
+    env = {name: "" for name in os.environ if name.startswith("LLAMA_")}  # e.g. from a developer's .env
+    env |= {f"LLAMA_{name.upper()}": str(value) for name, value in llama.items()}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    sys.modules.pop("app.main", None)
+    main = None
+    try:
+        main = importlib.import_module("app.main")
+        yield main
+    finally:
+        sys.modules.pop("app.main", None)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if main is not None:
+            main.SERVICE.close()

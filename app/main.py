@@ -7,12 +7,17 @@ reply on its worker thread. What a session keeps in cl.user_session:
     reply_settings   app.service.ReplySettings from the settings panel
     request          the app.service.Request being answered, for the Stop button
     told_trimmed     whether the user was told that older messages were left out
+
+With history on (the default), chats are stored in SQLite through Chainlit's data layer
+(app.history) and a chat resumed from the sidebar continues with the model remembering it. The
+OpenAI-compatible API (app.api) is served on the same server, from the same queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +28,9 @@ if str(ROOT) not in sys.path:  # `chainlit run app/main.py` imports this file by
 import chainlit as cl  # noqa: E402
 from chainlit.chat_context import chat_contexts  # noqa: E402
 from chainlit.input_widget import Slider, TextInput  # noqa: E402
+from chainlit.server import app as chainlit_app  # noqa: E402
 
+from app import api, history  # noqa: E402
 from app.service import (Conversation, Done, Failed, GenerationService, Loading, Queued,  # noqa: E402
                          ReplySettings, Text, Trimmed)
 from app.settings import Settings, SettingsError  # noqa: E402
@@ -32,10 +39,16 @@ log = logging.getLogger("app")
 
 try:
     SETTINGS = Settings.from_env()
+    SERVICE = GenerationService.from_settings(SETTINGS)
+    PASSWORDS = history.Passwords.from_settings(SETTINGS) if SETTINGS.auth == "password" else None
+    if SETTINGS.history:
+        history.prepare(SETTINGS)
+    if SETTINGS.history or PASSWORDS:  # sign-in tokens need a secret
+        os.environ["CHAINLIT_AUTH_SECRET"] = history.auth_secret(SETTINGS.history_db.parent)
 except SettingsError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-SERVICE = GenerationService.from_settings(SETTINGS)
+api.mount(chainlit_app, SERVICE, SETTINGS.api_key)
 
 TRIMMED_NOTE = ("*Older messages of this chat no longer fit the model's context, so they were left out; "
                 "the model now sees only the more recent ones.*")
@@ -54,7 +67,8 @@ STARTERS = [
 async def load_default_model():
     """Load (and on first start, prepare) the default model before the first chat needs it."""
     for name, path in SERVICE.profiles.items():  # where each model comes from, symbolic links followed
-        log.info("model %s%s: %s", name, " (default)" if name == SERVICE.default else "", path.resolve())
+        log.info("model %s%s: %s", name, " (default)" if name == SERVICE.default else "",
+                 path.resolve() if isinstance(path, Path) else path)  # a backend URL is a string
     try:
         await SERVICE.load()
     except Exception as e:  # the app still starts, and each chat shows the error
@@ -64,6 +78,47 @@ async def load_default_model():
 @cl.on_app_shutdown
 def stop_service():
     SERVICE.close()
+
+
+# ---- history and sign-in ------------------------------------------------------------------------
+
+if SETTINGS.history:
+    @cl.data_layer
+    def history_database():
+        return history.data_layer(SETTINGS)
+
+if PASSWORDS:
+    @cl.password_auth_callback
+    async def password_login(username: str, password: str):
+        name = PASSWORDS.check(username, password)
+        return cl.User(identifier=name, metadata={"provider": "password"}) if name else None
+elif SETTINGS.history:  # one local user, signed in without a form
+    @cl.header_auth_callback
+    async def local_user(headers):
+        return cl.User(identifier=history.LOCAL_USER, metadata={"provider": "local"})
+
+
+@cl.on_chat_resume
+async def resume_chat(thread: dict):
+    """A chat chosen in the sidebar: rebuild what the model saw from its stored messages."""
+    profile = cl.user_session.get("chat_profile")
+    values = cl.user_session.get("chat_settings") or {}
+    system_prompt = ((values.get("system_prompt") or "").strip() or None if "system_prompt" in values
+                     else SETTINGS.system_prompt)
+    conversation = history.conversation_from_steps(
+        thread.get("steps") or [], model=profile if profile in SERVICE.profiles else SERVICE.default,
+        system_prompt=system_prompt)
+    cl.user_session.set("conversation", conversation)
+    log.info("resumed chat %s with %d messages", thread.get("id"), len(conversation.messages))
+    try:
+        await SERVICE.load(conversation.model)
+    except Exception as e:
+        await cl.ErrorMessage(content=f"The model {conversation.model} could not be loaded: {e}").send()
+        return
+    stored, _ = read_settings(values)
+    panel = await cl.ChatSettings(settings_widgets(stored.over(SERVICE.reply_defaults(conversation.model)),
+                                                   system_prompt, SERVICE.context_limit(conversation.model))).send()
+    cl.user_session.set("reply_settings", read_settings(panel)[0])
 
 
 @cl.set_chat_profiles
@@ -95,8 +150,7 @@ async def start_chat():
             await cl.ErrorMessage(content=f"The model {conversation.model} could not be loaded: {e}").send()
             return
         await note.remove()
-    checkpoint = SERVICE.checkpoint(conversation.model)
-    limit = min(SERVICE.max_context, checkpoint.config.max_seq_len)
+    limit = SERVICE.context_limit(conversation.model)
     values = await cl.ChatSettings(settings_widgets(SERVICE.reply_defaults(conversation.model),
                                                     conversation.system_prompt, limit)).send()
     cl.user_session.set("reply_settings", read_settings(values)[0])
@@ -159,7 +213,7 @@ async def reply(conversation: Conversation) -> None:
     """Stream the answer to the conversation's last message, then a line of statistics."""
     request = SERVICE.stream(conversation, cl.user_session.get("reply_settings") or ReplySettings())
     cl.user_session.set("request", request)
-    answer = cl.Message(content="")
+    answer = cl.Message(content="", metadata={"kind": history.REPLY})  # what a resumed chat remembers
     status: cl.Message | None = None  # "waiting" or "loading", removed when the answer starts
     try:
         async for event in request:

@@ -299,7 +299,11 @@ class GenerationService:
 
     @classmethod
     def from_settings(cls, settings: Settings, **options) -> GenerationService:
-        """Profiles from LLAMA_CHECKPOINT and LLAMA_WEIGHTS_DIR, loading as the settings say."""
+        """Profiles from LLAMA_CHECKPOINT and LLAMA_WEIGHTS_DIR, loading as the settings say; with
+        LLAMA_BACKEND_URL, an app.remote.RemoteService that has that server generate instead."""
+        if settings.backend_url:
+            from .remote import RemoteService
+            return RemoteService.from_settings(settings, **options)
         if settings.threads:
             torch.set_num_threads(settings.threads)
         profiles = find_profiles(settings.checkpoint, settings.weights_dir)
@@ -342,6 +346,10 @@ class GenerationService:
     async def load(self, name: str | None = None) -> Checkpoint:
         """checkpoint() in a thread, for the event loop."""
         return await asyncio.to_thread(self.checkpoint, name)
+
+    def context_limit(self, name: str | None = None) -> int:
+        """Tokens of prompt and reply together: max_context, at most the model's own (loads it)."""
+        return min(self.max_context, self.checkpoint(name).config.max_seq_len)
 
     def reply_defaults(self, name: str | None = None) -> ReplySettings:
         """The settings a reply gets when the caller sets none: the service's over the checkpoint's."""

@@ -24,6 +24,9 @@ DEFAULT_MAX_CONTEXT = 8192
 DEFAULT_MAX_NEW_TOKENS = 1024
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
+DEFAULT_HISTORY_DB = PROJECT_ROOT / "data" / "history.db"
+AUTH_MODES = ("none", "password")
+SWITCH = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 
 
 class SettingsError(ValueError):
@@ -44,6 +47,15 @@ class Settings:
     top_k: int | None = None
     top_p: float | None = None
     threads: int | None = None
+    history: bool = True
+    history_db: Path = DEFAULT_HISTORY_DB
+    auth: str = "none"  # "none": one local user, no login form; "password": a login form
+    password: str | None = None
+    users_file: Path | None = None
+    api_key: str | None = None
+    backend_url: str | None = None  # an OpenAI-compatible server that generates instead of this process
+    backend_key: str | None = None
+    backend_model: str | None = None
 
     @property
     def is_default_checkpoint(self) -> bool:
@@ -54,7 +66,7 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = _Reader(os.environ if environ is None else environ)
         weights_dir = env.path("LLAMA_WEIGHTS_DIR") or DEFAULT_WEIGHTS_DIR
-        return cls(
+        settings = cls(
             checkpoint=env.path("LLAMA_CHECKPOINT") or weights_dir / DEFAULT_MODEL_NAME,
             weights_dir=weights_dir,
             tokenizer=env.path("LLAMA_TOKENIZER"),
@@ -67,7 +79,23 @@ class Settings:
             top_k=env.integer("LLAMA_TOP_K", low=0),
             top_p=env.number("LLAMA_TOP_P", low=0.0, high=1.0, low_open=True),
             threads=env.integer("LLAMA_THREADS", low=1),
+            history=env.switch("LLAMA_HISTORY", default=True),
+            history_db=env.path("LLAMA_HISTORY_DB") or DEFAULT_HISTORY_DB,
+            auth=env.choice("LLAMA_AUTH", AUTH_MODES) or "none",
+            password=env.text("LLAMA_PASSWORD"),
+            users_file=env.path("LLAMA_USERS"),
+            api_key=_strip(env.text("LLAMA_API_KEY")),
+            backend_url=env.url("LLAMA_BACKEND_URL"),
+            backend_key=_strip(env.text("LLAMA_BACKEND_KEY")),
+            backend_model=_strip(env.text("LLAMA_BACKEND_MODEL")),
         )
+        if settings.auth == "password" and not (settings.password or settings.users_file):
+            raise SettingsError("LLAMA_AUTH=password: expected LLAMA_PASSWORD or LLAMA_USERS to be set too")
+        return settings
+
+
+def _strip(value: str | None) -> str | None:
+    return value.strip() if value is not None else None
 
 
 class _Reader:
@@ -92,6 +120,24 @@ class _Reader:
         if value.strip().lower() not in choices:
             raise SettingsError(f"{name}={value}: expected one of {', '.join(choices)}")
         return value.strip().lower()
+
+    def switch(self, name: str, default: bool) -> bool:
+        value = self.text(name)
+        if value is None:
+            return default
+        if value.strip().lower() not in SWITCH:
+            raise SettingsError(f"{name}={value}: expected on or off")
+        return SWITCH[value.strip().lower()]
+
+    def url(self, name: str) -> str | None:
+        value = self.text(name)
+        if value is None:
+            return None
+        url = value.strip().rstrip("/")
+        scheme, _, rest = url.partition("://")
+        if scheme.lower() not in ("http", "https") or not rest:
+            raise SettingsError(f"{name}={value}: expected an http:// or https:// address")
+        return url
 
     def integer(self, name: str, low: int) -> int | None:
         value = self.text(name)

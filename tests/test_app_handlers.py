@@ -43,7 +43,8 @@ def main(tmp_path_factory):
     (broken / "model.safetensors").write_bytes(b"this is not a safetensors file")
     env = {name: "" for name in os.environ if name.startswith("LLAMA_")}  # e.g. from a developer's .env
     env |= {"LLAMA_CHECKPOINT": str(weights / "tiny"), "LLAMA_WEIGHTS_DIR": str(weights),
-            "LLAMA_MAX_CONTEXT": "512", "LLAMA_MAX_NEW_TOKENS": "24", "LLAMA_SYSTEM_PROMPT": SYSTEM_PROMPT}
+            "LLAMA_MAX_CONTEXT": "512", "LLAMA_MAX_NEW_TOKENS": "24", "LLAMA_SYSTEM_PROMPT": SYSTEM_PROMPT,
+            "LLAMA_HISTORY": "off"}  # no database: these sessions are mocks (tests/test_history.py has the real thing)
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     sys.modules.pop("app.main", None)

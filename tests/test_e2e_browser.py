@@ -52,8 +52,10 @@ def server(tmp_path_factory):
         from model.prepare_default import prepare_default
         prepare_default(DEFAULT_MODEL.parent)
     # One torch thread: on 2 cores the browser and the test need the other one.
-    env = server_env(checkpoint=DEFAULT_MODEL, temperature=0, dtype="fp32", threads=1)
-    server = ChainlitServer(env, log=tmp_path_factory.mktemp("chainlit") / "chainlit.log")
+    folder = tmp_path_factory.mktemp("chainlit")
+    env = server_env(checkpoint=DEFAULT_MODEL, temperature=0, dtype="fp32", threads=1,
+                     history_db=folder / "history.db")  # history on, as by default, in a database of its own
+    server = ChainlitServer(env, log=folder / "chainlit.log")
     try:
         server.wait_ready()
         yield server

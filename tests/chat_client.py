@@ -1,0 +1,77 @@
+"""A chat tab without a browser: drives a running Chainlit server over socket.io as its web page does.
+
+The page first signs in (with header authentication, `POST /auth/header` sets the `access_token`
+cookie), then opens the socket at /ws/socket.io with that cookie and an `auth` object naming its
+session, and the thread to resume if any; it emits `connection_successful`, and `client_message`
+for each message. A reply is over at the `task_end` event that follows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+
+import httpx
+import socketio
+
+
+def sign_in(url: str) -> dict[str, str]:
+    """The cookies of a header sign-in (what the page does when the server uses header auth)."""
+    response = httpx.post(f"{url}/auth/header", timeout=30)
+    response.raise_for_status()
+    assert "access_token" in response.cookies, f"no access_token cookie: {response.headers}"
+    return dict(response.cookies)
+
+
+class ChatTab:
+    def __init__(self, url: str, cookies: dict[str, str] | None = None, thread_id: str | None = None,
+                 chat_profile: str | None = None):
+        self.url = url
+        self.cookies = cookies or {}
+        self.events: list[tuple[str, object]] = []
+        self.thread_id = thread_id
+        self._changed = threading.Condition()
+        self.sio = socketio.Client(reconnection=False)
+        self.sio.on("*", self._record)
+        self.sio.connect(url, socketio_path="/ws/socket.io", transports=["websocket"], wait_timeout=30,
+                         headers={"Cookie": "; ".join(f"{k}={v}" for k, v in self.cookies.items())},
+                         auth={"sessionId": str(uuid.uuid4()), "clientType": "webapp", "userEnv": "{}",
+                               "chatProfile": chat_profile, "threadId": thread_id})
+        self.sio.emit("connection_successful")
+
+    def _record(self, event: str, data=None):
+        with self._changed:
+            self.events.append((event, data))
+            if event == "first_interaction" and isinstance(data, dict):
+                self.thread_id = data.get("thread_id")
+            self._changed.notify_all()
+
+    def wait_for(self, event: str, after: int = 0, timeout: float = 60.0) -> tuple[int, object]:
+        """The index and data of the first `event` at or after index `after` of self.events."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for i in range(after, len(self.events)):
+                    if self.events[i][0] == event:
+                        return i, self.events[i][1]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {event!r} within {timeout:.0f} s; got {[e for e, _ in self.events]}")
+                self._changed.wait(left)
+
+    def send(self, text: str, timeout: float = 90.0) -> None:
+        """Send a message and wait until the server has finished with it (task_end)."""
+        start = len(self.events)
+        self.sio.emit("client_message", {"message": {
+            "id": str(uuid.uuid4()), "threadId": self.thread_id or "", "type": "user_message", "name": "User",
+            "output": text, "createdAt": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")},
+            "fileReferences": None})
+        started, _ = self.wait_for("task_start", after=start, timeout=timeout)
+        self.wait_for("task_end", after=started + 1, timeout=timeout)
+        if self.thread_id is None:  # the first message makes the thread; the server says so when it is stored
+            self.wait_for("first_interaction", after=start, timeout=timeout)
+
+    def close(self) -> None:
+        self.sio.disconnect()

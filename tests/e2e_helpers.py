@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +42,8 @@ def server_env(**llama) -> dict[str, str]:
     """This process's environment, minus what Chainlit would misread, plus LLAMA_* values."""
     env = {k: v for k, v in os.environ.items() if k not in CHAINLIT_OWN_ENV and not k.startswith("LLAMA_")}
     env.update({f"LLAMA_{k.upper()}": str(v) for k, v in llama.items()})
+    if "history_db" not in llama:  # never the developer's own chats in data/history.db
+        env["LLAMA_HISTORY_DB"] = str(Path(tempfile.mkdtemp(prefix="llama-history-")) / "history.db")
     env["PYTHONUNBUFFERED"] = "1"
     env["CHAINLIT_ENV_FILE"] = os.devnull  # a developer's .env must not change what is tested
     return env

@@ -319,7 +319,8 @@ class GenerationService:
                 except ConversionError as e:
                     raise CheckpointError(str(e)) from None
             return load_checkpoint(path, device=device, dtype=dtype,
-                                   tokenizer=settings.tokenizer if name == default else None)
+                                   tokenizer=settings.tokenizer if name == default else None,
+                                   quantize=None if settings.quantize == "off" else settings.quantize)
 
         defaults = ReplySettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                  top_k=settings.top_k, top_p=settings.top_p)

@@ -24,6 +24,7 @@ DEFAULT_MAX_CONTEXT = 8192
 DEFAULT_MAX_NEW_TOKENS = 1024
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
+QUANTIZE = ("off", "int8")
 DEFAULT_HISTORY_DB = PROJECT_ROOT / "data" / "history.db"
 AUTH_MODES = ("none", "password")
 SWITCH = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
@@ -40,6 +41,7 @@ class Settings:
     tokenizer: Path | None = None
     device: str = "auto"
     dtype: str = "auto"
+    quantize: str = "off"  # "int8": linear weights stored as int8 (faster decode)
     max_context: int = DEFAULT_MAX_CONTEXT
     system_prompt: str | None = None
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -72,6 +74,7 @@ class Settings:
             tokenizer=env.path("LLAMA_TOKENIZER"),
             device=env.choice("LLAMA_DEVICE", DEVICES) or "auto",
             dtype=env.choice("LLAMA_DTYPE", DTYPES) or "auto",
+            quantize=env.choice("LLAMA_QUANTIZE", QUANTIZE) or "off",
             max_context=env.integer("LLAMA_MAX_CONTEXT", low=16) or DEFAULT_MAX_CONTEXT,
             system_prompt=env.text("LLAMA_SYSTEM_PROMPT"),
             max_new_tokens=env.integer("LLAMA_MAX_NEW_TOKENS", low=1) or DEFAULT_MAX_NEW_TOKENS,

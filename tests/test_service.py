@@ -374,4 +374,13 @@ def test_every_setting_is_documented():
     read = set(re.findall(r'"(LLAMA_[A-Z_]+)"', (root / "app" / "settings.py").read_text()))
     table = set(re.findall(r"^\| `(LLAMA_[A-Z_]+)`", (root / "chainlit.md").read_text(), re.MULTILINE))
     example = set(re.findall(r"^(LLAMA_[A-Z_]+)=", (root / ".env.example").read_text(), re.MULTILINE))
-    assert len(read) == 21 and read == table == example
+    assert len(read) == 22 and read == table == example
+
+
+def test_llama_quantize_setting():
+    from app.settings import Settings, SettingsError
+    settings = Settings.from_env({"LLAMA_QUANTIZE": "INT8"})
+    assert settings.quantize == "int8"
+    assert Settings.from_env({}).quantize == "off"
+    with pytest.raises(SettingsError, match="LLAMA_QUANTIZE=int4: expected one of off, int8"):
+        Settings.from_env({"LLAMA_QUANTIZE": "int4"})

@@ -1,0 +1,247 @@
+"""What both benchmarks share: random checkpoints of a preset's shape, memory readings, worker processes.
+
+A benchmark runs each system in a fresh Python process (so memory peaks never mix): the parent calls
+`run_worker(script, spec)`, the child reads the spec from argv, measures, and writes one JSON result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the scripts run as `python bench/x.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+CACHE = ROOT / "bench" / ".cache"
+RESULTS = ROOT / "bench" / "results"
+MB = 1e6
+
+import torch  # noqa: E402  (after the path fix, like every import of `model`)
+
+from model.config import LlamaConfig  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Random checkpoints
+
+
+def hf_tensor_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Hugging Face Llama checkpoint of this shape (no lm_head when tied)."""
+    d, hd, f = config.dim, config.head_dim, config.ffn_dim
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, d), "model.norm.weight": (d,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, d)
+    for i in range(config.n_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (config.n_heads * hd, d),
+            p + "self_attn.k_proj.weight": (config.n_kv_heads * hd, d),
+            p + "self_attn.v_proj.weight": (config.n_kv_heads * hd, d),
+            p + "self_attn.o_proj.weight": (d, config.n_heads * hd),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+        }
+    return shapes
+
+
+def n_params(config: LlamaConfig) -> int:
+    return sum(_numel(s) for s in hf_tensor_shapes(config).values())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def random_checkpoint(shape: str, seed: int = 0) -> Path:
+    """`bench/.cache/<shape>-bf16/`: random bf16 weights of a preset's shape, as a Hugging Face folder.
+
+    Written once with safetensors in HF names and our own `to_hf_config()`, so neither this nor our
+    engine needs transformers. Matrices ~ N(0, 0.02), norms 1: values do not change the speed.
+    Vocabularies other than Llama 3's get a byte-level tokenizer.json (the checkpoint loader needs one).
+    """
+    from safetensors.torch import save_file
+
+    config = LlamaConfig.preset(shape).replace(dtype="bfloat16")
+    folder = CACHE / f"{shape}-bf16"
+    done = folder / "model.safetensors"
+    if done.is_file() and (folder / "config.json").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"[bench] writing random {shape} weights to {folder} ...", file=sys.stderr, flush=True)
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor_shape in hf_tensor_shapes(config).items():
+        if len(tensor_shape) == 1:
+            state[name] = torch.ones(tensor_shape, dtype=torch.bfloat16)
+        else:  # row by row block so the float32 temporary stays small
+            w = torch.empty(tensor_shape, dtype=torch.bfloat16)
+            for start in range(0, tensor_shape[0], 8192):
+                block = w[start:start + 8192]
+                block.copy_(torch.randn(block.shape, generator=generator).mul_(0.02))
+            state[name] = w
+    hf_config = config.to_hf_config() | {"bos_token_id": 0, "eos_token_id": 1}
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+    if config.vocab_size != 128256:
+        write_byte_tokenizer(folder)
+    tmp = folder / "model.safetensors.partial"
+    save_file(state, tmp, metadata={"format": "pt"})
+    tmp.rename(done)
+    return folder
+
+
+def write_byte_tokenizer(folder: Path) -> None:
+    """A 258-token byte-level tokenizer.json (256 bytes + <s> + </s>) with a trivial chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<s>": 0, "</s>": 1} | {ch: i + 2 for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}))
+
+
+def random_prompt(vocab_size: int, n: int, seed: int = 1) -> list[int]:
+    """n ids below the special tokens (Llama 3's start at 128000)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, min(vocab_size, 128000), (n,), generator=g).tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory
+
+
+def memory_mb() -> dict[str, float]:
+    """Resident memory of this process now (rss, anon, file) and its peak so far (hwm), in MB.
+
+    maxrss (getrusage) is there for reference only: Linux carries it over from the parent across fork
+    and exec, so in a worker process it can be the parent's peak. VmHWM starts afresh at exec.
+    """
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0]) * 1024 / MB  # kB
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB  # kB on Linux
+    return {"rss": fields.get("VmRSS", 0.0), "anon": fields.get("RssAnon", 0.0),
+            "file": fields.get("RssFile", 0.0), "hwm": fields.get("VmHWM", 0.0), "maxrss": maxrss}
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the distinct tensors in a module's state dict (a tied head counted once)."""
+    seen, total = set(), 0
+    for t in module.state_dict().values():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker processes
+
+
+def cpu_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all processes, all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wait_for_idle(max_wait: float, busy_cores: float = 0.25, window: float = 2.0) -> float:
+    """Wait (up to max_wait s) until other processes use less than busy_cores; the load last seen, in cores."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        before = cpu_busy_s()
+        time.sleep(window)
+        load = (cpu_busy_s() - before) / window
+        if load < busy_cores or time.monotonic() >= deadline:
+            return load
+
+
+def run_worker(script: Path, spec: dict, timeout: float = 1800, idle_wait: float = 0.0) -> dict:
+    """Run `python script --worker SPEC_JSON --out FILE` in a fresh process; its JSON result, or an error.
+
+    `other_load_cores` in the result: CPU the rest of the machine used meanwhile (cores, averaged), a
+    measure of how much the figures were disturbed. With idle_wait, first wait up to that long for quiet.
+    """
+    out = RESULTS / f".worker-{os.getpid()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    load_before = wait_for_idle(idle_wait) if idle_wait > 0 else None
+    start, busy, ours = time.perf_counter(), cpu_busy_s(), children_cpu_s()
+    try:
+        proc = subprocess.run([sys.executable, str(script), "--worker", json.dumps(spec), "--out", str(out)],
+                              env=env, timeout=timeout, stdout=sys.stderr)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    wall = time.perf_counter() - start
+    other = max(0.0, (cpu_busy_s() - busy) - (children_cpu_s() - ours)) / wall
+    if proc.returncode != 0 or not out.is_file():
+        return {"error": f"worker exited with status {proc.returncode}"}
+    result = json.loads(out.read_text())
+    out.unlink()
+    result |= {"wall_s": wall, "other_load_cores": other, "load_before_cores": load_before}
+    return result
+
+
+def write_result(path: str, result: dict) -> None:
+    Path(path).write_text(json.dumps(result, indent=2))
+
+
+def engine_version() -> str:
+    """The last commit that touched model/, with "+changes" when model/ differs from it."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    commit = git("log", "-1", "--format=%h", "--", "model") or "unknown"
+    return commit + ("+changes" if git("status", "--porcelain", "--", "model") else "")
+
+
+def machine() -> dict:
+    """CPU model, cores, the flags that decide bf16 speed, RAM, torch version."""
+    info = {"cpu": "unknown", "cores": os.cpu_count(), "torch": torch.__version__,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        for line in text.splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        flags = set(next((l for l in text.splitlines() if l.startswith("flags")), "").split())
+        info["flags"] = {f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")}
+        mem_kb = int(next(l for l in Path("/proc/meminfo").read_text().splitlines()
+                          if l.startswith("MemTotal")).split()[1])
+        info["ram_gib"] = round(mem_kb / 2**20, 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    return info

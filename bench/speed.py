@@ -314,7 +314,8 @@ def main() -> int:
                         f"{DISTURBED} cores during its run; the quieter measurement is kept (default 1)")
     p.add_argument("--merge", action="store_true",
                    help="merge into bench/results/<shape>.json: keep its rows that this run does not "
-                        "measure, and of two measurements of a row the one less disturbed by other processes")
+                        "measure, and of two measurements of a row the one less disturbed by other processes "
+                        "(for our engine, the one of the current model/ code)")
     p.add_argument("--no-chart", action="store_true")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -374,7 +375,9 @@ def main() -> int:
             bandwidth = stored["bandwidth"]
         merged = {r["name"]: r for r in stored["rows"]}
         for r in rows:
-            if quieter(r, merged.get(r["name"])):
+            old = merged.get(r["name"])
+            newer_engine = old is not None and r["system"] == "ours" and r["engine"] != old.get("engine")
+            if newer_engine or quieter(r, old):
                 merged[r["name"]] = r
         rows = sorted(merged.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
     print()

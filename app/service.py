@@ -12,8 +12,10 @@ worker thread runs them in order, never on the event loop. `service.stream(conve
     Failed(message, reason)            the last event of a request that could not run
 
 A `Conversation` belongs to its caller: it keeps the messages and the KV cache of the last reply,
-so a follow-up only prefills its new tokens. The service knows nothing of Chainlit: the UI, the
-tests and an HTTP API use it alike.
+so a follow-up only prefills its new tokens. The caches of all conversations together stay within
+a memory budget: when a reply would go over it, the caches of the conversations served longest ago
+are dropped (they prefill in full on their next turn). The service knows nothing of Chainlit: the
+UI, the tests and an HTTP API use it alike.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,7 +37,7 @@ from model.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_
 from model.generate import Generation, GenerationStats, PromptTooLong, sampling_defaults
 from model.kv_cache import KVCache
 
-from .settings import DEFAULT_MAX_NEW_TOKENS, Settings
+from .settings import DEFAULT_KV_CACHE_MB, DEFAULT_MAX_NEW_TOKENS, Settings
 
 log = logging.getLogger(__name__)
 
@@ -272,12 +275,51 @@ class Request:
 
 # ---- the service --------------------------------------------------------------------------------
 
+class CacheBudget:
+    """The conversations whose KV caches are kept between turns, least recently served first.
+
+    `keep(conversation)` after each reply marks it most recent, then drops the caches of the least
+    recent others until all kept caches fit in `max_bytes` (the newest is always kept). Entries are
+    weak references: a conversation its caller forgot leaves on its own, with its cache.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._order: OrderedDict[int, weakref.ref] = OrderedDict()  # id(conversation) -> conversation
+        self._lock = threading.RLock()  # a weakref callback can run on any thread, even inside keep()
+
+    def keep(self, conversation: Conversation) -> None:
+        key = id(conversation)
+        with self._lock:
+            self._order.pop(key, None)
+            self._order[key] = weakref.ref(conversation, lambda _, key=key: self._forget(key))
+            for other in self._kept()[:-1]:
+                if self.nbytes <= self.max_bytes:
+                    break
+                other.kv_cache = None
+                self._order.pop(id(other), None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the KV caches that kept conversations hold now."""
+        return sum(c.kv_cache.nbytes for c in self._kept() if c.kv_cache is not None)
+
+    def _kept(self) -> list[Conversation]:
+        with self._lock:
+            return [c for c in (ref() for ref in self._order.values()) if c is not None]
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._order.pop(key, None)
+
+
 class GenerationService:
     """Loads checkpoints lazily (each once, then kept) and runs requests one at a time, in order."""
 
     def __init__(self, profiles: dict[str, Path], *, default: str | None = None,
                  loader: Callable[[str, Path], Checkpoint] | None = None, max_context: int = 8192,
-                 defaults: ReplySettings = ReplySettings(), stream_interval: float = STREAM_INTERVAL):
+                 defaults: ReplySettings = ReplySettings(), stream_interval: float = STREAM_INTERVAL,
+                 kv_cache_budget_mb: float = DEFAULT_KV_CACHE_MB):
         if not profiles:
             raise ValueError("no checkpoints to serve")
         self.profiles = dict(profiles)
@@ -288,6 +330,7 @@ class GenerationService:
         self.max_context = max_context
         self.defaults = defaults
         self.stream_interval = stream_interval
+        self.cache_budget = CacheBudget(int(kv_cache_budget_mb * 2**20))
         self._checkpoints: dict[str, Checkpoint] = {}
         self._load_locks = {name: threading.Lock() for name in self.profiles}
         self._lock = threading.Condition()
@@ -325,7 +368,7 @@ class GenerationService:
         defaults = ReplySettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                  top_k=settings.top_k, top_p=settings.top_p)
         return cls(profiles, default=default, loader=loader, max_context=settings.max_context,
-                   defaults=defaults, **options)
+                   defaults=defaults, kv_cache_budget_mb=settings.kv_cache_mb, **options)
 
     # -- checkpoints
 
@@ -442,6 +485,7 @@ class GenerationService:
                     self._running = None
                     self._announce_positions()
             request.emit(last)  # after the worker is free, so a next request starts at once
+            del request, last  # while idle, hold no conversation (and no KV cache) alive
 
     def _serve(self, request: Request) -> Done | Failed:
         """Run one request on the worker thread, emitting its events; returns the last one."""
@@ -474,6 +518,7 @@ class GenerationService:
         for piece in generation:
             request.emit(Text(piece))
         conversation.kv_cache, conversation.cache_model = generation.kv_cache, request.model
+        self.cache_budget.keep(conversation)
         return Done(generation.text, generation.finish_reason, generation.stats)
 
 

@@ -22,6 +22,7 @@ DEFAULT_WEIGHTS_DIR = PROJECT_ROOT / "weights"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # converted by model.prepare_default on first start
 DEFAULT_MAX_CONTEXT = 8192
 DEFAULT_MAX_NEW_TOKENS = 1024
+DEFAULT_KV_CACHE_MB = 1024  # KV caches kept between turns, all conversations together
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 QUANTIZE = ("off", "int8")
@@ -49,6 +50,7 @@ class Settings:
     top_k: int | None = None
     top_p: float | None = None
     threads: int | None = None
+    kv_cache_mb: int = DEFAULT_KV_CACHE_MB  # KV caches kept between turns, all conversations together
     history: bool = True
     history_db: Path = DEFAULT_HISTORY_DB
     auth: str = "none"  # "none": one local user, no login form; "password": a login form
@@ -82,6 +84,7 @@ class Settings:
             top_k=env.integer("LLAMA_TOP_K", low=0),
             top_p=env.number("LLAMA_TOP_P", low=0.0, high=1.0, low_open=True),
             threads=env.integer("LLAMA_THREADS", low=1),
+            kv_cache_mb=_default(env.integer("LLAMA_KV_CACHE_MB", low=0), DEFAULT_KV_CACHE_MB),
             history=env.switch("LLAMA_HISTORY", default=True),
             history_db=env.path("LLAMA_HISTORY_DB") or DEFAULT_HISTORY_DB,
             auth=env.choice("LLAMA_AUTH", AUTH_MODES) or "none",
@@ -95,6 +98,10 @@ class Settings:
         if settings.auth == "password" and not (settings.password or settings.users_file):
             raise SettingsError("LLAMA_AUTH=password: expected LLAMA_PASSWORD or LLAMA_USERS to be set too")
         return settings
+
+
+def _default(value, default):
+    return default if value is None else value
 
 
 def _strip(value: str | None) -> str | None:

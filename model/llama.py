@@ -32,8 +32,15 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, start_pos, k, v)  # (b, kv, start_pos + s, d)
+        if seq == 1:
+            # One new token attends to every cached position. The query heads that share a KV head
+            # become that head's "sequence" of queries: no repeated keys, and SDPA's fast kernels
+            # (its GQA path is many times slower for a single query).
+            q = q.reshape(batch, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
+            out = F.scaled_dot_product_attention(q, k, v)  # (b, kv, groups, d)
+            return self.wo(out.reshape(batch, 1, -1))
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1 and start_pos == 0,
+            q, k, v, attn_mask=mask, is_causal=mask is None and start_pos == 0,
             enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 

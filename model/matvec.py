@@ -8,6 +8,7 @@ through `F.linear`, only slower. `LLAMA_KERNELS=0` turns the kernel off.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
@@ -36,7 +37,7 @@ def kernels():
 
 def _build():
     from torch.utils.cpp_extension import load
-    build_dir = cache_dir() / "kernels"
+    build_dir = cache_dir() / "kernels" / _cpu_tag()  # -march=native code runs only on this kind of CPU
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         load(name="llama_kernels", sources=[str(Path(__file__).parent / "csrc" / "matvec.cpp")],
@@ -51,14 +52,26 @@ def _build():
     return torch.ops.llama_kernels
 
 
+def _cpu_tag() -> str:
+    """A short hash of the CPU model and its feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        text = "".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    except OSError:
+        import platform
+        text = platform.processor() or platform.machine()
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) @ weight (N, K).T, weight in any dtype (int8 with per-row scale (N,))."""
-    if x.numel() == x.shape[-1] and x.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.int8):
-        ops = kernels()
-        if ops is not None:
-            flat = x.reshape(-1).float()
+    if (x.numel() == x.shape[-1] and x.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.int8)
+            and x.dtype in (torch.float32, torch.bfloat16)):
+        ops = _ops if _ops is not None else kernels()  # no lock once built (torch.compile traces this)
+        if ops:  # one row: y comes back in x's dtype
+            flat = x.reshape(-1)
             y = ops.matvec_bf16(flat, weight) if scale is None else ops.matvec_int8(flat, weight, scale)
-            return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+            return y.view(*x.shape[:-1], weight.shape[0])
     if scale is not None:
         weight = weight.to(x.dtype) * scale.to(x.dtype)[:, None]
     return F.linear(x, weight.to(x.dtype))

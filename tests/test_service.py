@@ -4,6 +4,7 @@ and the settings it is built from. Runs on a tiny random Llama checkpoint (Llama
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import time
 from pathlib import Path
@@ -119,6 +120,63 @@ def test_follow_up_reuses_the_cache_and_matches_a_fresh_prompt(service, checkpoi
 
     assert second.stats.reused_tokens >= first.stats.prompt_tokens  # only the new turn was prefilled
     assert second.text == reference(checkpoint, conversation, settings)
+
+
+def test_kv_caches_stay_within_the_budget_least_recently_served_dropped_first(tiny, checkpoint):
+    greedy = ReplySettings(max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0)
+    probe = chat("Chat 0")
+    unbounded = GenerationService({"tiny": tiny}, loader=lambda name, path: checkpoint)
+    try:
+        ask(unbounded, probe, greedy)
+    finally:
+        unbounded.close()
+    one = probe.kv_cache.nbytes  # every conversation below gets a cache of this size
+
+    service = GenerationService({"tiny": tiny}, loader=lambda name, path: checkpoint,
+                                kv_cache_budget_mb=2.5 * one / 2**20)  # room for two caches, not three
+    try:
+        a, b, c = chat("Chat 1"), chat("Chat 2"), chat("Chat 3")
+        for conversation in (a, b):
+            ask(service, conversation, greedy)
+        assert a.kv_cache.nbytes == b.kv_cache.nbytes == one
+        assert service.cache_budget.nbytes == 2 * one
+
+        ask(service, c, greedy)  # a was served longest ago: its cache goes
+        assert a.kv_cache is None and b.kv_cache is not None and c.kv_cache is not None
+        assert service.cache_budget.nbytes == 2 * one <= service.cache_budget.max_bytes
+
+        a.add("assistant", "Hello.")
+        a.add("user", "Again")
+        again = ask(service, a, greedy)[-1]  # prefilled in full, same reply as with no cache at all
+        assert again.stats.reused_tokens == 0
+        assert again.text == reference(checkpoint, a, greedy)
+        # a's cache is now larger; b goes first, and c only if a and c together do not fit
+        assert a.kv_cache is not None and b.kv_cache is None
+        assert (c.kv_cache is not None) == (a.kv_cache.nbytes + one <= service.cache_budget.max_bytes)
+        assert service.cache_budget.nbytes <= service.cache_budget.max_bytes
+
+        d = chat("Chat 4")
+        ask(service, d, greedy)
+        others = sum(x.kv_cache.nbytes for x in (a, b, c) if x.kv_cache is not None)
+        assert service.cache_budget.nbytes == others + one
+        del d  # a conversation its caller dropped leaves the budget with its cache
+        gc.collect()
+        assert service.cache_budget.nbytes == others
+    finally:
+        service.close()
+
+
+def test_one_conversation_over_the_budget_still_keeps_its_cache(tiny, checkpoint):
+    service = GenerationService({"tiny": tiny}, loader=lambda name, path: checkpoint, kv_cache_budget_mb=0)
+    try:
+        conversation = chat("Hello")
+        ask(service, conversation, ReplySettings(max_new_tokens=4, temperature=0.0))
+        assert conversation.kv_cache is not None  # the newest reply's cache always stays
+        other = chat("Hi")
+        ask(service, other, ReplySettings(max_new_tokens=4, temperature=0.0))
+        assert conversation.kv_cache is None and other.kv_cache is not None
+    finally:
+        service.close()
 
 
 # ---- cancel and the queue -----------------------------------------------------------------------

@@ -11,7 +11,7 @@ from torch import nn
 
 from .config import LlamaConfig
 from .kv_cache import KVCache
-from .matvec import Linear
+from .matvec import Linear, project
 from .rope import apply_rope, rope_tables
 
 
@@ -26,22 +26,22 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, kv_cache: KVCache | None, layer: int, start_pos: int):
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (b, h, s, d)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (b, kv, s, d)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        h, kv = self.n_heads, self.n_kv_heads
+        qkv = project(x, self.wq, self.wk, self.wv).view(batch, seq, h + 2 * kv, self.head_dim)
+        qkv = qkv.transpose(1, 2)  # (b, h + 2 kv, s, d)
+        qk = apply_rope(qkv[:, :h + kv], cos, sin)  # queries and keys rotated in one go
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv:]
         if kv_cache is not None:
             k, v = kv_cache.update(layer, start_pos, k, v)  # (b, kv, start_pos + s, d)
         if seq == 1:
             # One new token attends to every cached position. The query heads that share a KV head
             # become that head's "sequence" of queries: no repeated keys, and SDPA's fast kernels
             # (its GQA path is many times slower for a single query).
-            q = q.reshape(batch, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
+            q = q.reshape(batch, kv, h // kv, self.head_dim)
             out = F.scaled_dot_product_attention(q, k, v)  # (b, kv, groups, d)
             return self.wo(out.reshape(batch, 1, -1))
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and start_pos == 0,
-            enable_gqa=self.n_kv_heads != self.n_heads)
+            q, k, v, attn_mask=mask, is_causal=mask is None and start_pos == 0, enable_gqa=kv != h)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -55,7 +55,8 @@ class FeedForward(nn.Module):
         self.w3 = Linear(config.dim, config.ffn_dim)
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = project(x, self.w1, self.w3).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):

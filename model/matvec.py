@@ -47,8 +47,9 @@ def _build():
         warnings.warn(f"decode kernel unavailable, using F.linear ({str(e).splitlines()[0][:200]})")
         return False
     # Shapes of the outputs, so torch.compile can trace through the ops.
-    torch.library.register_fake("llama_kernels::matvec_bf16")(lambda x, w: x.new_empty(w.shape[0]))
-    torch.library.register_fake("llama_kernels::matvec_int8")(lambda x, w, scale: x.new_empty(w.shape[0]))
+    torch.library.register_fake("llama_kernels::matvec_bf16")(lambda x, ws: x.new_empty(sum(w.shape[0] for w in ws)))
+    torch.library.register_fake("llama_kernels::matvec_int8")(
+        lambda x, ws, scales: x.new_empty(sum(w.shape[0] for w in ws)))
     return torch.ops.llama_kernels
 
 
@@ -65,16 +66,27 @@ def _cpu_tag() -> str:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) @ weight (N, K).T, weight in any dtype (int8 with per-row scale (N,))."""
-    if (x.numel() == x.shape[-1] and x.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.int8)
-            and x.dtype in (torch.float32, torch.bfloat16)):
+    return linears(x, [weight], [scale])
+
+
+def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None]) -> torch.Tensor:
+    """x (..., K) through several weight matrices (N_i, K) at once: outputs side by side, (..., sum N_i)."""
+    kind = weights[0].dtype
+    if (x.numel() == x.shape[-1] and x.device.type == "cpu" and kind in (torch.bfloat16, torch.int8)
+            and x.dtype in (torch.float32, torch.bfloat16) and all(w.dtype == kind for w in weights)):
         ops = _ops if _ops is not None else kernels()  # no lock once built (torch.compile traces this)
         if ops:  # one row: y comes back in x's dtype
             flat = x.reshape(-1)
-            y = ops.matvec_bf16(flat, weight) if scale is None else ops.matvec_int8(flat, weight, scale)
-            return y.view(*x.shape[:-1], weight.shape[0])
-    if scale is not None:
-        weight = weight.to(x.dtype) * scale.to(x.dtype)[:, None]
-    return F.linear(x, weight.to(x.dtype))
+            y = ops.matvec_bf16(flat, weights) if kind == torch.bfloat16 else ops.matvec_int8(flat, weights, scales)
+            return y.view(*x.shape[:-1], -1)
+    outputs = [F.linear(x, (w.to(x.dtype) if s is None else w.to(x.dtype) * s.to(x.dtype)[:, None]))
+               for w, s in zip(weights, scales)]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+
+def project(x: torch.Tensor, *layers: Linear) -> torch.Tensor:
+    """x through several Linear layers of the same input size, outputs side by side (q|k|v, gate|up)."""
+    return linears(x, [layer.weight for layer in layers], [layer.scale for layer in layers])
 
 
 class Linear(nn.Linear):
@@ -85,7 +97,7 @@ class Linear(nn.Linear):
         self.scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.scale)
+        return project(x, self)
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ using c10::BFloat16;
 
 // Rows per task: at least ~64 KB of weights, so a thread's share is worth waking it for.
 int64_t grain(int64_t k_dim, int64_t bytes_per_weight) {
-  return std::max<int64_t>(1, (64 * 1024) / (k_dim * bytes_per_weight));
+  return std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, k_dim * bytes_per_weight));
 }
 
 float to_float(uint16_t bf16) {  // bf16 is the top half of an fp32
@@ -112,51 +112,68 @@ float dot_q8(const int8_t* w, const int16_t* x, int64_t k_dim) {
 }
 
 // ---- ops ---------------------------------------------------------------------------------------
+// Each op takes several matrices with the same K and gives their outputs concatenated (the rows of
+// q, k and v, or of gate and up, in one call and one parallel region).
 
-void check(const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype) {
+void check(const at::Tensor& x, at::TensorList ws, at::ScalarType dtype) {
   TORCH_CHECK(x.dim() == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
-              x.is_contiguous(), "x: contiguous float32 or bfloat16 (K,)");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype && w.is_contiguous(), "w: contiguous (N, K) of ", dtype);
-  TORCH_CHECK(w.size(1) == x.size(0), "w is ", w.sizes(), " but x has ", x.size(0), " elements");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors only");
+              x.is_contiguous() && x.device().is_cpu(), "x: contiguous float32 or bfloat16 CPU tensor (K,)");
+  TORCH_CHECK(!ws.empty(), "no weight matrices");
+  for (const at::Tensor& w : ws) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype && w.is_contiguous() && w.device().is_cpu(),
+                "w: contiguous (N, K) CPU tensor of ", dtype);
+    TORCH_CHECK(w.size(1) == x.size(0), "w is ", w.sizes(), " but x has ", x.size(0), " elements");
+  }
 }
 
-// Runs row(n) -> float for every output row in parallel and stores y in x's dtype.
+// y[n] = row(m, r) for output n = row r of matrix m, in parallel; y in x's dtype.
 template <typename Row>
-at::Tensor rows_to(const at::Tensor& x, int64_t n_rows, int64_t rows_per_task, Row row) {
-  at::Tensor y = at::empty({n_rows}, x.options());
+at::Tensor rows_to(const at::Tensor& x, at::TensorList ws, int64_t bytes_per_weight, Row row) {
+  std::vector<int64_t> first{0};  // first[m]: y index of matrix m's row 0
+  for (const at::Tensor& w : ws) first.push_back(first.back() + w.size(0));
+  at::Tensor y = at::empty({first.back()}, x.options());
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   BFloat16* yb = bf16 ? y.data_ptr<BFloat16>() : nullptr;
-  at::parallel_for(0, n_rows, rows_per_task, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, first.back(), grain(x.size(0), bytes_per_weight), [&](int64_t begin, int64_t end) {
+    size_t m = 0;
     for (int64_t n = begin; n < end; n++) {
-      const float v = row(n);
+      while (n >= first[m + 1]) m++;
+      const float v = row(m, n - first[m]);
       if (bf16) yb[n] = BFloat16(v); else yf[n] = v;
     }
   });
   return y;
 }
 
-at::Tensor matvec_bf16(const at::Tensor& x, const at::Tensor& w) {
-  check(x, w, at::kBFloat16);
-  const int64_t k_dim = w.size(1);
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws) {
+  check(x, ws, at::kBFloat16);
+  const int64_t k_dim = x.size(0);
+  std::vector<const uint16_t*> w;
+  for (const at::Tensor& t : ws) w.push_back(reinterpret_cast<const uint16_t*>(t.data_ptr()));
 #ifdef HAVE_BF16_DOT
   if (x.scalar_type() == at::kBFloat16) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    return rows_to(x, w.size(0), grain(k_dim, 2), [&](int64_t n) { return dot_bf16_bf16(wp + n * k_dim, xp, k_dim); });
+    return rows_to(x, ws, 2, [&](size_t m, int64_t r) { return dot_bf16_bf16(w[m] + r * k_dim, xp, k_dim); });
   }
 #endif
   const at::Tensor xf = x.to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
-  return rows_to(x, w.size(0), grain(k_dim, 2), [&](int64_t n) { return dot_bf16(wp + n * k_dim, xp, k_dim); });
+  return rows_to(x, ws, 2, [&](size_t m, int64_t r) { return dot_bf16(w[m] + r * k_dim, xp, k_dim); });
 }
 
-at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  check(x, w, at::kChar);
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == w.size(0) && scale.scalar_type() == at::kFloat &&
-              scale.is_contiguous(), "scale: contiguous float32 (N,)");
-  const int64_t k_dim = w.size(1);
+at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList scales) {
+  check(x, ws, at::kChar);
+  TORCH_CHECK(scales.size() == ws.size(), "one scale vector per matrix");
+  std::vector<const int8_t*> w;
+  std::vector<const float*> s;
+  for (size_t m = 0; m < ws.size(); m++) {
+    TORCH_CHECK(scales[m].dim() == 1 && scales[m].size(0) == ws[m].size(0) &&
+                scales[m].scalar_type() == at::kFloat && scales[m].is_contiguous(), "scale: contiguous float32 (N,)");
+    w.push_back(ws[m].data_ptr<int8_t>());
+    s.push_back(scales[m].data_ptr<float>());
+  }
+  const int64_t k_dim = x.size(0);
   const at::Tensor xf = x.to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
   float x_max = 0.f;
@@ -164,17 +181,16 @@ at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const float x_scale = x_max > 0.f ? x_max / 32767.f : 1.f;
   std::vector<int16_t> xq(k_dim);
   for (int64_t k = 0; k < k_dim; k++) xq[k] = static_cast<int16_t>(std::nearbyint(xp[k] / x_scale));
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  return rows_to(x, w.size(0), grain(k_dim, 1),
-                 [&](int64_t n) { return dot_q8(wp + n * k_dim, xq.data(), k_dim) * x_scale * sp[n]; });
+  return rows_to(x, ws, 1, [&](size_t m, int64_t r) {
+    return dot_q8(w[m] + r * k_dim, xq.data(), k_dim) * x_scale * s[m][r];
+  });
 }
 
 }  // namespace
 
 TORCH_LIBRARY(llama_kernels, m) {
-  m.def("matvec_bf16(Tensor x, Tensor w) -> Tensor");
-  m.def("matvec_int8(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("matvec_bf16(Tensor x, Tensor[] w) -> Tensor");
+  m.def("matvec_int8(Tensor x, Tensor[] w, Tensor[] scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_kernels, CPU, m) {

@@ -1,6 +1,6 @@
 """Where our engine's decode time goes: torch.profiler over a few decode steps, top ops by self CPU time.
 
-    python bench/profile_decode.py [--shape llama3.2-1b] [--dtype bfloat16] [--steps 16]
+    python bench/profile_decode.py [--shape llama3.2-1b] [--dtype bfloat16] [--quantize int8] [--steps 16]
 
 Loads the random checkpoint of the shape, prefills a prompt, runs two untimed decode steps, then
 profiles `--steps` more, each the same call `generate` makes (`model(tokens, start_pos, kv_cache,
@@ -27,6 +27,7 @@ def main() -> int:
                                 epilog="\n".join(__doc__.split("\n")[2:]))
     p.add_argument("--shape", default="llama3.2-1b")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--quantize", default=None, help="passed to load_checkpoint, e.g. int8")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -34,7 +35,8 @@ def main() -> int:
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
-    ckpt = model.load_checkpoint(random_checkpoint(args.shape), dtype=DTYPES[args.dtype])
+    options = {"quantize": args.quantize} if args.quantize else {}
+    ckpt = model.load_checkpoint(random_checkpoint(args.shape), dtype=DTYPES[args.dtype], **options)
     net, config = ckpt.model, ckpt.config
     prompt = random_prompt(config.vocab_size, args.prompt_tokens)
     cache = model.KVCache(config, args.prompt_tokens + args.steps + 2, dtype=ckpt.dtype)
@@ -49,11 +51,11 @@ def main() -> int:
     for _ in range(2):  # warm-up: first calls prime kernels and touch the mapped weights
         token, pos = step([token], pos), pos + 1
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(args.steps):
             token, pos = step([token], pos), pos + 1
     seconds = time.perf_counter() - start
-    print(f"{args.shape} {args.dtype}, {args.threads} threads: {args.steps} decode steps in {seconds:.2f} s "
+    print(f"{args.shape} {args.dtype}{' ' + args.quantize if args.quantize else ''}, {args.threads} threads: {args.steps} decode steps in {seconds:.2f} s "
           f"({args.steps / seconds:.2f} tok/s under the profiler)\n")
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=args.top,
                                                              max_name_column_width=32,

@@ -1,0 +1,142 @@
+"""The chat app serving one long conversation: time to first token per turn, and the server's peak memory.
+
+    python bench/serve.py [--shape llama3.2-1b] [--turns 10] [--words 55] [--reply-tokens 75] [--threads N]
+
+Starts the real app (`chainlit run app/main.py`) on the random checkpoint of the shape, connects as a
+browser tab does (socket.io), and holds a conversation of `--turns` turns: each a user message of
+`--words` random words (about 75 tokens) and a greedy reply of `--reply-tokens` tokens, so each turn
+adds about 150 tokens. Per turn it reads the time to first token that the app shows under the reply
+(measured by the engine: prompt to first sampled token) and the prompt's length. A follow-up only
+prefills its new tokens (the conversation keeps its KV cache), so later turns should start about as fast
+as the first; without reuse, a turn's TTFT would grow with its whole prompt, estimated here as
+prompt tokens / the first turn's prefill rate (the first turn has nothing to reuse).
+
+At the end it reads the server's peak resident memory (VmHWM) and compares it with the weight bytes +
+the conversation's KV cache + 600 MB. Writes bench/results/serve-<shape>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+from common import RESULTS, ROOT, machine, random_checkpoint
+
+sys.path.insert(0, str(ROOT / "tests"))  # the test suite's server and socket.io client
+
+from e2e_helpers import ChainlitServer, server_env  # noqa: E402
+from live_chat import LiveChat  # noqa: E402
+
+from model.config import LlamaConfig  # noqa: E402
+
+WORDS = ("river mountain quiet garden lantern copper meadow harbor violet engine orchard winter signal "
+         "marble thunder canyon pepper willow shadow crystal falcon velvet ember glacier saddle compass "
+         "thistle beacon cobalt juniper tundra pebble ribbon walnut canvas").split()
+
+
+def kv_bytes_per_token(config: LlamaConfig, dtype_bytes: int = 2) -> int:
+    return config.n_layers * 2 * config.n_kv_heads * config.head_dim * dtype_bytes
+
+
+def vm_hwm_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
+
+
+async def converse(url: str, turns: int, words: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    chat = await LiveChat(url).open(timeout=300)
+    rows = []
+    try:
+        for turn in range(1, turns + 1):
+            text = " ".join(rng.choice(WORDS) for _ in range(words))
+            sent = time.monotonic()
+            reply = await chat.ask(text, timeout=600)
+            stats = " ".join(reply.stats)
+            found = re.search(r"first token ([\d.]+) s", stats)
+            tokens = re.search(r"(\d+) tokens", stats)
+            if reply.errors or not found:
+                raise RuntimeError(f"turn {turn}: no reply ({reply.errors or stats or reply.notes})")
+            rows.append({"turn": turn, "ttft_s": float(found.group(1)), "reply_tokens": int(tokens.group(1)),
+                         "user": text, "reply": reply.text,
+                         "client_first_piece_s": (reply.first_token_at or sent) - sent, "stats": stats})
+            print(f"  turn {turn}: {stats}", flush=True)
+    finally:
+        await chat.close()
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.split("\n")[2:]))
+    p.add_argument("--shape", default="llama3.2-1b")
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--words", type=int, default=55, help="random words per user message (about 75 tokens)")
+    p.add_argument("--reply-tokens", type=int, default=75)
+    p.add_argument("--threads", type=int, default=None, help="LLAMA_THREADS for the server (default: all cores)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    config = LlamaConfig.preset(args.shape)
+    folder = random_checkpoint(args.shape)
+    weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    options = {"threads": args.threads} if args.threads else {}
+    env = server_env(checkpoint=folder, weights_dir=folder.parent, history="off", temperature=0,
+                     max_new_tokens=args.reply_tokens, **options)
+    log = RESULTS / f"serve-{args.shape}.log"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    print(f"{args.shape}: starting the app on {folder.relative_to(ROOT)} (log: {log.relative_to(ROOT)})", flush=True)
+    server = ChainlitServer(env, log=log)
+    try:
+        started = time.monotonic()
+        server.wait_ready(timeout=600)
+        ready_s = time.monotonic() - started
+        rss_ready = vm_hwm_mb(server.process.pid)
+        rows = asyncio.run(converse(server.url, args.turns, args.words, args.seed))
+        peak = vm_hwm_mb(server.process.pid)
+    finally:
+        server.stop()
+
+    # Prompt lengths: the page shows none, so count them as the service does.
+    from model.checkpoint import load_checkpoint  # tokenizer and chat format only; weights stay mapped
+    ckpt = load_checkpoint(folder)
+    dialog = []
+    for row in rows:
+        dialog.append({"role": "user", "content": row["user"]})
+        row["prompt_tokens"] = len(ckpt.chat_format.encode_dialog(dialog))
+        dialog.append({"role": "assistant", "content": row["reply"]})
+    first = rows[0]
+    prefill_tps = first["prompt_tokens"] / first["ttft_s"]
+    kv_bytes = kv_bytes_per_token(config) * (rows[-1]["prompt_tokens"] + args.reply_tokens)
+    limit_mb = (weight_bytes + kv_bytes) / 2**20 + 600
+
+    print("\n| turn | prompt tokens | TTFT s | TTFT / turn 1 | re-prefilling it all, estimated s |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        row["full_prefill_estimate_s"] = row["prompt_tokens"] / prefill_tps
+        print(f"| {row['turn']} | {row['prompt_tokens']} | {row['ttft_s']:.2f} | {row['ttft_s'] / first['ttft_s']:.2f}x "
+              f"| {row['full_prefill_estimate_s']:.2f} |")
+    last = rows[-1]
+    print(f"\nturn {last['turn']} TTFT = {last['ttft_s'] / first['ttft_s']:.2f}x turn 1 (target <= 1.5x); "
+          f"re-prefilling would be about {last['full_prefill_estimate_s'] / first['ttft_s']:.1f}x")
+    print(f"server peak RSS {peak:.0f} MB (after start {rss_ready:.0f} MB); weights {weight_bytes / 2**20:.0f} MB "
+          f"+ KV cache {kv_bytes / 2**20:.0f} MB + 600 MB = {limit_mb:.0f} MB: "
+          f"{'within' if peak <= limit_mb else 'OVER'}")
+    out = RESULTS / f"serve-{args.shape}.json"
+    out.write_text(json.dumps({"shape": args.shape, "machine": machine(), "settings": vars(args),
+                               "ready_s": ready_s, "rss_after_start_mb": rss_ready, "peak_rss_mb": peak,
+                               "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes, "limit_mb": limit_mb,
+                               "turns": rows}, indent=2))
+    print(f"results: {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

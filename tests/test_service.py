@@ -432,7 +432,15 @@ def test_every_setting_is_documented():
     read = set(re.findall(r'"(LLAMA_[A-Z_]+)"', (root / "app" / "settings.py").read_text()))
     table = set(re.findall(r"^\| `(LLAMA_[A-Z_]+)`", (root / "chainlit.md").read_text(), re.MULTILINE))
     example = set(re.findall(r"^(LLAMA_[A-Z_]+)=", (root / ".env.example").read_text(), re.MULTILINE))
-    assert len(read) == 22 and read == table == example
+    assert len(read) == 23 and read == table == example
+
+
+def test_kv_cache_budget_setting():
+    assert Settings.from_env({}).kv_cache_mb == 1024
+    assert Settings.from_env({"LLAMA_KV_CACHE_MB": "0"}).kv_cache_mb == 0  # only the newest chat keeps its cache
+    assert Settings.from_env({"LLAMA_KV_CACHE_MB": " 300 "}).kv_cache_mb == 300
+    with pytest.raises(SettingsError, match="LLAMA_KV_CACHE_MB=-1: expected a whole number of at least 0"):
+        Settings.from_env({"LLAMA_KV_CACHE_MB": "-1"})
 
 
 def test_llama_quantize_setting():

@@ -519,6 +519,10 @@ class GenerationService:
             request.emit(Text(piece))
         conversation.kv_cache, conversation.cache_model = generation.kv_cache, request.model
         self.cache_budget.keep(conversation)
+        stats = generation.stats
+        log.info("reply: prompt %d tokens (%d from the cache), %d new tokens, first token %.2f s, %.1f tokens/s, %s",
+                 stats.prompt_tokens, stats.reused_tokens, stats.new_tokens, stats.time_to_first_token,
+                 stats.tokens_per_second, generation.finish_reason)
         return Done(generation.text, generation.finish_reason, generation.stats)
 
 

@@ -2,8 +2,9 @@
 
     python bench/quality.py [--checkpoint weights/SmolLM2-135M-Instruct]
 
-For a fixed set of prompts: does greedy decoding give the same first 20 tokens as the reference
-(fp32 weights)? And the perplexity of a fixed text under each variant. Prints a table.
+For a fixed set of prompts: does greedy decoding give the same first 20 tokens as fp32 weights, and
+as bf16 weights (the default, which int8 replaces)? And the perplexity of a fixed text under each
+variant. Prints a table.
 """
 
 from __future__ import annotations
@@ -68,16 +69,25 @@ def main() -> None:
         ckpt = load_checkpoint(args.checkpoint, **options)
         results[name] = ([greedy(ckpt, q, args.tokens) for q in PROMPTS], perplexity(ckpt, TEXT))
         del ckpt
-    reference, ref_ppl = results["fp32"]
-    print(f"{args.checkpoint}: {len(PROMPTS)} prompts, greedy, first {args.tokens} tokens vs fp32\n")
-    print("| weights | same first tokens | mean tokens before first difference | perplexity | vs fp32 |")
-    print("|---|---|---|---|---|")
+    print(f"{args.checkpoint}: {len(PROMPTS)} prompts, greedy, first {args.tokens} tokens\n")
+    print("| weights | same first tokens as fp32 | as bf16 | mean tokens before the first difference from bf16 "
+          "| perplexity | vs fp32 |")
+    print("|---|---|---|---|---|---|")
     for name, (tokens, ppl) in results.items():
-        same = sum(a == b for a, b in zip(tokens, reference))
-        prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(tokens, reference)]
-        print(f"| {name} | {same}/{len(PROMPTS)} | {sum(prefix) / len(prefix):.1f} | {ppl:.3f} | "
-              f"{(ppl / ref_ppl - 1) * 100:+.2f}% |")
+        print(f"| {name} | {same(tokens, results['fp32'][0])}/{len(PROMPTS)} | "
+              f"{same(tokens, results['bf16'][0])}/{len(PROMPTS)} | {agreeing(tokens, results['bf16'][0]):.1f} | "
+              f"{ppl:.3f} | {(ppl / results['fp32'][1] - 1) * 100:+.2f}% |")
 
+
+def same(tokens: list[list[int]], reference: list[list[int]]) -> int:
+    """Prompts whose greedy tokens are all equal."""
+    return sum(a == b for a, b in zip(tokens, reference))
+
+
+def agreeing(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """Mean count of leading tokens equal to the reference's."""
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(tokens, reference)]
+    return sum(prefix) / len(prefix)
 
 if __name__ == "__main__":
     main()

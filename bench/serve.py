@@ -5,11 +5,16 @@
 Starts the real app (`chainlit run app/main.py`) on the random checkpoint of the shape, connects as a
 browser tab does (socket.io), and holds a conversation of `--turns` turns: each a user message of
 `--words` random words (about 75 tokens) and a greedy reply of `--reply-tokens` tokens, so each turn
-adds about 150 tokens. Per turn it reads the time to first token that the app shows under the reply
-(measured by the engine: prompt to first sampled token) and the prompt's length. A follow-up only
-prefills its new tokens (the conversation keeps its KV cache), so later turns should start about as fast
-as the first; without reuse, a turn's TTFT would grow with its whole prompt, estimated here as
-prompt tokens / the first turn's prefill rate (the first turn has nothing to reuse).
+adds about 150 tokens. A first chat says "Hello" to warm the server up. Per turn it reads the time to
+first token that the app shows under the reply (measured by the engine: prompt to first sampled token)
+and, from the server's log, the prompt's length and how much of it came from the KV cache. A follow-up
+only prefills its new tokens, so later turns should start about as fast as the first; without reuse,
+a turn's TTFT would grow with its whole prompt, estimated here as prompt tokens / the first turn's
+prefill rate (the first turn has nothing to reuse).
+
+With random weights the replies are random tokens, and the reply's text, encoded again as part of
+the next prompt, rarely gives the same ids: the cache then matches up to the reply's start and the
+reply is prefilled again with the new message. A real model's replies re-encode to their own ids.
 
 At the end it reads the server's peak resident memory (VmHWM) and compares it with the weight bytes +
 the conversation's KV cache + 600 MB. Writes bench/results/serve-<shape>.json.
@@ -51,6 +56,11 @@ def vm_hwm_mb(pid: int) -> float:
 
 async def converse(url: str, turns: int, words: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
+    warm_up = await LiveChat(url).open(timeout=300)  # the first reply after start reads the mapped weights
+    try:
+        await warm_up.ask("Hello", timeout=600)
+    finally:
+        await warm_up.close()
     chat = await LiveChat(url).open(timeout=300)
     rows = []
     try:
@@ -104,25 +114,23 @@ def main() -> int:
     finally:
         server.stop()
 
-    # Prompt lengths: the page shows none, so count them as the service does.
-    from model.checkpoint import load_checkpoint  # tokenizer and chat format only; weights stay mapped
-    ckpt = load_checkpoint(folder)
-    dialog = []
-    for row in rows:
-        dialog.append({"role": "user", "content": row["user"]})
-        row["prompt_tokens"] = len(ckpt.chat_format.encode_dialog(dialog))
-        dialog.append({"role": "assistant", "content": row["reply"]})
+    # Prompt and reused tokens of each reply, from the service's log (the last `turns` replies are ours).
+    logged = re.findall(r"reply: prompt (\d+) tokens \((\d+) from the cache\)", log.read_text(errors="replace"))
+    for row, (prompt, reused) in zip(rows, logged[-len(rows):]):
+        row["prompt_tokens"], row["reused_tokens"] = int(prompt), int(reused)
     first = rows[0]
-    prefill_tps = first["prompt_tokens"] / first["ttft_s"]
+    prefill_tps = (first["prompt_tokens"] - first["reused_tokens"]) / first["ttft_s"]
     kv_bytes = kv_bytes_per_token(config) * (rows[-1]["prompt_tokens"] + args.reply_tokens)
     limit_mb = (weight_bytes + kv_bytes) / 2**20 + 600
 
-    print("\n| turn | prompt tokens | TTFT s | TTFT / turn 1 | re-prefilling it all, estimated s |")
-    print("|---|---|---|---|---|")
+    print("\n| turn | prompt tokens | from the cache | prefilled | TTFT s | TTFT / turn 1 "
+          "| re-prefilling it all, estimated s |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         row["full_prefill_estimate_s"] = row["prompt_tokens"] / prefill_tps
-        print(f"| {row['turn']} | {row['prompt_tokens']} | {row['ttft_s']:.2f} | {row['ttft_s'] / first['ttft_s']:.2f}x "
-              f"| {row['full_prefill_estimate_s']:.2f} |")
+        print(f"| {row['turn']} | {row['prompt_tokens']} | {row['reused_tokens']} | "
+              f"{row['prompt_tokens'] - row['reused_tokens']} | {row['ttft_s']:.2f} | "
+              f"{row['ttft_s'] / first['ttft_s']:.2f}x | {row['full_prefill_estimate_s']:.2f} |")
     last = rows[-1]
     print(f"\nturn {last['turn']} TTFT = {last['ttft_s'] / first['ttft_s']:.2f}x turn 1 (target <= 1.5x); "
           f"re-prefilling would be about {last['full_prefill_estimate_s'] / first['ttft_s']:.1f}x")

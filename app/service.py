@@ -132,6 +132,7 @@ class Conversation:
     left_out: int = 0  # leading messages dropped from the prompt because they no longer fit
     kv_cache: KVCache | None = None
     cache_model: str | None = None  # the model whose keys/values kv_cache holds
+    reply_ids: dict[str, list[int]] = field(default_factory=dict)  # reply text -> the ids generated for it
 
     def add(self, role: str, content: str, id: str | None = None) -> Message:
         message = Message(role, content, id)
@@ -153,7 +154,12 @@ class Conversation:
     def dialog(self, start: int = 0) -> list[dict]:
         """System prompt and messages[start:] as the chat format's dicts."""
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return system + [{"role": m.role, "content": m.content} for m in self.messages[start:]]
+        return system + [{"role": m.role, "content": m.content, **self._ids(m)} for m in self.messages[start:]]
+
+    def _ids(self, message: Message) -> dict:
+        """A reply of the model's keeps the ids it was generated as (the chat format may use them)."""
+        ids = self.reply_ids.get(message.content) if message.role == "assistant" else None
+        return {"ids": ids} if ids is not None else {}
 
 
 def fit_prompt(chat_format, conversation: Conversation, limit: int, max_new_tokens: int) -> tuple[list[int], int]:
@@ -518,6 +524,7 @@ class GenerationService:
         for piece in generation:
             request.emit(Text(piece))
         conversation.kv_cache, conversation.cache_model = generation.kv_cache, request.model
+        conversation.reply_ids[generation.text] = list(generation.tokens)
         self.cache_budget.keep(conversation)
         stats = generation.stats
         log.info("reply: prompt %d tokens (%d from the cache), %d new tokens, first token %.2f s, %.1f tokens/s, %s",

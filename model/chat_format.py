@@ -54,10 +54,15 @@ class ChatFormat:
                 *self.tokenizer.encode("\n\n")]
 
     def encode_message(self, message: dict) -> list[int]:
-        """Header, content (as Meta: not stripped, tokenized on its own), <|eot_id|>."""
+        """Header, content (as Meta: not stripped, tokenized on its own), <|eot_id|>.
+
+        An assistant message may carry "ids": the tokens the model generated for it, used instead of
+        its text encoded again (which can split differently), so a KV cache holding them still matches.
+        """
         check_messages([message])
-        return (self.encode_header(message["role"]) + self.tokenizer.encode(message["content"])
-                + [self.tokenizer.eot_id])
+        ids = message.get("ids") if message["role"] == "assistant" else None
+        content = list(ids) if ids is not None else self.tokenizer.encode(message["content"])
+        return self.encode_header(message["role"]) + content + [self.tokenizer.eot_id]
 
     def encode_dialog(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         check_messages(messages)

@@ -75,6 +75,23 @@ def test_content_is_not_stripped(llama3):
     assert ids == meta_ids([{"role": "user", "content": "\n Hi \n"}])
 
 
+def test_a_reply_keeps_the_ids_it_was_generated_as(llama3):
+    fmt, tok = llama3, llama3.tokenizer
+    text = "Paris."
+    generated = tok.encode("Par") + tok.encode("is.")  # another split of the same text
+    assert generated != tok.encode(text) and tok.decode(generated) == text
+    dialog = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": text}]
+    plain = fmt.encode_dialog(dialog)
+    kept = fmt.encode_dialog([dialog[0], {**dialog[1], "ids": generated}])
+    reply_at = len(fmt.encode_dialog(dialog[:1], add_generation_prompt=False))  # the reply's header starts here
+    header = fmt.encode_header("assistant")
+    assert kept[:reply_at] == plain[:reply_at]
+    assert kept[reply_at:] == header + generated + [tok.eot_id] + header
+    assert plain[reply_at:] == header + tok.encode(text) + [tok.eot_id] + header
+    # only the model's own messages carry ids: a user message is always its text
+    assert fmt.encode_dialog([{**dialog[0], "ids": [1, 2, 3]}]) == fmt.encode_dialog(dialog[:1])
+
+
 def test_ids_equal_meta_on_varied_dialogs(llama3, varied_texts):
     for messages in random_dialogs(varied_texts, 300):
         assert llama3.encode_dialog(messages) == meta_ids(messages), messages

@@ -287,7 +287,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
 
     dtype: how weight matrices are stored (default: bf16 where that is fast, else fp32); the
     activations run in it too where the hardware computes natively in it, else in fp32.
-    quantize: "int8" stores the linear layers as int8 with one scale per output row.
+    quantize: "int8" stores the linear layers as int8 with one scale per 64 weights of a row.
     compile: run single-token decode steps through torch.compile (compiled on the first reply).
     """
     if quantize not in (None, "int8"):

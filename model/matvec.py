@@ -65,7 +65,7 @@ def _cpu_tag() -> str:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) @ weight (N, K).T, weight in any dtype (int8 with per-row scale (N,))."""
+    """x (..., K) @ weight (N, K).T, weight in any dtype (int8 with group scales (N, K // group))."""
     return linears(x, [weight], [scale])
 
 
@@ -79,7 +79,7 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Ten
             flat = x.reshape(-1)
             y = ops.matvec_bf16(flat, weights) if kind == torch.bfloat16 else ops.matvec_int8(flat, weights, scales)
             return y.view(*x.shape[:-1], -1)
-    outputs = [F.linear(x, (w.to(x.dtype) if s is None else w.to(x.dtype) * s.to(x.dtype)[:, None]))
+    outputs = [F.linear(x, w.to(x.dtype) if s is None else dequantize_int8(w, s, x.dtype))
                for w, s in zip(weights, scales)]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
@@ -90,7 +90,7 @@ def project(x: torch.Tensor, *layers: Linear) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias whose weight may be bf16, or int8 with a per-output-row `scale`."""
+    """nn.Linear without bias whose weight may be bf16, or int8 with `scale`s per group of a row."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
@@ -100,20 +100,33 @@ class Linear(nn.Linear):
         return project(x, self)
 
 
+INT8_GROUP = 64  # weights of a row that share one scale
+
+
 @torch.no_grad()
 def quantize_int8(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: weight ~= q * scale[:, None]. Returns (q int8 (N, K), scale fp32 (N,)).
+    """Symmetric int8 with one scale per group of INT8_GROUP weights of a row (of fewer where K is not a
+    multiple of it: the largest divisor of K below it).
 
+    Returns (q int8 (N, K), scale fp32 (N, K // group)): weight ~= dequantize_int8(q, scale).
     Works through `rows` rows at a time, so a large matrix never has a full fp32 copy.
     """
+    n, k = weight.shape
+    group = next(g for g in range(min(INT8_GROUP, k), 0, -1) if k % g == 0)
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
-    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
-    for i in range(0, weight.shape[0], rows):
-        w = weight[i:i + rows].float()
-        s = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        q[i:i + rows] = torch.round(w / s[:, None]).clamp_(-127, 127)
+    scale = torch.empty(n, k // group, dtype=torch.float32, device=weight.device)
+    for i in range(0, n, rows):
+        w = weight[i:i + rows].float().view(-1, k // group, group)  # (rows, groups, group)
+        s = w.abs().amax(dim=-1).clamp(min=1e-8) / 127.0
+        q[i:i + rows] = torch.round(w / s[..., None]).clamp_(-127, 127).view(-1, k)
         scale[i:i + rows] = s
     return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """The (N, K) matrix that int8 q with group scales (N, K // group) stands for."""
+    n, k = q.shape
+    return (q.view(n, scale.shape[1], -1).to(dtype) * scale.to(dtype)[..., None]).view(n, k)
 
 
 @torch.no_grad()

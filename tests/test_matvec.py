@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from model import generate, load_checkpoint
-from model.matvec import kernels, linear, quantize_int8
+from model.matvec import dequantize_int8, kernels, linear, quantize_int8
 
 from checkpoints import hf_model, prompt_ids
 
@@ -48,7 +48,7 @@ def test_int8_matvec_matches_dequantized_linear(n, k, dtype):
     g = torch.Generator().manual_seed(k)
     q, scale = quantize_int8(torch.randn(n, k, generator=g))
     x = torch.randn(1, k, generator=g).to(dtype)
-    reference = F.linear(x.float(), q.float() * scale[:, None])
+    reference = F.linear(x.float(), dequantize_int8(q, scale))
     # Decode rounds x to int16 (one scale per vector): a relative error near 2**-16.
     ours = linear(x, q, scale)
     assert ours.dtype == dtype
@@ -57,11 +57,18 @@ def test_int8_matvec_matches_dequantized_linear(n, k, dtype):
         torch.testing.assert_close(linear(x.repeat(4, 1), q, scale), reference.repeat(4, 1), rtol=1e-4, atol=1e-4)
 
 
-def test_quantize_int8_error_is_within_half_a_step():
-    w = torch.randn(64, 256)
+@pytest.mark.parametrize("k,group", [(256, 64), (576, 64), (517, 47), (5, 5)])
+def test_quantize_int8_error_is_within_half_a_step_of_its_group(k, group):
+    w = torch.randn(64, k) * torch.linspace(0.01, 10, k)  # groups of very different ranges
     q, scale = quantize_int8(w)
-    assert q.dtype == torch.int8 and q.abs().max() == 127
-    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+    assert q.dtype == torch.int8 and scale.shape == (64, k // group)
+    steps = scale.repeat_interleave(group, dim=1)  # (64, k): each weight's own step
+    assert (q.abs().view(64, -1, group).amax(-1) == 127).all()  # every group uses its full range
+    assert ((dequantize_int8(q, scale) - w).abs() <= steps / 2 + 1e-6).all()
+    # one scale per row would round the small weights more coarsely (all steps = the largest)
+    per_row = w.abs().amax(1, keepdim=True) / 127
+    assert (steps <= per_row + 1e-9).all()
+    assert steps.mean() < 0.8 * per_row.mean() if k > group else torch.equal(steps, per_row.expand(64, k))
 
 
 @pytest.fixture(scope="module")

@@ -83,30 +83,31 @@ float dot_bf16_bf16(const uint16_t* w, const uint16_t* x, int64_t k_dim) {
 #endif
 
 // ---- int8 weights ------------------------------------------------------------------------------
-// x is rounded to int16 with one scale, so the inner loop is integer multiply-adds. Sums of
-// products of |w| <= 127 and |x| <= 32767 stay in int32 over short spans, then go to float.
+// Each run of `group` weights of a row has its own scale. x is rounded to int16 with one scale, so
+// within a group the products are integer multiply-adds (|w| <= 127, |x| <= 32767: a group of up to
+// 256 sums safely in int32); each group's sum is then scaled in float.
 
-float dot_q8(const int8_t* w, const int16_t* x, int64_t k_dim) {
+float dot_q8(const int8_t* w, const int16_t* x, const float* scale, int64_t k_dim, int64_t group) {
   int64_t k = 0;
   float sum = 0.f;
 #ifdef HAVE_AVX512
-  __m512 total = _mm512_setzero_ps();
-  while (k + 32 <= k_dim) {  // each int32 lane adds at most 256 products before going to float
-    const int64_t end = std::min(k + 4096, k_dim - k_dim % 32);
-    __m512i acc = _mm512_setzero_si512();
-    for (; k < end; k += 32) {  // 32 weights widened to int16; pairs multiplied and added
-      __m512i wk = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
-      acc = _mm512_add_epi32(acc, _mm512_madd_epi16(wk, _mm512_loadu_si512(x + k)));
+  if (group % 32 == 0) {
+    __m512 total = _mm512_setzero_ps();
+    for (; k < k_dim; k += group) {
+      __m512i acc = _mm512_setzero_si512();
+      for (int64_t i = k; i < k + group; i += 32) {  // 32 weights widened to int16; pairs multiplied and added
+        __m512i wi = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i)));
+        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(wi, _mm512_loadu_si512(x + i)));
+      }
+      total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(scale[k / group]), total);
     }
-    total = _mm512_add_ps(total, _mm512_cvtepi32_ps(acc));
+    return _mm512_reduce_add_ps(total);
   }
-  sum = _mm512_reduce_add_ps(total);
 #endif
-  while (k < k_dim) {  // 256 products per int32 sum
-    const int64_t end = std::min(k + 256, k_dim);
+  for (; k < k_dim; k += group) {
     int32_t acc = 0;
-    for (; k < end; k++) acc += static_cast<int16_t>(w[k]) * x[k];
-    sum += static_cast<float>(acc);
+    for (int64_t i = k; i < k + group; i++) acc += static_cast<int16_t>(w[i]) * x[i];
+    sum += static_cast<float>(acc) * scale[k / group];
   }
   return sum;
 }
@@ -168,8 +169,11 @@ at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList sc
   std::vector<const int8_t*> w;
   std::vector<const float*> s;
   for (size_t m = 0; m < ws.size(); m++) {
-    TORCH_CHECK(scales[m].dim() == 1 && scales[m].size(0) == ws[m].size(0) &&
-                scales[m].scalar_type() == at::kFloat && scales[m].is_contiguous(), "scale: contiguous float32 (N,)");
+    TORCH_CHECK(scales[m].dim() == 2 && scales[m].size(0) == ws[m].size(0) &&
+                scales[m].scalar_type() == at::kFloat && scales[m].is_contiguous(),
+                "scale: contiguous float32 (N, K / group)");
+    TORCH_CHECK(x.size(0) % scales[m].size(1) == 0 && x.size(0) / scales[m].size(1) <= 256,
+                "scale: K / group groups of at most 256 weights; got ", scales[m].sizes(), " for K=", x.size(0));
     w.push_back(ws[m].data_ptr<int8_t>());
     s.push_back(scales[m].data_ptr<float>());
   }
@@ -181,8 +185,10 @@ at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList sc
   const float x_scale = x_max > 0.f ? x_max / 32767.f : 1.f;
   std::vector<int16_t> xq(k_dim);
   for (int64_t k = 0; k < k_dim; k++) xq[k] = static_cast<int16_t>(std::nearbyint(xp[k] / x_scale));
+  std::vector<int64_t> groups;
+  for (const at::Tensor& t : scales) groups.push_back(t.size(1));
   return rows_to(x, ws, 1, [&](size_t m, int64_t r) {
-    return dot_q8(w[m] + r * k_dim, xq.data(), k_dim) * x_scale * s[m][r];
+    return dot_q8(w[m] + r * k_dim, xq.data(), s[m] + r * groups[m], k_dim, k_dim / groups[m]) * x_scale;
   });
 }
 

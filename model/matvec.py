@@ -1,9 +1,10 @@
-"""Linear layers whose weights may be stored as bf16 or int8 while activations stay in fp32.
+"""Linear layers whose weights may be stored as bf16 or int8, with activations in fp32 or bf16.
 
 Prefill (many rows) goes to `F.linear`. Decode (one row) is a matrix-vector product bound by
 memory bandwidth; a small C++ kernel (csrc/matvec.cpp, built with the system compiler on first use
-and cached) streams the 16-bit or 8-bit weights directly. Without a compiler everything still works
-through `F.linear`, only slower. `LLAMA_KERNELS=0` turns the kernel off.
+and cached) streams the 16-bit or 8-bit weights directly, several matrices of the same input in one
+call (q|k|v, gate|up). Without a compiler everything still works through `F.linear`, only slower.
+`LLAMA_KERNELS=0` turns the kernel off.
 """
 
 from __future__ import annotations

@@ -59,8 +59,15 @@ float dot_bf16(const uint16_t* w, const float* x, int64_t k_dim) {  // fp32 x: w
 }
 #else
 float dot_bf16(const uint16_t* w, const float* x, int64_t k_dim) {
+  // 32 running sums, which the compiler turns into several independent vector accumulators: one
+  // accumulator would wait on the latency of each multiply-add (measured 15 GB/s instead of 20-37).
+  float part[32] = {};
+  int64_t k = 0;
+  for (; k + 32 <= k_dim; k += 32)
+    for (int j = 0; j < 32; j++) part[j] += to_float(w[k + j]) * x[k + j];
   float sum = 0.f;
-  for (int64_t k = 0; k < k_dim; k++) sum += to_float(w[k]) * x[k];  // vectorized under -ffast-math
+  for (int j = 0; j < 32; j++) sum += part[j];
+  for (; k < k_dim; k++) sum += to_float(w[k]) * x[k];
   return sum;
 }
 #endif

@@ -6,13 +6,12 @@ SQLAlchemyDataLayer over SQLite, with the tables created here on first start, wi
 Chainlit 2.12 really writes (its documented schema lacks some). Chainlit only lists and resumes
 the chats of a signed-in user, so history also means sign-in: by default one local user with no
 login form (header authentication that accepts every request), or a password login for a shared
-machine. Chainlit's JSON web tokens need a secret: CHAINLIT_AUTH_SECRET, else one generated once
+machine (app.users checks the passwords). Chainlit's JSON web tokens need a secret: CHAINLIT_AUTH_SECRET, else one generated once
 and kept in `.auth_secret` beside the database.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 
 from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
 
-from .service import Conversation
+from .conversation import Conversation
 from .settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
@@ -139,51 +138,6 @@ def auth_secret(folder: Path) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(secret + "\n")
     return secret
-
-
-def read_users(path: Path) -> dict[str, str]:
-    """`name:password` lines (blank lines and # comments skipped) -> {name: password}."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise SettingsError(f"LLAMA_USERS={path}: cannot read the file: {e.strerror}") from None
-    users = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        name, colon, password = line.partition(":")
-        if not colon or not name.strip() or not password:
-            raise SettingsError(f"LLAMA_USERS={path}, line {number}: expected name:password")
-        users[name.strip()] = password
-    if not users:
-        raise SettingsError(f"LLAMA_USERS={path}: no name:password line in the file")
-    return users
-
-
-class Passwords:
-    """Checks a login: a named user of LLAMA_USERS with their password, or any name with LLAMA_PASSWORD."""
-
-    def __init__(self, users: dict[str, str], shared: str | None = None):
-        self.users, self.shared = users, shared
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> Passwords:
-        return cls(read_users(settings.users_file) if settings.users_file else {}, settings.password)
-
-    def check(self, name: str, password: str) -> str | None:
-        """The user's identifier if the password is right, else None."""
-        name = name.strip()
-        if not name:
-            return None
-        if name in self.users:
-            return name if _same(password, self.users[name]) else None
-        if self.shared is not None and _same(password, self.shared):
-            return name
-        return None
-
-
-def _same(given: str, expected: str) -> bool:
-    return hmac.compare_digest(given.encode(), expected.encode())
 
 
 # ---- resuming a chat ----------------------------------------------------------------------------

@@ -1,16 +1,16 @@
 """The chat UI: `chainlit run app/main.py` from the project root.
 
-Thin Chainlit handlers over app.service.GenerationService, which owns the model and runs every
-reply on its worker thread. What a session keeps in cl.user_session:
+Thin Chainlit handlers over a backend (`app.backend`): the engine process that owns the models and
+computes every reply, or a remote server. What a session keeps in cl.user_session:
 
-    conversation     app.service.Conversation: messages, system prompt, KV cache of the last reply
-    reply_settings   app.service.ReplySettings from the settings panel
-    request          the app.service.Request being answered, for the Stop button
+    conversation     app.conversation.Conversation: messages (replies with their token ids), system prompt
+    reply_settings   app.messages.ReplySettings from the settings panel
+    request          the app.reply.Reply being answered, for the Stop button
     told_trimmed     whether the user was told that older messages were left out
 
 With history on (the default), chats are stored in SQLite through Chainlit's data layer
 (app.history) and a chat resumed from the sidebar continues with the model remembering it. The
-OpenAI-compatible API (app.api) is served on the same server, from the same queue.
+OpenAI-compatible API (app.api) is served on the same server, by the same engine.
 """
 
 from __future__ import annotations
@@ -27,31 +27,51 @@ if str(ROOT) not in sys.path:  # `chainlit run app/main.py` imports this file by
 
 import chainlit as cl  # noqa: E402
 from chainlit.chat_context import chat_contexts  # noqa: E402
+from chainlit.config import config as chainlit_config  # noqa: E402
 from chainlit.input_widget import Slider, TextInput  # noqa: E402
 from chainlit.server import app as chainlit_app  # noqa: E402
+from fastapi.responses import JSONResponse  # noqa: E402
+from starlette.routing import Route  # noqa: E402
 
-from app import api, history  # noqa: E402
-from app.service import (Conversation, Done, Failed, GenerationService, Loading, Queued,  # noqa: E402
-                         ReplySettings, Text, Trimmed)
+from app import api, guard, history, users  # noqa: E402
+from app.backend import ServerBusy, open_backend  # noqa: E402
+from app.conversation import Conversation  # noqa: E402
+from app.messages import Done, Failed, Loading, Queued, ReplySettings, Text, Trimmed  # noqa: E402
 from app.settings import Settings, SettingsError  # noqa: E402
 
 log = logging.getLogger("app")
 
 try:
     SETTINGS = Settings.from_env()
-    SERVICE = GenerationService.from_settings(SETTINGS)
-    PASSWORDS = history.Passwords.from_settings(SETTINGS) if SETTINGS.auth == "password" else None
+    ALLOWED = guard.Allowed.from_settings(SETTINGS, chainlit_config.run.host, chainlit_config.run.port,
+                                          "https" if chainlit_config.run.ssl_cert else "http")
+    SIGN_IN = users.SignIn.from_settings(SETTINGS) if SETTINGS.auth == "password" else None
+    BACKEND = open_backend(SETTINGS)
     if SETTINGS.history:
         history.prepare(SETTINGS)
-    if SETTINGS.history or PASSWORDS:  # sign-in tokens need a secret
+    if SETTINGS.history or SIGN_IN:  # sign-in tokens need a secret
         os.environ["CHAINLIT_AUTH_SECRET"] = history.auth_secret(SETTINGS.history_db.parent)
 except SettingsError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-api.mount(chainlit_app, SERVICE, SETTINGS.api_key)
+if chainlit_app.middleware_stack is None:  # not serving yet (a reload by `chainlit run -w` keeps the first ones)
+    guard.install(chainlit_app, ALLOWED)  # in front of every route: the page, socket.io, sign-in, history, the API
+    chainlit_app.add_middleware(users.ClientAddress)  # failed sign-ins are slowed per address too
+api.mount(chainlit_app, BACKEND, SETTINGS.api_key)
+
+
+async def health(request) -> JSONResponse:
+    """200 once the default model is loaded, 503 before (and while a crashed engine restarts)."""
+    ready = BACKEND.ready
+    return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
+
+
+chainlit_app.router.routes.insert(0, Route("/health", health, methods=["GET"]))  # before Chainlit's own
 
 TRIMMED_NOTE = ("*Older messages of this chat no longer fit the model's context, so they were left out; "
                 "the model now sees only the more recent ones.*")
+BUSY_NOTE = ("The server is busy: as many replies are running and waiting as it takes. Please send your "
+             "message again in a moment.")
 STOPPED_WAIT_S = 2.0  # how long a stopped reply may take to hand back its last tokens and stats
 STARTERS = [
     ("Capital of France", "What is the capital of France?"),
@@ -64,20 +84,19 @@ STARTERS = [
 # ---- app ----------------------------------------------------------------------------------------
 
 @cl.on_app_startup
-async def load_default_model():
-    """Load (and on first start, prepare) the default model before the first chat needs it."""
-    for name, path in SERVICE.profiles.items():  # where each model comes from, symbolic links followed
-        log.info("model %s%s: %s", name, " (default)" if name == SERVICE.default else "",
-                 path.resolve() if isinstance(path, Path) else path)  # a backend URL is a string
-    try:
-        await SERVICE.load()
-    except Exception as e:  # the app still starts, and each chat shows the error
-        log.error("the model %s could not be loaded: %s", SERVICE.default, e)
+async def start_backend():
+    """Wait for the engine to list its models; it loads (on first start, prepares) the default one
+    meanwhile, and /health says 200 once it is loaded."""
+    log.info("%s", ALLOWED.summary())
+    await BACKEND.start()
+    for name, path in BACKEND.profiles.items():  # where each model comes from, symbolic links followed
+        log.info("model %s%s: %s", name, " (default)" if name == BACKEND.default else "",
+                 Path(path).resolve() if "://" not in path else path)
 
 
 @cl.on_app_shutdown
-def stop_service():
-    SERVICE.close()
+def stop_backend():
+    BACKEND.close()
 
 
 # ---- history and sign-in ------------------------------------------------------------------------
@@ -87,10 +106,10 @@ if SETTINGS.history:
     def history_database():
         return history.data_layer(SETTINGS)
 
-if PASSWORDS:
+if SIGN_IN:
     @cl.password_auth_callback
     async def password_login(username: str, password: str):
-        name = PASSWORDS.check(username, password)
+        name = await SIGN_IN(username, password)
         return cl.User(identifier=name, metadata={"provider": "password"}) if name else None
 elif SETTINGS.history:  # one local user, signed in without a form
     @cl.header_auth_callback
@@ -101,31 +120,33 @@ elif SETTINGS.history:  # one local user, signed in without a form
 @cl.on_chat_resume
 async def resume_chat(thread: dict):
     """A chat chosen in the sidebar: rebuild what the model saw from its stored messages."""
+    await BACKEND.start()
     profile = cl.user_session.get("chat_profile")
     values = cl.user_session.get("chat_settings") or {}
     system_prompt = ((values.get("system_prompt") or "").strip() or None if "system_prompt" in values
                      else SETTINGS.system_prompt)
     conversation = history.conversation_from_steps(
-        thread.get("steps") or [], model=profile if profile in SERVICE.profiles else SERVICE.default,
+        thread.get("steps") or [], model=profile if profile in BACKEND.profiles else BACKEND.default,
         system_prompt=system_prompt)
     cl.user_session.set("conversation", conversation)
     log.info("resumed chat %s with %d messages", thread.get("id"), len(conversation.messages))
     try:
-        await SERVICE.load(conversation.model)
+        await BACKEND.load(conversation.model)
     except Exception as e:
         await cl.ErrorMessage(content=f"The model {conversation.model} could not be loaded: {e}").send()
         return
     stored, _ = read_settings(values)
-    panel = await cl.ChatSettings(settings_widgets(stored.over(SERVICE.reply_defaults(conversation.model)),
-                                                   system_prompt, SERVICE.context_limit(conversation.model))).send()
+    panel = await cl.ChatSettings(settings_widgets(stored.over(BACKEND.reply_defaults(conversation.model)),
+                                                   system_prompt, BACKEND.context_limit(conversation.model))).send()
     cl.user_session.set("reply_settings", read_settings(panel)[0])
 
 
 @cl.set_chat_profiles
 async def chat_profiles(user=None, language=None):
-    return [cl.ChatProfile(name=name, default=name == SERVICE.default,
-                           markdown_description=f"`{path}`" + (" (default)" if name == SERVICE.default else ""))
-            for name, path in SERVICE.profiles.items()]
+    await BACKEND.start()
+    return [cl.ChatProfile(name=name, default=name == BACKEND.default,
+                           markdown_description=f"`{path}`" + (" (default)" if name == BACKEND.default else ""))
+            for name, path in BACKEND.profiles.items()]
 
 
 @cl.set_starters
@@ -137,21 +158,22 @@ async def starters(user=None, language=None):
 
 @cl.on_chat_start
 async def start_chat():
+    await BACKEND.start()
     profile = cl.user_session.get("chat_profile")
-    conversation = Conversation(model=profile if profile in SERVICE.profiles else SERVICE.default,
+    conversation = Conversation(model=profile if profile in BACKEND.profiles else BACKEND.default,
                                 system_prompt=SETTINGS.system_prompt)
     cl.user_session.set("conversation", conversation)
-    if not SERVICE.is_loaded(conversation.model):
+    if not BACKEND.is_loaded(conversation.model):
         note = await cl.Message(content=f"Loading **{conversation.model}**…").send()
         try:
-            await SERVICE.load(conversation.model)
+            await BACKEND.load(conversation.model)
         except Exception as e:
             await note.remove()
             await cl.ErrorMessage(content=f"The model {conversation.model} could not be loaded: {e}").send()
             return
         await note.remove()
-    limit = SERVICE.context_limit(conversation.model)
-    values = await cl.ChatSettings(settings_widgets(SERVICE.reply_defaults(conversation.model),
+    limit = BACKEND.context_limit(conversation.model)
+    values = await cl.ChatSettings(settings_widgets(BACKEND.reply_defaults(conversation.model),
                                                     conversation.system_prompt, limit)).send()
     cl.user_session.set("reply_settings", read_settings(values)[0])
 
@@ -170,7 +192,6 @@ async def update_settings(values: dict):
 @cl.on_message
 async def on_message(message: cl.Message):
     conversation = current_conversation()
-    cl.user_session.set("ended", False)  # a reconnected tab chats on
     conversation.truncate(message.id)  # an edited message: answer again from there
     if not message.content.strip():
         await cl.Message(content="Please type a message.").send()
@@ -188,14 +209,10 @@ async def stop_reply():
 
 @cl.on_chat_end
 async def end_chat():
-    """The tab closed or lost its connection, or a new chat began: free the model and the chat's memory."""
-    cl.user_session.set("ended", True)
+    """The tab closed or lost its connection, or a new chat began: free the model for others."""
     request = cl.user_session.get("request")
-    if request is not None:  # nobody is reading the reply any more: free the model for others
-        request.cancel()  # and reply() drops the KV cache once the worker has handed it back
-    conversation = cl.user_session.get("conversation")
-    if conversation is not None:  # a reconnected tab prefills the conversation again
-        conversation.kv_cache = None
+    if request is not None:  # nobody is reading the reply any more
+        request.cancel()
     session = cl.context.session
     if getattr(session, "to_clear", False):  # a new chat replaces this one for good
         chat_contexts.pop(session.id, None)
@@ -204,14 +221,19 @@ async def end_chat():
 def current_conversation() -> Conversation:
     conversation = cl.user_session.get("conversation")
     if conversation is None:  # a message that came before on_chat_start was done
-        conversation = Conversation(model=SERVICE.default, system_prompt=SETTINGS.system_prompt)
+        conversation = Conversation(model=BACKEND.default, system_prompt=SETTINGS.system_prompt)
         cl.user_session.set("conversation", conversation)
     return conversation
 
 
 async def reply(conversation: Conversation) -> None:
     """Stream the answer to the conversation's last message, then a line of statistics."""
-    request = SERVICE.stream(conversation, cl.user_session.get("reply_settings") or ReplySettings())
+    try:
+        request = BACKEND.stream(conversation, cl.user_session.get("reply_settings") or ReplySettings())
+    except ServerBusy:
+        conversation.messages.pop()  # not answered: leave it out of the history
+        await cl.ErrorMessage(content=BUSY_NOTE).send()
+        return
     cl.user_session.set("request", request)
     answer = cl.Message(content="", metadata={"kind": history.REPLY})  # what a resumed chat remembers
     status: cl.Message | None = None  # "waiting" or "loading", removed when the answer starts
@@ -223,18 +245,23 @@ async def reply(conversation: Conversation) -> None:
                     status = None
                 await answer.stream_token(event.text)
             elif isinstance(event, Queued):
-                status = await show_status(status, f"Waiting for {event.position} other "
-                                                   f"{'reply' if event.position == 1 else 'replies'} to finish…")
+                status = await show_status(status, "The model is answering other chats; yours is "
+                                                   f"{'next' if event.position == 1 else f'number {event.position}'}"
+                                                   " in line…")
             elif isinstance(event, Loading):
                 status = await show_status(status, f"Loading **{event.model}**…")
-            elif isinstance(event, Trimmed) and not cl.user_session.get("told_trimmed"):
-                cl.user_session.set("told_trimmed", True)
-                await cl.Message(content=TRIMMED_NOTE).send()
+            elif isinstance(event, Trimmed):
+                conversation.left_out = event.left_out  # later prompts start there too, and reuse the cache
+                if not cl.user_session.get("told_trimmed"):
+                    cl.user_session.set("told_trimmed", True)
+                    await cl.Message(content=TRIMMED_NOTE).send()
             elif isinstance(event, Done):
                 await finish(conversation, answer, event)
             elif isinstance(event, Failed):
                 asked = request.messages[-1]  # not answered: leave it out of the history
                 conversation.messages = [m for m in conversation.messages if m is not asked]
+                if answer.content:  # cut off midway (the engine stopped): no endless cursor
+                    await answer.send()
                 await cl.ErrorMessage(content=event.message).send()
     except asyncio.CancelledError:  # the Stop button: keep what was written
         request.cancel()
@@ -248,8 +275,6 @@ async def reply(conversation: Conversation) -> None:
         raise
     finally:
         request.cancel()  # a no-op once it is done
-        if cl.user_session.get("ended"):  # the chat ended while it ran: free its KV cache
-            conversation.kv_cache = None
         if status is not None:
             await status.remove()
         if cl.user_session.get("request") is request:
@@ -260,7 +285,7 @@ async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> 
     """Finalize the streamed answer, add it to the history, and show the statistics line."""
     if answer.content or done.finish_reason != "cancelled":
         await answer.send()
-    conversation.add("assistant", done.text, id=answer.id)
+    conversation.add("assistant", done.text, id=answer.id, ids=done.token_ids)
     await cl.Message(content=f"*{done.summary}*", author="stats").send()
 
 
@@ -298,6 +323,11 @@ def settings_widgets(defaults: ReplySettings, system_prompt: str | None, limit: 
                description="Sample among the k most likely tokens (0: off)."),
         Slider(id="top_p", label="Top-p", initial=defaults.top_p, min=0.05, max=1, step=0.05,
                description="Sample among the most likely tokens holding this share of probability."),
+        Slider(id="min_p", label="Min-p", initial=defaults.min_p, min=0, max=0.5, step=0.01,
+               description="Leave out tokens less likely than this share of the most likely one (0: off)."),
+        Slider(id="repetition_penalty", label="Repetition penalty", initial=defaults.repetition_penalty, min=1,
+               max=2, step=0.01, description="Makes tokens of the last 64 less likely, so replies do not go round "
+                                             "in circles (1: off)."),
         Slider(id="max_new_tokens", label="Max new tokens", initial=min(defaults.max_new_tokens, limit),
                min=16, max=limit, step=16, description="The longest reply, in tokens."),
         TextInput(id="seed", label="Seed", initial="", placeholder="random",
@@ -320,6 +350,8 @@ def read_settings(values: dict) -> tuple[ReplySettings, str | None]:
         temperature=_number(values.get("temperature"), float),
         top_k=_number(values.get("top_k"), int),
         top_p=_number(values.get("top_p"), float),
+        min_p=_number(values.get("min_p"), float),
+        repetition_penalty=_number(values.get("repetition_penalty"), float),
         seed=seed,
     ), problem
 

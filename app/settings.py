@@ -6,7 +6,7 @@ app at start-up with a message naming the variable, what was expected and what w
     LLAMA_TOP_P=abc: expected a number between 0 and 1
 
 Sampling values left unset come from each checkpoint's generation_config.json
-(`model.generate.sampling_defaults`).
+(`model.generation.sampling_defaults`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from model.config import DEFAULT_MAX_CONTEXT
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_WEIGHTS_DIR = PROJECT_ROOT / "weights"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # converted by model.prepare_default on first start
-DEFAULT_MAX_CONTEXT = 8192
 DEFAULT_MAX_NEW_TOKENS = 1024
 DEFAULT_KV_CACHE_MB = 1024  # KV caches kept between turns, all conversations together
+DEFAULT_MAX_BATCH = 8  # replies computed together
+DEFAULT_MAX_WAITING = 32  # replies waiting for a place in the batch; past it the server says it is busy
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 QUANTIZE = ("off", "int8")
@@ -49,8 +52,12 @@ class Settings:
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     threads: int | None = None
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB  # KV caches kept between turns, all conversations together
+    max_batch: int = DEFAULT_MAX_BATCH
+    max_waiting: int = DEFAULT_MAX_WAITING
     history: bool = True
     history_db: Path = DEFAULT_HISTORY_DB
     auth: str = "none"  # "none": one local user, no login form; "password": a login form
@@ -60,6 +67,8 @@ class Settings:
     backend_url: str | None = None  # an OpenAI-compatible server that generates instead of this process
     backend_key: str | None = None
     backend_model: str | None = None
+    allowed_hosts: tuple[str, ...] = ()  # host names besides loopback that requests may name (app.guard)
+    allowed_origins: tuple[str, ...] = ()  # web pages besides the app's own that may send requests (app.guard)
 
     @property
     def is_default_checkpoint(self) -> bool:
@@ -83,8 +92,12 @@ class Settings:
             temperature=env.number("LLAMA_TEMPERATURE", low=0.0, high=100.0),
             top_k=env.integer("LLAMA_TOP_K", low=0),
             top_p=env.number("LLAMA_TOP_P", low=0.0, high=1.0, low_open=True),
+            min_p=env.number("LLAMA_MIN_P", low=0.0, high=1.0),
+            repetition_penalty=env.number("LLAMA_REPETITION_PENALTY", low=0.0, high=10.0, low_open=True),
             threads=env.integer("LLAMA_THREADS", low=1),
             kv_cache_mb=_default(env.integer("LLAMA_KV_CACHE_MB", low=0), DEFAULT_KV_CACHE_MB),
+            max_batch=env.integer("LLAMA_MAX_BATCH", low=1) or DEFAULT_MAX_BATCH,
+            max_waiting=_default(env.integer("LLAMA_MAX_WAITING", low=0), DEFAULT_MAX_WAITING),
             history=env.switch("LLAMA_HISTORY", default=True),
             history_db=env.path("LLAMA_HISTORY_DB") or DEFAULT_HISTORY_DB,
             auth=env.choice("LLAMA_AUTH", AUTH_MODES) or "none",
@@ -94,6 +107,8 @@ class Settings:
             backend_url=env.url("LLAMA_BACKEND_URL"),
             backend_key=_strip(env.text("LLAMA_BACKEND_KEY")),
             backend_model=_strip(env.text("LLAMA_BACKEND_MODEL")),
+            allowed_hosts=env.items("LLAMA_ALLOWED_HOSTS"),
+            allowed_origins=env.items("LLAMA_ALLOWED_ORIGINS"),
         )
         if settings.auth == "password" and not (settings.password or settings.users_file):
             raise SettingsError("LLAMA_AUTH=password: expected LLAMA_PASSWORD or LLAMA_USERS to be set too")
@@ -117,6 +132,10 @@ class _Reader:
     def text(self, name: str) -> str | None:
         value = self.environ.get(name)
         return value if value is not None and value.strip() else None
+
+    def items(self, name: str) -> tuple[str, ...]:
+        """A comma-separated list (app.guard checks the entries, naming the variable)."""
+        return tuple(item.strip() for item in (self.text(name) or "").split(",") if item.strip())
 
     def path(self, name: str) -> Path | None:
         """Absolute: a relative path is taken from the working folder at start-up."""

@@ -147,6 +147,23 @@ def memory_mb() -> dict[str, float]:
             "file": fields.get("RssFile", 0.0), "hwm": fields.get("VmHWM", 0.0), "maxrss": maxrss}
 
 
+def vm_hwm_mb(pid: int | str = "self") -> float:
+    """Peak resident memory of a process (VmHWM), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
+
+
+def engine_pid(server_pid: int) -> int:
+    """The engine process a server (`chainlit run app/main.py`, `python -m app.api`) started: its child."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    for pid in children:
+        if "app.engine" in Path(f"/proc/{pid}/cmdline").read_text():
+            return int(pid)
+    raise RuntimeError(f"process {server_pid} has no engine process among its children {children}")
+
+
 def tensor_bytes(module: torch.nn.Module) -> int:
     """Bytes of the distinct tensors in a module's state dict (a tied head counted once)."""
     seen, total = set(), 0
@@ -229,16 +246,12 @@ def engine_version() -> str:
 
 def machine() -> dict:
     """CPU model, cores, the flags that decide bf16 speed, RAM, torch version."""
-    info = {"cpu": "unknown", "cores": os.cpu_count(), "torch": torch.__version__,
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    from model import cpu
+
+    info = {"cpu": cpu.model_name() or "unknown", "cores": os.cpu_count(), "torch": torch.__version__,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "flags": {f: f in cpu.flags() for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")}}
     try:
-        text = Path("/proc/cpuinfo").read_text()
-        for line in text.splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        flags = set(next((l for l in text.splitlines() if l.startswith("flags")), "").split())
-        info["flags"] = {f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")}
         mem_kb = int(next(l for l in Path("/proc/meminfo").read_text().splitlines()
                           if l.startswith("MemTotal")).split()[1])
         info["ram_gib"] = round(mem_kb / 2**20, 1)

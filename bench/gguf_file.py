@@ -1,22 +1,28 @@
-"""The random checkpoint as a GGUF file for llama.cpp: the same weights, in bf16, f16 or Q8_0.
+"""A checkpoint folder as a GGUF file for llama.cpp: the same weights, in f32, bf16, f16 or Q8_0.
 
-Written the way llama.cpp's convert_hf_to_gguf.py writes a Llama: q/k rows permuted back to
-interleaved RoPE pairs, llama3 RoPE scaling as a `rope_freqs.weight` tensor, no output.weight when
-tied. The vocabulary is `no_vocab` (llama.cpp's dummy tokens): the benchmark feeds token ids.
+Written the way llama.cpp's convert_hf_to_gguf.py writes a Llama (LlamaModel in its conversion/
+llama.py): llama.* hyper-parameters with head_dim as key/value length and RoPE dimension; q/k rows
+permuted back to interleaved RoPE pairs; the llama3 RoPE scaling only as a `rope_freqs.weight`
+tensor, one factor per frequency, computed as its generate_extra_tensors does; no output.weight when
+tied; every matrix (the embedding included) in the chosen type, norms in F32. The benchmark's files
+carry llama.cpp's dummy `no_vocab` tokenizer (it feeds token ids); the tests add Llama 3's
+(tests/gguf_checkpoints.py).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
-
 from common import CACHE
-from model.config import LlamaConfig
-from model.rope import inv_freq
 
-GGUF_TYPES = ("bf16", "f16", "q8_0")
+from model.config import LlamaConfig, RopeFreqFactors
+from model.rope import permute_qk_rows
+
+GGUF_TYPES = ("bf16", "f16", "q8_0")  # the ones the benchmark compares
 
 GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -36,27 +42,44 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
 
 
-def interleave_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Half-split RoPE layout (HF) -> interleaved pairs (Meta, llama.cpp). w: (n_heads * head_dim, dim)"""
-    rows, dim = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, dim).transpose(1, 2).reshape(rows, dim)
+def rope_factors(config: LlamaConfig) -> np.ndarray:
+    """The RoPE scaling as llama.cpp's converter stores it: one divisor per frequency, float32."""
+    s = config.rope_scaling
+    if isinstance(s, RopeFreqFactors):  # a folder imported from a GGUF: its own factors
+        return np.array(s.factors, dtype=np.float32)
+    dim = config.head_dim
+    freqs = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(s.factor)
+        else:
+            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor)
+            factors.append(1 / ((1 - smooth) / s.factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
-def gguf_checkpoint(folder: Path, shape: str, kind: str) -> Path:
-    """`bench/.cache/<shape>-<kind>.gguf` from the safetensors folder, written once."""
+def write_gguf(folder: Path, path: Path, kind: str, add_vocab: Callable | None = None, name: str = "random") -> Path:
+    """The safetensors checkpoint in `folder` as `path`, as `convert_hf_to_gguf.py --outtype kind` writes it.
+
+    add_vocab(writer) adds the tokenizer's metadata; without it the file has llama.cpp's `no_vocab`.
+    """
     import gguf
     from safetensors import safe_open
 
-    path = CACHE / f"{shape}-{kind}.gguf"
-    if path.is_file():
-        return path
-    qtype = {"bf16": gguf.GGMLQuantizationType.BF16, "f16": gguf.GGMLQuantizationType.F16,
-             "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
-    file_type = {"bf16": gguf.LlamaFileType.MOSTLY_BF16, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
+    qtype = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16,
+             "f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+                 "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
     c = LlamaConfig.from_hf_config(folder / "config.json")
-    w = gguf.GGUFWriter(path.with_suffix(".partial"), "llama", use_temp_file=True)
-    w.add_name(f"random {shape}")
+    w = gguf.GGUFWriter(path, "llama", use_temp_file=True)
+    w.add_name(name)
     w.add_context_length(c.max_seq_len)
     w.add_embedding_length(c.dim)
     w.add_block_count(c.n_layers)
@@ -70,25 +93,34 @@ def gguf_checkpoint(folder: Path, shape: str, kind: str) -> Path:
     w.add_layer_norm_rms_eps(c.norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_file_type(file_type)
-    w.add_tokenizer_model("no_vocab")
-    if c.rope_scaling is not None:  # llama.cpp divides each base frequency by its factor
-        factors = inv_freq(c.replace(rope_scaling=None)) / inv_freq(c)
-        w.add_tensor("rope_freqs.weight", factors.numpy().astype(np.float32))
+    if add_vocab is None:
+        w.add_tokenizer_model("no_vocab")
+    else:
+        add_vocab(w)
+    if c.rope_scaling is not None:
+        w.add_tensor("rope_freqs.weight", rope_factors(c))
     with safe_open(folder / "model.safetensors", framework="pt") as f:
-        for name in f.keys():
-            t = f.get_tensor(name)
-            if name.endswith("q_proj.weight"):
-                t = interleave_rope_rows(t, c.n_heads)
-            elif name.endswith("k_proj.weight"):
-                t = interleave_rope_rows(t, c.n_kv_heads)
+        for hf in f.keys():
+            t = f.get_tensor(hf)
+            if hf.endswith("q_proj.weight"):
+                t = permute_qk_rows(t, c.n_heads, to="interleaved")
+            elif hf.endswith("k_proj.weight"):
+                t = permute_qk_rows(t, c.n_kv_heads, to="interleaved")
             data = t.float().numpy()
             if data.ndim == 1:  # norms stay float32, as llama.cpp's converter keeps them
-                w.add_tensor(gguf_name(name), data)
+                w.add_tensor(gguf_name(hf), data)
             else:
-                w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+                w.add_tensor(gguf_name(hf), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    path.with_suffix(".partial").rename(path)
+    return path
+
+
+def gguf_checkpoint(folder: Path, shape: str, kind: str) -> Path:
+    """`bench/.cache/<shape>-<kind>.gguf` from the safetensors folder, written once."""
+    path = CACHE / f"{shape}-{kind}.gguf"
+    if not path.is_file():
+        write_gguf(folder, path.with_suffix(".partial"), kind, name=f"random {shape}").rename(path)
     return path

@@ -26,10 +26,19 @@ import sys
 import time
 from pathlib import Path
 
-from common import (DTYPES, MB, engine_version, memory_mb, n_params, random_checkpoint, random_prompt, run_worker,
-                    tensor_bytes, write_result)
-
 import torch  # noqa: E402  (imported by common after its path fix)
+from common import (
+    DTYPES,
+    MB,
+    engine_version,
+    memory_mb,
+    n_params,
+    random_checkpoint,
+    random_prompt,
+    run_worker,
+    tensor_bytes,
+    write_result,
+)
 
 from model.config import LlamaConfig  # noqa: E402
 

@@ -13,9 +13,8 @@ import argparse
 import sys
 import time
 
-from common import DTYPES, random_checkpoint, random_prompt
-
 import torch  # noqa: E402  (imported by common after its path fix)
+from common import DTYPES, random_checkpoint, random_prompt
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import model  # noqa: E402

@@ -1,149 +1,340 @@
-"""The chat app serving one long conversation: time to first token per turn, and the server's peak memory.
+"""Many streams at once through the OpenAI-compatible API, against the engine alone and transformers.
 
-    python bench/serve.py [--shape llama3.2-1b] [--turns 10] [--words 55] [--reply-tokens 75] [--threads N]
+    python bench/serve.py [--shape llama3.2-1b | default] [--streams 1,2,4,8] [--new-tokens 128] [--threads 2]
 
-Starts the real app (`chainlit run app/main.py`) on the random checkpoint of the shape, connects as a
-browser tab does (socket.io), and holds a conversation of `--turns` turns: each a user message of
-`--words` random words (about 75 tokens) and a greedy reply of `--reply-tokens` tokens, so each turn
-adds about 150 tokens. A first chat says "Hello" to warm the server up. Per turn it reads the time to
-first token that the app shows under the reply (measured by the engine: prompt to first sampled token)
-and, from the server's log, the prompt's length and how much of it came from the KV cache. A follow-up
-only prefills its new tokens, so later turns should start about as fast as the first; without reuse,
-a turn's TTFT would grow with its whole prompt, estimated here as prompt tokens / the first turn's
-prefill rate (the first turn has nothing to reuse).
-
-With random weights the replies are random tokens, and the reply's text, encoded again as part of
-the next prompt, rarely gives the same ids: the cache then matches up to the reply's start and the
-reply is prefilled again with the new message. A real model's replies re-encode to their own ids.
-
-At the end it reads the server's peak resident memory (VmHWM) and compares it with the weight bytes +
-the conversation's KV cache + 600 MB. Writes bench/results/serve-<shape>.json.
+On the random checkpoint of a preset's shape (bench/common.py), or on the default model's own weights
+(`--shape default`: a random 135M model's ids mostly fall outside the byte tokenizer it gets, so its
+streams would show no text), in one run, every request with a prompt of its own (about 100 tokens;
+none is found in the prefix cache), greedy, `--new-tokens` new tokens:
+- `--rounds` single streams through the API server (`python -m app.api`, engine process and all),
+  each beside `model.generate` alone in a fresh process on a prompt of the same length, taken in
+  turn (memory bandwidth drifts over minutes, so each pair is a ratio of its own);
+- 1, 2, 4 and 8 concurrent streams: per stream the time to first token and the decode rate (tokens
+  after the first / time from the first to the last piece, as the client sees them), and the
+  aggregate (the streams' decode rates added up);
+- a request arriving while 7 streams decode: its time to first token against the idle one plus two
+  decode steps of the batch (the target);
+- /health asked every 25 ms from a process of its own throughout: its slowest answers;
+- the peak resident memory of the web process and of the engine process;
+- transformers' `generate` on the 8-stream run's prompts' ids, batch 1 and batch 8 (left padding),
+  bf16: decode = new tokens after the first / (time for N tokens - time for 1), times the batch.
+Writes bench/results/serve-<shape>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import os
 import random
-import re
+import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from common import RESULTS, ROOT, machine, random_checkpoint
+import httpx
+from common import RESULTS, ROOT, engine_pid, machine, random_checkpoint, run_worker, vm_hwm_mb, write_result
 
-sys.path.insert(0, str(ROOT / "tests"))  # the test suite's server and socket.io client
+sys.path.insert(0, str(ROOT / "tests"))  # the test suite's server helpers
 
-from e2e_helpers import ChainlitServer, server_env  # noqa: E402
-from live_chat import LiveChat  # noqa: E402
-
-from model.config import LlamaConfig  # noqa: E402
+from support.servers import DEFAULT_MODEL, ApiServer, server_env  # noqa: E402
 
 WORDS = ("river mountain quiet garden lantern copper meadow harbor violet engine orchard winter signal "
          "marble thunder canyon pepper willow shadow crystal falcon velvet ember glacier saddle compass "
          "thistle beacon cobalt juniper tundra pebble ribbon walnut canvas").split()
+HEALTH_EVERY_S = 0.025
 
 
-def kv_bytes_per_token(config: LlamaConfig, dtype_bytes: int = 2) -> int:
-    return config.n_layers * 2 * config.n_kv_heads * config.head_dim * dtype_bytes
-
-
-def vm_hwm_mb(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
-
-
-async def converse(url: str, turns: int, words: int, seed: int) -> list[dict]:
+def prompts(n: int, words: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    warm_up = await LiveChat(url).open(timeout=300)  # the first reply after start reads the mapped weights
-    try:
-        await warm_up.ask("Hello", timeout=600)
-    finally:
-        await warm_up.close()
-    chat = await LiveChat(url).open(timeout=300)
-    rows = []
-    try:
-        for turn in range(1, turns + 1):
-            text = " ".join(rng.choice(WORDS) for _ in range(words))
-            sent = time.monotonic()
-            reply = await chat.ask(text, timeout=600)
-            stats = " ".join(reply.stats)
-            found = re.search(r"first token ([\d.]+) s", stats)
-            tokens = re.search(r"(\d+) tokens", stats)
-            if reply.errors or not found:
-                raise RuntimeError(f"turn {turn}: no reply ({reply.errors or stats or reply.notes})")
-            rows.append({"turn": turn, "ttft_s": float(found.group(1)), "reply_tokens": int(tokens.group(1)),
-                         "user": text, "reply": reply.text,
-                         "client_first_piece_s": (reply.first_token_at or sent) - sent, "stats": stats})
-            print(f"  turn {turn}: {stats}", flush=True)
-    finally:
-        await chat.close()
-    return rows
+    return [f"Prompt {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
 
+
+# ---- workers (fresh processes) ----------------------------------------------------------------------
+
+def worker_generate(spec: dict) -> dict:
+    """model.generate alone on the `timed` prompt: the engine's single-stream speed; and the ids of
+    `prompts` (for transformers)."""
+    import torch
+
+    from model.checkpoint import load_checkpoint
+    from model.generation import generate
+
+    torch.set_num_threads(spec["threads"])
+    ckpt = load_checkpoint(spec["folder"])
+    ids = [ckpt.chat_format.encode_dialog([{"role": "user", "content": p}]) for p in spec["prompts"]]
+    timed = ckpt.chat_format.encode_dialog([{"role": "user", "content": spec["timed"]}])
+    runs = []
+    for attempt in range(2):  # the first also reads the mapped file
+        reply = generate(ckpt, timed, max_new_tokens=spec["new_tokens"], temperature=0.0, stop_ids=set())
+        list(reply)
+        runs.append({"ttft_s": reply.stats.time_to_first_token, "decode_tps": reply.stats.tokens_per_second,
+                     "new_tokens": reply.stats.new_tokens})
+    return {"runs": runs, "ttft_s": runs[-1]["ttft_s"], "decode_tps": runs[-1]["decode_tps"], "prompt_ids": ids,
+            "dtype": str(ckpt.dtype)}
+
+
+def worker_transformers(spec: dict) -> dict:
+    """transformers' batched generate (left padding), bf16: decode rate of batch 1 and of batch len(ids)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(spec["threads"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.bfloat16).eval()
+    pad = 0
+    results = {}
+    for batch in spec["batches"]:
+        rows = spec["prompt_ids"][:batch]
+        width = max(map(len, rows))
+        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+
+        def timed(n: int) -> float:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=pad)
+            return time.perf_counter() - started
+
+        timed(2)  # warm up
+        t1 = statistics.median(timed(1) for _ in range(2))
+        tn = timed(spec["new_tokens"])
+        results[str(batch)] = {"ttft_s": t1, "decode_tps": batch * (spec["new_tokens"] - 1) / (tn - t1)}
+    return results
+
+
+# ---- the server ------------------------------------------------------------------------------------------
+
+def stream(url: str, prompt: str, new_tokens: int, out: dict) -> None:
+    """One streamed greedy reply; fills out with sent/first/last times (monotonic) and token count."""
+    body = {"model": "", "messages": [{"role": "user", "content": prompt}], "max_tokens": new_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    out["sent"] = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                out["tokens"] = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    out.setdefault("first", time.monotonic())
+                    out["last"] = time.monotonic()
+
+
+def concurrent(url: str, texts: list[str], new_tokens: int) -> list[dict]:
+    outs = [{} for _ in texts]
+    threads = [threading.Thread(target=stream, args=(url, t, new_tokens, o)) for t, o in zip(texts, outs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for o in outs:
+        o["ttft_s"] = o["first"] - o["sent"]
+        o["decode_tps"] = (o["tokens"] - 1) / (o["last"] - o["first"])
+    return outs
+
+
+class HealthProbe:
+    """GET /health every 25 ms from a process of its own (in this one, the streams' threads would hold
+    the probe back), until stop(); the slowest answers."""
+
+    def __init__(self, url: str):
+        self._stop_file = RESULTS / f".health-stop-{os.getpid()}"
+        self._out = RESULTS / f".health-{os.getpid()}.json"
+        self._stop_file.unlink(missing_ok=True)
+        self._process = subprocess.Popen([sys.executable, __file__, "--health-probe", url, str(self._stop_file),
+                                          str(self._out)])
+
+    def stop(self) -> dict:
+        self._stop_file.touch()
+        self._process.wait(30)
+        times = sorted(json.loads(self._out.read_text()))
+        self._stop_file.unlink()
+        self._out.unlink()
+        return {"requests": len(times), "max_ms": 1000 * times[-1], "p99_ms": 1000 * times[int(0.99 * (len(times) - 1))]}
+
+
+def probe_health(url: str, stop_file: Path, out: Path) -> None:
+    times = []
+    with httpx.Client(timeout=10) as client:
+        while not stop_file.exists():
+            started = time.monotonic()
+            client.get(f"{url}/health")
+            times.append(time.monotonic() - started)
+            time.sleep(HEALTH_EVERY_S)
+    out.write_text(json.dumps(times))
+
+
+def serve_runs(args, folder: Path, spec: dict) -> dict:
+    """The server's runs; each with prompts of its own, so that none is found in the prefix cache.
+    Single streams alternate with model.generate alone in a fresh process (the bandwidth drifts)."""
+    env = server_env(checkpoint=folder, weights_dir=folder.parent, threads=args.threads, max_batch=8)
+    log = RESULTS / f"serve-{args.shape}.log"
+    server = ApiServer(env, log)
+    try:
+        started = time.monotonic()
+        server.wait_ready(timeout=900)
+        ready_s = time.monotonic() - started
+        engine = engine_pid(server.process.pid)
+        concurrent(server.url, prompts(1, args.prompt_words, seed=999), 8)  # warm up: the mapped weights are read
+        probe = HealthProbe(server.url)
+        pairs = []
+        for round in range(args.rounds):
+            text = prompts(1, args.prompt_words, seed=100 + round)
+            alone = run_worker(Path(__file__), {"kind": "generate", **spec, "timed": text[0], "prompts": []})
+            served = concurrent(server.url, text, args.new_tokens)[0]
+            pairs.append({"alone": {k: alone[k] for k in ("ttft_s", "decode_tps")},
+                          "served": {k: served[k] for k in ("ttft_s", "decode_tps")}})
+            print(f"  round {round + 1}: alone {alone['decode_tps']:.2f} tok/s, served {served['decode_tps']:.2f} "
+                  f"tok/s ({served['decode_tps'] / alone['decode_tps']:.3f}x)", flush=True)
+        rows = {}
+        for n in args.streams:
+            outs = concurrent(server.url, prompts(n, args.prompt_words, seed=200 + n), args.new_tokens)
+            rows[str(n)] = {"streams": outs, "aggregate_tps": sum(o["decode_tps"] for o in outs),
+                            "per_stream_tps": statistics.mean(o["decode_tps"] for o in outs),
+                            "ttft_s": statistics.mean(o["ttft_s"] for o in outs)}
+            print(f"  {n} streams: aggregate {rows[str(n)]['aggregate_tps']:.1f} tok/s, per stream "
+                  f"{rows[str(n)]['per_stream_tps']:.2f}, TTFT {rows[str(n)]['ttft_s']:.2f} s", flush=True)
+        late = late_arrival(server.url, prompts(8, args.prompt_words, seed=300), args.new_tokens)
+        print(f"  late arrival: TTFT {late['ttft_s']:.2f} s", flush=True)
+        health = probe.stop()
+        memory = {"web_peak_mb": vm_hwm_mb(server.process.pid), "engine_peak_mb": vm_hwm_mb(engine)}
+    finally:
+        server.stop()
+    return {"ready_s": ready_s, "single": pairs, "rows": rows, "late": late, "health": health, "memory": memory}
+
+
+def late_arrival(url: str, texts: list[str], new_tokens: int) -> dict:
+    """7 streams decode (long replies); once all have their first tokens, an 8th request arrives."""
+    outs = [{} for _ in range(7)]
+    threads = [threading.Thread(target=stream, args=(url, t, 4 * new_tokens, o)) for t, o in zip(texts[:7], outs)]
+    for t in threads:
+        t.start()
+    while not all("first" in o for o in outs):
+        time.sleep(0.01)
+    time.sleep(1.0)
+    late = concurrent(url, texts[7:8], 16)[0]
+    for t in threads:
+        t.join()
+    step_s = statistics.mean((o["last"] - o["first"]) / (o["tokens"] - 1) for o in outs)
+    return {"ttft_s": late["ttft_s"], "batch7_step_s": step_s}
+
+
+# ---- main ------------------------------------------------------------------------------------------------
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.split("\n")[2:]))
     p.add_argument("--shape", default="llama3.2-1b")
-    p.add_argument("--turns", type=int, default=10)
-    p.add_argument("--words", type=int, default=55, help="random words per user message (about 75 tokens)")
-    p.add_argument("--reply-tokens", type=int, default=75)
-    p.add_argument("--threads", type=int, default=None, help="LLAMA_THREADS for the server (default: all cores)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--streams", default="1,2,4,8", type=lambda s: [int(n) for n in s.split(",")])
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-words", type=int, default=60, help="random words per prompt (about 100 tokens)")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--rounds", type=int, default=3, help="single served streams, each beside model.generate alone")
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--worker")
+    p.add_argument("--out")
+    p.add_argument("--health-probe", nargs=3, metavar=("URL", "STOP_FILE", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.health_probe:
+        probe_health(args.health_probe[0], Path(args.health_probe[1]), Path(args.health_probe[2]))
+        return 0
+    if args.worker:
+        spec = json.loads(args.worker)
+        write_result(args.out, {"generate": worker_generate, "transformers": worker_transformers}[spec["kind"]](spec))
+        return 0
 
-    config = LlamaConfig.preset(args.shape)
-    folder = random_checkpoint(args.shape)
-    weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    options = {"threads": args.threads} if args.threads else {}
-    env = server_env(checkpoint=folder, weights_dir=folder.parent, history="off", temperature=0,
-                     max_new_tokens=args.reply_tokens, **options)
-    log = RESULTS / f"serve-{args.shape}.log"
+    folder = DEFAULT_MODEL if args.shape == "default" else random_checkpoint(args.shape)
+    spec = {"folder": str(folder), "new_tokens": args.new_tokens, "threads": args.threads}
+    script = Path(__file__)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    print(f"{args.shape}: starting the app on {folder.relative_to(ROOT)} (log: {log.relative_to(ROOT)})", flush=True)
-    server = ChainlitServer(env, log=log)
-    try:
-        started = time.monotonic()
-        server.wait_ready(timeout=600)
-        ready_s = time.monotonic() - started
-        rss_ready = vm_hwm_mb(server.process.pid)
-        rows = asyncio.run(converse(server.url, args.turns, args.words, args.seed))
-        peak = vm_hwm_mb(server.process.pid)
-    finally:
-        server.stop()
+    print(f"{args.shape}: the API server, single streams beside model.generate alone", flush=True)
+    served = serve_runs(args, folder, spec)
+    hf = {}
+    if not args.skip_transformers:
+        print(f"{args.shape}: transformers batched generate", flush=True)
+        eight = prompts(8, args.prompt_words, seed=208)  # the 8-stream run's prompts, as ids
+        ids = run_worker(script, {"kind": "generate", **spec, "timed": eight[0], "prompts": eight})["prompt_ids"]
+        hf = run_worker(script, {"kind": "transformers", "batches": [1, 8], **spec, "prompt_ids": ids})
+        for batch, row in hf.items():
+            if isinstance(row, dict):
+                print(f"  batch {batch}: decode {row['decode_tps']:.1f} tok/s in all", flush=True)
 
-    # Prompt and reused tokens of each reply, from the service's log (the last `turns` replies are ours).
-    logged = re.findall(r"reply: prompt (\d+) tokens \((\d+) from the cache\)", log.read_text(errors="replace"))
-    for row, (prompt, reused) in zip(rows, logged[-len(rows):]):
-        row["prompt_tokens"], row["reused_tokens"] = int(prompt), int(reused)
-    first = rows[0]
-    prefill_tps = (first["prompt_tokens"] - first["reused_tokens"]) / first["ttft_s"]
-    kv_bytes = kv_bytes_per_token(config) * (rows[-1]["prompt_tokens"] + args.reply_tokens)
-    limit_mb = (weight_bytes + kv_bytes) / 2**20 + 600
-
-    print("\n| turn | prompt tokens | from the cache | prefilled | TTFT s | TTFT / turn 1 "
-          "| re-prefilling it all, estimated s |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        row["full_prefill_estimate_s"] = row["prompt_tokens"] / prefill_tps
-        print(f"| {row['turn']} | {row['prompt_tokens']} | {row['reused_tokens']} | "
-              f"{row['prompt_tokens'] - row['reused_tokens']} | {row['ttft_s']:.2f} | "
-              f"{row['ttft_s'] / first['ttft_s']:.2f}x | {row['full_prefill_estimate_s']:.2f} |")
-    last = rows[-1]
-    print(f"\nturn {last['turn']} TTFT = {last['ttft_s'] / first['ttft_s']:.2f}x turn 1 (target <= 1.5x); "
-          f"re-prefilling would be about {last['full_prefill_estimate_s'] / first['ttft_s']:.1f}x")
-    print(f"server peak RSS {peak:.0f} MB (after start {rss_ready:.0f} MB); weights {weight_bytes / 2**20:.0f} MB "
-          f"+ KV cache {kv_bytes / 2**20:.0f} MB + 600 MB = {limit_mb:.0f} MB: "
-          f"{'within' if peak <= limit_mb else 'OVER'}")
+    report(served, hf)
+    print(chart(args.shape, served, hf))
     out = RESULTS / f"serve-{args.shape}.json"
-    out.write_text(json.dumps({"shape": args.shape, "machine": machine(), "settings": vars(args),
-                               "ready_s": ready_s, "rss_after_start_mb": rss_ready, "peak_rss_mb": peak,
-                               "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes, "limit_mb": limit_mb,
-                               "turns": rows}, indent=2))
+    out.write_text(json.dumps({"shape": args.shape, "machine": machine(), "settings": vars(args), "served": served,
+                               "transformers": hf}, indent=2))
     print(f"results: {out.relative_to(ROOT)}")
     return 0
+
+
+def chart(shape: str, served: dict, hf: dict) -> str:
+    """docs/benchmarks-serve-<shape>.png: aggregate decode tokens/s against concurrent streams."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no chart: matplotlib is not installed (pip install matplotlib)"
+    streams = [int(n) for n in served["rows"]]
+    ours = [row["aggregate_tps"] for row in served["rows"].values()]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    ax.plot(streams, ours, "o-", label="this server (OpenAI API, engine process)")
+    one = statistics.median(p["alone"]["decode_tps"] for p in served["single"])
+    ax.plot(streams, [n * one for n in streams], ":", color="gray", label="n x model.generate alone")
+    for batch, row in hf.items():
+        if isinstance(row, dict):
+            ax.plot([int(batch)], [row["decode_tps"]], "s", color="tab:orange",
+                    label="transformers generate, batch" if batch == "1" else None)
+    ax.set_xlabel("concurrent greedy streams")
+    ax.set_ylabel("decode tokens/s, all streams together")
+    ax.set_xticks(streams)
+    ax.set_title(f"{shape}: serving many streams")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path = ROOT / "docs" / f"benchmarks-serve-{shape}.png"
+    fig.tight_layout()
+    fig.savefig(path)
+    return f"chart: {path.relative_to(ROOT)}"
+
+
+def report(served: dict, hf: dict) -> None:
+    rows, pairs = served["rows"], served["single"]
+    ratios = [p["served"]["decode_tps"] / p["alone"]["decode_tps"] for p in pairs]
+    print("\n| round | model.generate alone tok/s | one served stream tok/s | served / alone | TTFT alone s | "
+          "TTFT served s |")
+    print("|---|---|---|---|---|---|")
+    for i, (p, r) in enumerate(zip(pairs, ratios), 1):
+        print(f"| {i} | {p['alone']['decode_tps']:.2f} | {p['served']['decode_tps']:.2f} | {r:.3f}x | "
+              f"{p['alone']['ttft_s']:.2f} | {p['served']['ttft_s']:.2f} |")
+    print(f"one served stream / model.generate alone: median {statistics.median(ratios):.3f}x (target >= 0.95)")
+    print("\n| streams | aggregate tok/s | per-stream tok/s | TTFT s | aggregate / one stream |")
+    print("|---|---|---|---|---|")
+    one = rows.get("1", {}).get("aggregate_tps")
+    for n, row in rows.items():
+        print(f"| {n} | {row['aggregate_tps']:.1f} | {row['per_stream_tps']:.2f} | {row['ttft_s']:.2f} | "
+              + (f"{row['aggregate_tps'] / one:.2f}x |" if one else "- |"))
+    if "8" in rows and isinstance(hf.get("8"), dict):
+        print(f"8 streams / transformers batch 8: {rows['8']['aggregate_tps'] / hf['8']['decode_tps']:.2f}x "
+              f"({hf['8']['decode_tps']:.1f} tok/s; batch 1: {hf['1']['decode_tps']:.2f}); target >= 1")
+    if one and "8" in rows:
+        print(f"8 streams / one stream: {rows['8']['aggregate_tps'] / one:.2f}x (target >= 4)")
+    late = served["late"]
+    idle = statistics.median(p["served"]["ttft_s"] for p in pairs)
+    limit = idle + 2 * late["batch7_step_s"]
+    print(f"late arrival TTFT {late['ttft_s']:.2f} s; idle TTFT {idle:.2f} s + 2 steps of "
+          f"{late['batch7_step_s']:.3f} s = {limit:.2f} s: {'met' if late['ttft_s'] <= limit else 'MISSED'}")
+    h, m = served["health"], served["memory"]
+    print(f"/health: slowest {h['max_ms']:.1f} ms, p99 {h['p99_ms']:.1f} ms over {h['requests']} requests "
+          f"(target < 50 ms)")
+    print(f"peak RSS: web process {m['web_peak_mb']:.0f} MiB, engine process {m['engine_peak_mb']:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
-"""Soak: many replies in one process, through the app's GenerationService; fails on a leak.
+"""Soak: many replies through the app's engine client and engine process; fails on a leak in either.
 
     python bench/soak.py [--replies 300] [--max-new-tokens 32] [--checkpoint weights/SmolLM2-135M-Instruct]
 
 Chats of --turns replies each, one after the other, as the app serves them: every 10th reply is
 stopped after its first piece (Stop), every 25th message is too long for the context (a polite
-refusal). After --warmup replies, resident memory (VmRSS), open file descriptors (/proc/self/fd) and
-threads (threading.active_count) are read; then again every 10 replies and at the end. It is a leak
-when memory grows by more than --max-growth-mb above the warm-up reading, or when descriptors or
-threads are more at the end than after the warm-up (or threads after the service closed than
-before it started). Prints a summary (and --json writes it); exits 1 on a leak or a failed reply.
+refusal). The engine keeps finished chats' KV caches for reuse up to --kv-cache-mb (growth up to that
+is by design). After --warmup replies, resident memory (VmRSS), open file descriptors and threads of this
+(the web) process and of the engine process are read (/proc); then again every 10 replies and at the
+end. It is a leak when either process's memory grows by more than --max-growth-mb above the warm-up
+reading, or when descriptors or threads are more at the end than after the warm-up (or this process
+has more threads after the client closed than before it started). Prints a summary (and --json
+writes it); exits 1 on a leak or a failed reply.
 Linux only (/proc).
 Too slow for the test suite: 300 replies of 32 tokens take 10-15 minutes on 2 cores.
 """
@@ -30,7 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/soak.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from app.service import Conversation, Done, Failed, GenerationService, ReplySettings, Text  # noqa: E402
+from app.backend import open_backend  # noqa: E402
+from app.client import EngineClient  # noqa: E402
+from app.conversation import Conversation  # noqa: E402
+from app.messages import Done, Failed, ReplySettings, Text  # noqa: E402
 from app.settings import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR, Settings  # noqa: E402
 
 MB = 1 << 20
@@ -44,23 +49,22 @@ FOLLOW_UPS = ["Tell me more.", "Can you say that more briefly?", "And why is tha
 TOO_LONG = "word " * 20_000  # more tokens than any context this app serves
 
 
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+def status(pid: int | str, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def reading() -> dict:
+def reading(engine_pid: int) -> dict:
+    """This process's and the engine's resident memory, descriptors and threads."""
     gc.collect()
-    return {"rss_mb": rss_bytes() / MB, "fds": open_fds(), "threads": threading.active_count()}
+    return {"rss_mb": status("self", "VmRSS") / 1024, "fds": len(os.listdir("/proc/self/fd")),
+            "threads": threading.active_count(), "engine_rss_mb": status(engine_pid, "VmRSS") / 1024,
+            "engine_fds": len(os.listdir(f"/proc/{engine_pid}/fd")), "engine_threads": status(engine_pid, "Threads")}
 
 
-async def one_reply(service: GenerationService, conversation: Conversation, settings: ReplySettings,
+async def one_reply(service: EngineClient, conversation: Conversation, settings: ReplySettings,
                     stop_early: bool) -> tuple[str, int]:
     """Ask for a reply; returns ("done" | "stopped" | "refused" | "failed", new tokens)."""
     request = service.stream(conversation, settings)
@@ -70,19 +74,19 @@ async def one_reply(service: GenerationService, conversation: Conversation, sett
             request.cancel()
         last = event
     if isinstance(last, Done):
-        conversation.add("assistant", last.text)
+        conversation.add("assistant", last.text, ids=last.token_ids)
         return ("stopped" if last.finish_reason == "cancelled" else "done"), last.stats.new_tokens
     conversation.messages.pop()  # not answered: out of the history, as the app does
     return ("refused" if isinstance(last, Failed) and last.reason == "prompt_too_long" else "failed"), 0
 
 
-async def soak(service: GenerationService, args) -> dict:
+async def soak(service: EngineClient, args) -> dict:
     counts = {"done": 0, "stopped": 0, "refused": 0, "failed": 0}
     tokens, samples, after_warmup = 0, [], None
     conversation = None
     started = time.perf_counter()
     for i in range(args.replies):
-        if i % args.turns == 0:  # a new chat; the last one, and its KV cache, are dropped
+        if i % args.turns == 0:  # a new chat
             conversation = Conversation()
         if (i + 1) % 25 == 0:
             conversation.add("user", TOO_LONG)
@@ -95,14 +99,16 @@ async def soak(service: GenerationService, args) -> dict:
         counts[outcome] += 1
         tokens += new_tokens
         if i + 1 == args.warmup:
-            after_warmup = reading()
+            after_warmup = reading(service.pid)
         if after_warmup and (i + 1) % 10 == 0:
-            samples.append({"reply": i + 1, **reading()})
-            print(f"  {i + 1:4d} replies  rss {samples[-1]['rss_mb']:7.1f} MB  fds {samples[-1]['fds']:3d}  "
-                  f"threads {samples[-1]['threads']}", flush=True)
+            r = reading(service.pid)
+            samples.append({"reply": i + 1, **r})
+            print(f"  {i + 1:4d} replies  web: rss {r['rss_mb']:7.1f} MB fds {r['fds']:3d} threads {r['threads']:2d}"
+                  f"  engine: rss {r['engine_rss_mb']:7.1f} MB fds {r['engine_fds']:3d} threads "
+                  f"{r['engine_threads']:2d}", flush=True)
     del conversation
     return {"counts": counts, "new_tokens": tokens, "seconds": time.perf_counter() - started,
-            "after_warmup": after_warmup, "samples": samples, "at_end": reading()}
+            "after_warmup": after_warmup, "samples": samples, "at_end": reading(service.pid)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", type=Path, default=DEFAULT_WEIGHTS_DIR / DEFAULT_MODEL_NAME,
                         help="checkpoint folder (default: the default model, prepared if missing)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--kv-cache-mb", type=int, default=16,
+                        help="LLAMA_KV_CACHE_MB: the engine keeps finished chats' caches up to this, by design "
+                             "(default 16, so that what it keeps is small beside the leak limit)")
     parser.add_argument("--max-growth-mb", type=float, default=100.0,
                         help="resident memory growth after the warm-up that counts as a leak (default 100)")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
@@ -124,39 +133,47 @@ def main(argv: list[str] | None = None) -> int:
 
     threads_before = threading.active_count()
     settings = Settings.from_env({"LLAMA_CHECKPOINT": str(args.checkpoint), "LLAMA_THREADS": str(args.threads),
-                                  "LLAMA_WEIGHTS_DIR": str(args.checkpoint.parent)})
-    service = GenerationService.from_settings(settings)
+                                  "LLAMA_WEIGHTS_DIR": str(args.checkpoint.parent),
+                                  "LLAMA_KV_CACHE_MB": str(args.kv_cache_mb)})
+    service = open_backend(settings)
     loaded = time.perf_counter()
-    service.checkpoint()
-    print(f"soak: {args.replies} replies of at most {args.max_new_tokens} tokens on {service.default} "
-          f"({time.perf_counter() - loaded:.1f} s to load), {args.threads} thread(s)", flush=True)
+
+    async def run() -> dict:
+        await service.load()
+        print(f"soak: {args.replies} replies of at most {args.max_new_tokens} tokens on {service.default} "
+              f"({time.perf_counter() - loaded:.1f} s to start and load), {args.threads} thread(s)", flush=True)
+        return await soak(service, args)
+
     try:
-        result = asyncio.run(soak(service, args))
+        result = asyncio.run(run())
     finally:
         service.close()
     threads_after_close = threading.active_count()
 
     base, end = result["after_warmup"], result["at_end"]
-    peak = max(s["rss_mb"] for s in result["samples"] + [end])
-    leaks = []
-    if peak - base["rss_mb"] > args.max_growth_mb:
-        leaks.append(f"resident memory grew by {peak - base['rss_mb']:.1f} MB (limit {args.max_growth_mb:g})")
-    if end["fds"] > base["fds"]:
-        leaks.append(f"file descriptors: {base['fds']} after the warm-up, {end['fds']} at the end")
-    if end["threads"] > base["threads"] or threads_after_close > threads_before:
-        leaks.append(f"threads: {base['threads']} after the warm-up, {end['threads']} at the end; "
-                     f"{threads_before} before the service, {threads_after_close} after it closed")
+    leaks, peaks = [], {}
+    for process, prefix in (("web", ""), ("engine", "engine_")):
+        peak = peaks[process] = max(s[f"{prefix}rss_mb"] for s in result["samples"] + [end])
+        if peak - base[f"{prefix}rss_mb"] > args.max_growth_mb:
+            leaks.append(f"{process} process: resident memory grew by {peak - base[f'{prefix}rss_mb']:.1f} MB "
+                         f"(limit {args.max_growth_mb:g})")
+        for what in ("fds", "threads"):
+            if end[f"{prefix}{what}"] > base[f"{prefix}{what}"]:
+                leaks.append(f"{process} process: {what} {base[f'{prefix}{what}']} after the warm-up, "
+                             f"{end[f'{prefix}{what}']} at the end")
+    if threads_after_close > threads_before:
+        leaks.append(f"threads: {threads_before} before the client, {threads_after_close} after it closed")
     counts = result["counts"]
     summary = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
         "python": platform.python_version(), "model": service.default, "replies": args.replies,
         "max_new_tokens": args.max_new_tokens, "threads_option": args.threads, **counts,
         "new_tokens": result["new_tokens"], "minutes": round(result["seconds"] / 60, 1),
-        "rss_mb_after_warmup": round(base["rss_mb"], 1), "rss_mb_at_end": round(end["rss_mb"], 1),
-        "rss_mb_peak_after_warmup": round(peak, 1), "rss_growth_mb": round(peak - base["rss_mb"], 1),
-        "fds_after_warmup": base["fds"], "fds_at_end": end["fds"],
-        "threads_after_warmup": base["threads"], "threads_at_end": end["threads"],
-        "threads_before_service": threads_before, "threads_after_close": threads_after_close,
+        **{f"{key}_after_warmup": round(value, 1) for key, value in base.items()},
+        **{f"{key}_at_end": round(value, 1) for key, value in end.items()},
+        "web_rss_mb_peak_after_warmup": round(peaks["web"], 1),
+        "engine_rss_mb_peak_after_warmup": round(peaks["engine"], 1),
+        "threads_before_client": threads_before, "threads_after_close": threads_after_close,
         "leaks": leaks,
     }
     print("\n".join(f"{key:>26}: {value}" for key, value in summary.items() if key != "leaks"))

@@ -27,10 +27,21 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from common import (DTYPES, RESULTS, ROOT, engine_version, machine, memory_mb, n_params, random_checkpoint,
-                    random_prompt, run_worker, tensor_bytes, write_result)
-
 import torch  # noqa: E402  (imported by common after its path fix)
+from common import (
+    DTYPES,
+    RESULTS,
+    ROOT,
+    engine_version,
+    machine,
+    memory_mb,
+    n_params,
+    random_checkpoint,
+    random_prompt,
+    run_worker,
+    tensor_bytes,
+    write_result,
+)
 
 from model.config import LlamaConfig  # noqa: E402
 
@@ -107,7 +118,7 @@ def work_ours(spec: dict, prompt: list[int]) -> dict:
 def decode_bytes(net) -> int:
     """Bytes one decode step reads: every weight matrix (and int8 scales) once; the embedding table only
     where it is also the output head. Norms are too small to count."""
-    from model.matvec import Linear
+    from model.linear import Linear
     return sum(m.weight.nbytes + (m.scale.nbytes if m.scale is not None else 0)
                for m in net.modules() if isinstance(m, Linear))
 

@@ -5,20 +5,27 @@
     ids = ckpt.chat_format.encode_dialog([{"role": "user", "content": "Hi!"}])
     for piece in generate(ckpt, ids, max_new_tokens=64, temperature=0.7, top_p=0.9):
         print(piece, end="", flush=True)
+
+Names are imported on first use, so `from model.config import ...` does not import torch.
 """
 
-from .chat_format import ChatFormat, TemplateChatFormat, load_chat_format
-from .checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_checkpoint
-from .config import ConfigError, LlamaConfig, RopeScaling
-from .generate import Generation, GenerationStats, PromptTooLong, TextStream, generate
-from .kv_cache import KVCache
-from .llama import Llama
-from .sampling import sample
-from .tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+import importlib
 
-__all__ = [
-    "ChatFormat", "Checkpoint", "CheckpointError", "ConfigError", "Generation", "GenerationStats",
-    "HFTokenizer", "KVCache", "Llama", "LlamaConfig", "PromptTooLong", "RopeScaling",
-    "TemplateChatFormat", "TextStream", "Tokenizer", "find_checkpoint", "generate",
-    "load_chat_format", "load_checkpoint", "load_tokenizer", "sample",
-]
+_EXPORTS = {
+    "chat_format": ["ChatFormat", "TemplateChatFormat", "load_chat_format"],
+    "checkpoint": ["Checkpoint", "CheckpointError", "find_checkpoint", "load_checkpoint"],
+    "config": ["ConfigError", "LlamaConfig", "RopeScaling"],
+    "generation": ["Generation", "GenerationStats", "PromptTooLong", "TextStream", "generate"],
+    "kv_cache": ["KVCache"],
+    "llama": ["Llama"],
+    "sampling": ["Sampler", "SamplingParams", "sample", "token_logprobs"],
+    "tokenizer": ["HFTokenizer", "Tokenizer", "load_tokenizer"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'model' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)

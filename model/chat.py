@@ -10,12 +10,14 @@ import argparse
 import os
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from .checkpoint import CheckpointError, load_checkpoint
-from .generate import PromptTooLong, generate, sampling_defaults
+from .config import DEFAULT_MAX_CONTEXT
+from .generation import PromptTooLong, generate, sampling_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = str(ROOT / "weights" / "SmolLM2-135M-Instruct")
@@ -35,9 +37,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, help="0 is greedy (default: the checkpoint's)")
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, help="sample among the most likely tokens holding this mass")
+    p.add_argument("--min-p", type=float, help="drop tokens less likely than this times the top token's probability")
+    p.add_argument("--repeat-penalty", type=float,
+                   help="divide the logits of the last 64 tokens by this (1 is off; default: the checkpoint's)")
     p.add_argument("--seed", type=int, help="seed for reproducible sampling")
     p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--max-context", type=int, default=8192, help="context limit in tokens")
+    p.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT, help="context limit in tokens")
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps")
     p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="how weights are stored (default: bf16 where fast)")
@@ -50,8 +55,8 @@ def reply(ckpt, messages, args, sampling, kv_cache=None):
     """Stream one answer to stdout; returns the Generation (text, stats, cache)."""
     stop = threading.Event()
     ids = ckpt.chat_format.encode_dialog(messages)
-    gen = generate(ckpt, ids, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                   max_context=args.max_context, kv_cache=kv_cache, should_stop=stop.is_set, **sampling)
+    gen = generate(ckpt, ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                   max_context=args.max_context, kv_cache=kv_cache, should_stop=stop.is_set)
     try:
         for piece in gen:
             print(piece, end="", flush=True)
@@ -69,7 +74,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.checkpoint == DEFAULT_CHECKPOINT and not os.path.exists(DEFAULT_CHECKPOINT):
+    if args.checkpoint == DEFAULT_CHECKPOINT:  # converted on first use; later only sampling defaults added
         from .prepare_default import ConversionError, prepare_default
         try:
             prepare_default(ROOT / "weights")
@@ -83,10 +88,13 @@ def main(argv=None) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    sampling = sampling_defaults(ckpt)
-    for key in ("temperature", "top_k", "top_p"):
-        if getattr(args, key) is not None:
-            sampling[key] = getattr(args, key)
+    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+             "repetition_penalty": args.repeat_penalty, "seed": args.seed}
+    try:
+        sampling = replace(sampling_defaults(ckpt), **{k: v for k, v in flags.items() if v is not None})
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     if args.prompt is not None:

@@ -8,6 +8,10 @@ Three formats, told apart by the folder's contents:
 Loading never holds two copies of the weights: the model is built on the `meta` device, the file
 is memory-mapped, and its tensors become the model's parameters (`load_state_dict(assign=True)`).
 Only tensors whose dtype must change are copied, one at a time.
+
+A "hf" checkpoint may hold int8 weights (an imported GGUF's Q8_0): `<module>.weight` int8 (N, K)
+beside `<module>.scale` (N, K // group), one scale per group of a row, with
+`"quantization": {"method": "int8", "group_size": group}` in config.json. They are kept as they are.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import ctypes
 import ctypes.util
 import functools
 import json
+import logging
 import os
 import pickle
 import re
@@ -25,12 +30,16 @@ from pathlib import Path
 import torch
 
 from .chat_format import load_chat_format
-from .config import ConfigError, LlamaConfig
+from .config import DEFAULT_MAX_CONTEXT, ConfigError, LlamaConfig
+from .cpu import has_native_bf16
+from .kernels import decode_path, kernels
+from .linear import quantize_model
 from .llama import Llama
-from .matvec import kernels, quantize_int8, quantize_model
+from .quantize import quantize_int8
+from .rope import permute_qk_rows
 from .tokenizer import load_tokenizer
 
-DEFAULT_MAX_CONTEXT = 8192
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(Exception):
@@ -146,20 +155,12 @@ IGNORED = re.compile(r"(.*rotary_emb\.inv_freq|rope\.freqs)$")  # RoPE tables so
 
 
 def hf_to_ours(name: str) -> str:
+    if name.endswith(".scale"):  # an int8 weight's group scales are named after their weight
+        return hf_to_ours(name.removesuffix(".scale") + ".weight").removesuffix(".weight") + ".scale"
     for pattern, ours in HF_NAMES:
         if re.fullmatch(pattern, name):
             return re.sub(pattern, ours, name)
     return name  # left for the unexpected-tensor check to report
-
-
-def unpermute_meta_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Meta's interleaved RoPE pairs (0,1),(2,3).. -> our half-split layout (0,d/2),(1,d/2+1)..
-
-    w: (n_heads * head_dim, dim)
-    """
-    rows, dim = w.shape
-    head_dim = rows // n_heads
-    return w.view(n_heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(rows, dim)
 
 
 def read_state_dict(files: CheckpointFiles) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -224,6 +225,36 @@ def check_state_dict(state: dict[str, torch.Tensor], model: Llama, files: Checkp
         raise CheckpointError(f"{where}: does not match {files.config}: " + "; ".join(problems))
 
 
+def take_int8_scales(state: dict[str, torch.Tensor], files: CheckpointFiles,
+                     names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Move the group scales of int8 weights out of `state`: weight name -> scale (N, K // group).
+
+    Every int8 weight needs its scale, of the shape config.json's "quantization" group size gives.
+    """
+    scales = {name.removesuffix(".scale") + ".weight": state.pop(name) for name in list(state)
+              if name.endswith(".scale")}
+    int8 = {name for name, t in state.items() if t.dtype == torch.int8}
+    if not scales and not int8:
+        return scales
+    where = files.weights[0] if len(files.weights) == 1 else files.folder
+    quantization = _read_optional_json(files.config).get("quantization") or {}
+    group = quantization.get("group_size")
+    if quantization.get("method") != "int8" or not isinstance(group, int) or group <= 0:
+        raise CheckpointError(f"{files.config}: the weights hold int8 tensors with scales, so expected "
+                              f'"quantization": {{"method": "int8", "group_size": N}}, found {quantization or None}')
+    problems = [f"{names.get(n, n)}: int8 without a scale" for n in sorted(int8 - set(scales))]
+    problems += [f"{names.get(n, n)}: a scale for a weight that is not int8" for n in sorted(set(scales) - int8)]
+    for name in sorted(int8 & set(scales)):
+        rows, cols = state[name].shape if state[name].dim() == 2 else (0, 0)
+        expected = (rows, cols // group)
+        if state[name].dim() != 2 or cols % group or tuple(scales[name].shape) != expected:
+            problems.append(f"{names.get(name, name)}: {tuple(state[name].shape)} with scale "
+                            f"{tuple(scales[name].shape)}, expected scale {expected} for group_size {group}")
+    if problems:
+        raise CheckpointError(f"{where}: int8 weights: {_some(problems)}")
+    return scales
+
+
 def release_pages(mapped: torch.Tensor) -> None:
     """Drop the resident file pages behind a memory-mapped tensor once a converted copy replaces it.
 
@@ -260,24 +291,14 @@ def default_dtype(device: torch.device) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type == "mps":
         return torch.float16
-    return torch.bfloat16 if cpu_has_bf16() or kernels() is not None else torch.float32
+    return torch.bfloat16 if has_native_bf16() or kernels() is not None else torch.float32
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """Activations and the KV cache: the weights' dtype where the hardware computes in it, else fp32."""
     if dtype == torch.float32 or device.type != "cpu":
         return dtype
-    return dtype if dtype == torch.bfloat16 and cpu_has_bf16() else torch.float32
-
-
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """AVX-512 BF16 or AMX: CPUs on which PyTorch's bf16 matrix products are fast."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+    return dtype if dtype == torch.bfloat16 and has_native_bf16() else torch.float32
 
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -288,14 +309,18 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
     dtype: how weight matrices are stored (default: bf16 where that is fast, else fp32); the
     activations run in it too where the hardware computes natively in it, else in fp32.
     quantize: "int8" stores the linear layers as int8 with one scale per 64 weights of a row.
+    Weights that are int8 in the file stay int8 with the file's scales, whatever `dtype` and `quantize`.
     compile: run single-token decode steps through torch.compile (compiled on the first reply).
     """
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize={quantize!r}: expected None or 'int8'")
     files = find_checkpoint(path)
     state, names = read_state_dict(files)
+    file_scales = take_int8_scales(state, files, names)
     config = read_config(files, state)
     device = torch.device(device)
+    if device.type == "cpu":  # built (or loaded from its cache) now, not on the first reply
+        log.info("decode kernel: %s", decode_path())
     dtype = dtype or default_dtype(device)
     compute = compute_dtype(dtype, device)
 
@@ -307,8 +332,13 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
         tensor = mapped
         if files.format == "meta" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
             n_heads = config.n_heads if name.endswith("wq.weight") else config.n_kv_heads
-            tensor = unpermute_meta_qk(tensor, n_heads)
-        if quantize == "int8" and name.startswith("layers.") and tensor.dim() == 2:
+            tensor = permute_qk_rows(tensor, n_heads, to="half")
+        if name in file_scales:  # int8 in the file: its values and scales are kept as they are
+            tensor = tensor.to(device)
+            scales[name] = file_scales[name].to(device=device, dtype=torch.float32)
+            if scales[name] is not file_scales[name]:
+                release_pages(file_scales[name])
+        elif quantize == "int8" and name.startswith("layers.") and tensor.dim() == 2:
             tensor, scales[name] = quantize_int8(tensor.to(device))
         else:  # matrices in `dtype`, norms in the compute dtype; no copy for a matching file
             tensor = tensor.to(device=device, dtype=dtype if tensor.dim() == 2 else compute)
@@ -320,11 +350,13 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
     for name, scale in scales.items():
         model.get_submodule(name.removesuffix(".weight")).scale = scale
     model.tie_weights()
+    if config.tie_word_embeddings:
+        model.output.scale = model.tok_embeddings.scale  # an int8 embedding's head shares its scales
     model.compute_dtype = compute
     if quantize == "int8":
         quantize_model(model)  # what is left: the output head
     if compile:
-        model.decode = torch.compile(model.forward, dynamic=True)
+        model.decode = torch.compile(model.decode, dynamic=True)
     model.setup_rope(min(config.max_seq_len, DEFAULT_MAX_CONTEXT))
     model.eval().requires_grad_(False)
 
@@ -333,7 +365,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
         raise CheckpointError(f"{files.folder}: the tokenizer has {tok.vocab_size} tokens but the model "
                               f"only {config.vocab_size} embeddings; wrong tokenizer for this checkpoint?")
     generation = _read_optional_json(files.folder / "generation_config.json")
-    return Checkpoint(model=model, tokenizer=tok, chat_format=load_chat_format(tok, files.folder),
+    return Checkpoint(model=model, tokenizer=tok, chat_format=load_chat_format(tok, files.folder, config),
                       config=config, path=Path(path), format=files.format,
                       stop_ids=set(tok.stop_ids) | _eos_ids(generation) | _eos_ids(
                           _read_optional_json(files.folder / "config.json")),

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+DEFAULT_MAX_CONTEXT = 8192  # tokens of prompt and reply together, unless asked otherwise
+
 
 class ConfigError(ValueError):
     """A config file that cannot describe a Llama model."""
@@ -23,6 +25,17 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class RopeFreqFactors:
+    """RoPE with each base frequency divided by its own factor (`rope_type: freq_factors`).
+
+    llama.cpp's form of a scaling: a GGUF carries the Llama 3 scaling only as these factors
+    (`rope_freqs.weight`), so they are applied as given rather than fitted back to a formula.
+    """
+
+    factors: tuple[float, ...]  # (head_dim // 2,)
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
     dim: int = 2048
     n_layers: int = 16
@@ -32,7 +45,7 @@ class LlamaConfig:
     ffn_dim: int = 8192
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    rope_scaling: RopeScaling | None = RopeScaling()  # None: plain RoPE
+    rope_scaling: RopeScaling | RopeFreqFactors | None = RopeScaling()  # None: plain RoPE
     max_seq_len: int = 131072
     tie_word_embeddings: bool = True
     head_dim: int | None = None  # None: dim // n_heads
@@ -51,6 +64,11 @@ class LlamaConfig:
         need(self.n_heads % self.n_kv_heads == 0,
              f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}")
         need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for RoPE")
+        if isinstance(self.rope_scaling, RopeFreqFactors):
+            factors = self.rope_scaling.factors
+            need(len(factors) == self.head_dim // 2 and all(f > 0 for f in factors),
+                 f"rope freq_factors: expected {self.head_dim // 2} positive factors (head_dim / 2), "
+                 f"found {len(factors)} (smallest {min(factors, default=None)})")
 
     def replace(self, **changes) -> LlamaConfig:
         return dataclasses.replace(self, **changes)
@@ -84,10 +102,17 @@ class LlamaConfig:
                 high_freq_factor=float(rope["high_freq_factor"]),
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
             )
+        elif rope_type == "freq_factors":
+            factors = rope.get("factors")
+            if not isinstance(factors, list) or not all(isinstance(f, (int, float)) for f in factors):
+                raise ConfigError(f"{path}: rope_type 'freq_factors' expects a list of numbers 'factors', "
+                                  f"found {type(factors).__name__}")
+            scaling = RopeFreqFactors(tuple(float(f) for f in factors))
         elif rope_type == "default":
             scaling = None
         else:
-            raise ConfigError(f"{path}: rope_type={rope_type!r} is not supported (expected 'llama3' or 'default')")
+            raise ConfigError(f"{path}: rope_type={rope_type!r} is not supported "
+                              "(expected 'llama3', 'freq_factors' or 'default')")
         n_heads = c["num_attention_heads"]
         n_kv_heads = c.get("num_key_value_heads") or n_heads
         if n_heads % n_kv_heads:
@@ -146,7 +171,9 @@ class LlamaConfig:
     def to_hf_config(self) -> dict:
         """A transformers-style `config.json` dict (used to save checkpoints in our own format)."""
         rope = {"rope_type": "default"}
-        if self.rope_scaling:
+        if isinstance(self.rope_scaling, RopeFreqFactors):
+            rope = {"rope_type": "freq_factors", "factors": list(self.rope_scaling.factors)}
+        elif self.rope_scaling:
             rope = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
         return {
             "architectures": ["LlamaForCausalLM"],

@@ -19,8 +19,9 @@ class KVCache:
                  device=None, dtype=torch.float32):
         self.config = config
         shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # Never read beyond what was written, so left uninitialized: pages are touched only as used.
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
         self.max_len = max_len
         self.tokens: list[int] = []
 
@@ -34,12 +35,7 @@ class KVCache:
 
     def resized(self, max_len: int) -> KVCache:
         """A cache of another size holding the same positions (as many as fit)."""
-        new = KVCache(self.config, max_len, batch=self.k.shape[1], device=self.k.device, dtype=self.k.dtype)
-        n = min(self.length, max_len)
-        new.k[:, :, :, :n] = self.k[:, :, :, :n]
-        new.v[:, :, :, :n] = self.v[:, :, :, :n]
-        new.tokens = self.tokens[:n]
-        return new
+        return self.copy_prefix(min(self.length, max_len), max_len)
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (batch, n_kv_heads, seq, head_dim) at start.. and return all keys/values so far."""
@@ -50,11 +46,30 @@ class KVCache:
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the positions written so far (the memory actually touched)."""
+        return self.nbytes * self.length // self.max_len
+
     def common_prefix(self, tokens: list[int]) -> int:
         """How many leading ids of `tokens` already have their keys/values here."""
-        n = 0
-        for cached, new in zip(self.tokens, tokens):
-            if cached != new:
-                break
-            n += 1
-        return n
+        # Binary search over list-slice equality: each comparison runs in C, about log2(n) of them.
+        low, high = 0, min(self.length, len(tokens))
+        if self.tokens[:high] == tokens[:high]:
+            return high
+        high -= 1  # tokens[:low] match, tokens[:high + 1] do not
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.tokens[:middle] == tokens[:middle]:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def copy_prefix(self, n: int, max_len: int) -> KVCache:
+        """A new cache of max_len positions holding this one's first n positions."""
+        new = KVCache(self.config, max_len, batch=self.k.shape[1], device=self.k.device, dtype=self.k.dtype)
+        new.k[:, :, :, :n] = self.k[:, :, :, :n]
+        new.v[:, :, :, :n] = self.v[:, :, :, :n]
+        new.tokens = self.tokens[:n]
+        return new

@@ -11,7 +11,7 @@ from torch import nn
 
 from .config import LlamaConfig
 from .kv_cache import KVCache
-from .matvec import Linear, project
+from .linear import Embedding, Linear, project
 from .rope import apply_rope, rope_tables
 
 
@@ -24,25 +24,45 @@ class Attention(nn.Module):
         self.wv = Linear(config.dim, config.n_kv_heads * config.head_dim)
         self.wo = Linear(config.n_heads * config.head_dim, config.dim)
 
-    def forward(self, x, cos, sin, mask, kv_cache: KVCache | None, layer: int, start_pos: int):
+    def qkv(self, x, cos, sin):
+        """x (b, s, dim) -> rotated queries (b, h, s, d), rotated keys and values (b, kv, s, d)."""
         batch, seq, _ = x.shape
         h, kv = self.n_heads, self.n_kv_heads
         qkv = project(x, self.wq, self.wk, self.wv).view(batch, seq, h + 2 * kv, self.head_dim)
         qkv = qkv.transpose(1, 2)  # (b, h + 2 kv, s, d)
         qk = apply_rope(qkv[:, :h + kv], cos, sin)  # queries and keys rotated in one go
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv:]
+        return qk[:, :h], qk[:, h:], qkv[:, h + kv:]
+
+    def forward(self, x, cos, sin, mask, kv_cache: KVCache | None, layer: int, start_pos: int):
+        """Positions start_pos.. of one batch of sequences that share kv_cache (or have none)."""
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, start_pos, k, v)  # (b, kv, start_pos + s, d)
         if seq == 1:
-            # One new token attends to every cached position. The query heads that share a KV head
-            # become that head's "sequence" of queries: no repeated keys, and SDPA's fast kernels
-            # (its GQA path is many times slower for a single query).
-            q = q.reshape(batch, kv, h // kv, self.head_dim)
-            out = F.scaled_dot_product_attention(q, k, v)  # (b, kv, groups, d)
-            return self.wo(out.reshape(batch, 1, -1))
+            return self.wo(self.attend_one(q, k, v).reshape(batch, 1, -1))
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and start_pos == 0, enable_gqa=kv != h)
+            q, k, v, attn_mask=mask, is_causal=mask is None and start_pos == 0,
+            enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def decode(self, x, cos, sin, caches: list[KVCache], layer: int):
+        """One new token of each of len(caches) sequences, x (b, 1, dim), each at its own position
+        (its cache's length); cos, sin (b, 1, 1, d). The projections see all b rows at once."""
+        q, k, v = self.qkv(x, cos, sin)
+        out = torch.cat([self.attend_one(q[i:i + 1], *cache.update(layer, cache.length, k[i:i + 1], v[i:i + 1]))
+                         for i, cache in enumerate(caches)])  # (b, kv, groups, d)
+        return self.wo(out.reshape(len(caches), 1, -1))
+
+    def attend_one(self, q, k, v):
+        """One new query per sequence, q (b, h, 1, d), against keys/values (b, kv, n, d) -> (b, kv, groups, d).
+
+        The query heads that share a KV head become that head's "sequence" of queries: no repeated
+        keys, and SDPA's fast kernels (its GQA path is many times slower for a single query).
+        """
+        batch, kv = k.shape[:2]
+        q = q.reshape(batch, kv, self.n_heads // kv, self.head_dim)
+        return F.scaled_dot_product_attention(q, k, v)
 
 
 class FeedForward(nn.Module):
@@ -71,12 +91,16 @@ class Block(nn.Module):
         x = x + self.attention(self.attention_norm(x), cos, sin, mask, kv_cache, layer, start_pos)
         return x + self.feed_forward(self.ffn_norm(x))
 
+    def decode(self, x, cos, sin, caches, layer):
+        x = x + self.attention.decode(self.attention_norm(x), cos, sin, caches, layer)
+        return x + self.feed_forward(self.ffn_norm(x))
+
 
 class Llama(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.tok_embeddings = Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = Linear(config.dim, config.vocab_size)
@@ -87,7 +111,6 @@ class Llama(nn.Module):
         # Activations, norms and the KV cache use compute_dtype; matrices may be stored narrower
         # (bf16 or int8 weights with fp32 compute on CPUs without native bf16).
         self.compute_dtype = torch.float32
-        self.decode = self.forward  # replaced by a torch.compile'd forward when asked for
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
@@ -97,6 +120,11 @@ class Llama(nn.Module):
         device = self.tok_embeddings.weight.device
         self.rope_cos, self.rope_sin = rope_tables(self.config, max_len, device=device)
 
+    def ensure_rope(self, end: int):
+        """RoPE tables that reach position end - 1 (doubled when they grow, so growing is rare)."""
+        if self.rope_cos is None or end > self.rope_cos.shape[0]:
+            self.setup_rope(max(end, 2 * (0 if self.rope_cos is None else self.rope_cos.shape[0])))
+
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, kv_cache: KVCache | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """tokens (batch, seq) at positions start_pos.. -> logits (batch, seq or 1, vocab).
@@ -105,8 +133,7 @@ class Llama(nn.Module):
         """
         seq = tokens.shape[1]
         end = start_pos + seq
-        if self.rope_cos is None or end > self.rope_cos.shape[0]:
-            self.setup_rope(max(end, 2 * (0 if self.rope_cos is None else self.rope_cos.shape[0])))
+        self.ensure_rope(end)
         x = self.tok_embeddings(tokens).to(self.compute_dtype)  # (b, s, dim)
         cos = self.rope_cos[start_pos:end].to(x.dtype)
         sin = self.rope_sin[start_pos:end].to(x.dtype)
@@ -120,3 +147,19 @@ class Llama(nn.Module):
         if last_only:
             x = x[:, -1:, :]
         return self.output(self.norm(x))
+
+    def decode(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """One new token for each of several sequences: tokens (b,), sequence i at position
+        caches[i].length (its keys/values written there) -> logits (b, vocab).
+
+        The weight matrices are read once for all b rows; attention runs per sequence, each over
+        its own cache. The caller appends the tokens to each cache's `tokens` afterwards.
+        """
+        positions = torch.tensor([cache.length for cache in caches], device=tokens.device)
+        self.ensure_rope(int(positions.max()) + 1)
+        x = self.tok_embeddings(tokens[:, None]).to(self.compute_dtype)  # (b, 1, dim)
+        cos = self.rope_cos[positions].to(x.dtype)[:, None, None]  # (b, 1, 1, head_dim)
+        sin = self.rope_sin[positions].to(x.dtype)[:, None, None]
+        for i, layer in enumerate(self.layers):
+            x = layer.decode(x, cos, sin, caches, i)
+        return self.output(self.norm(x))[:, 0]

@@ -1,8 +1,8 @@
 """Rotary position embedding (RoPE) with the Llama 3 frequency scaling.
 
 We use the "half split" layout of Hugging Face checkpoints: a head vector is rotated as two halves
-(x1, x2), not as interleaved pairs. Meta's checkpoints use interleaved pairs; their q/k weights are
-permuted once at load time (see checkpoint.py), which gives identical attention scores.
+(x1, x2), not as interleaved pairs. Meta's checkpoints and llama.cpp's GGUF files use interleaved
+pairs; their q/k rows are reordered once (`permute_qk_rows`), which gives identical attention scores.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .config import LlamaConfig
+from .config import LlamaConfig, RopeFreqFactors
 
 
 def inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -21,6 +21,8 @@ def inv_freq(config: LlamaConfig) -> torch.Tensor:
     s = config.rope_scaling
     if s is None:
         return freqs
+    if isinstance(s, RopeFreqFactors):  # llama.cpp's form: one divisor per frequency, as the file gives them
+        return freqs / torch.tensor(s.factors, dtype=torch.float32)
     # Llama 3: long wavelengths are slowed down by `factor`, short ones kept, and the band
     # between them interpolated smoothly.
     wavelen = 2 * math.pi / freqs
@@ -50,3 +52,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (batch, heads, seq, head_dim); cos, sin: (seq, head_dim) in x's dtype."""
     return x * cos + rotate_half(x) * sin
+
+
+def permute_qk_rows(w, n_heads: int, to: str):
+    """Reorder the rows of a q or k projection between RoPE's two layouts of a head's channel pairs.
+
+    to="half": from interleaved pairs (2i, 2i + 1) (Meta's and llama.cpp's files) to ours (i, i + head_dim/2);
+    to="interleaved": back. w: (n_heads * head_dim, ...), a torch tensor or a numpy array; whatever
+    follows the row axis (the columns, an int8 row's group scales, a row's raw bytes) moves with its row.
+    """
+    rows = w.shape[0]
+    pairs = rows // n_heads // 2
+    if to == "half":
+        split = (n_heads, pairs, 2)  # rows [head][pair][which] -> [head][which][pair]
+    elif to == "interleaved":
+        split = (n_heads, 2, pairs)  # rows [head][which][pair] -> [head][pair][which]
+    else:
+        raise ValueError(f"to={to!r}: expected 'half' or 'interleaved'")
+    return w.reshape(*split, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,8 +1,65 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus)."""
+"""Choosing the next token from logits: penalties, top-k, top-p, min-p, temperature, a seeded draw.
+
+The order is llama.cpp's sampler chain (penalties -> top-k -> top-p -> min-p -> temperature ->
+draw), so top-p and min-p see the probabilities before temperature reshapes them. The penalties:
+
+- `repetition_penalty` (llama.cpp's `--repeat-penalty`, CTRL's penalty with the sign fix): every
+  token among the last `penalty_last_n` ids accepted (prompt included, as llama.cpp's server and CLI
+  feed the prompt to the sampler) has a positive logit divided and a non-positive one multiplied.
+- `frequency_penalty` / `presence_penalty` (OpenAI's): logit -= count * frequency + (count > 0) *
+  presence, where count is how often the token was generated so far in this reply (not the prompt,
+  as OpenAI's and vLLM's docs define them; no window).
+
+Greedy (temperature 0) takes the argmax after the penalties, as llama.cpp does.
+"""
 
 from __future__ import annotations
 
+import math
+from collections import deque
+from dataclasses import dataclass
+
 import torch
+
+PENALTY_RANGE = 2.0  # OpenAI accepts frequency/presence penalties in [-2, 2]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 is greedy
+    top_k: int = 0  # 0 is off
+    top_p: float = 1.0  # 1 is off
+    min_p: float = 0.0  # keep tokens with p >= min_p * p(top token); 0 is off
+    repetition_penalty: float = 1.0  # 1 is off
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64  # ids the repetition penalty looks back over; 0 is off, -1 is all
+    seed: int | None = None
+
+    def __post_init__(self):
+        def need(ok: bool, name: str, expected: str):
+            if not ok:
+                raise ValueError(f"sampling parameter {name}={getattr(self, name)!r}: expected {expected}")
+
+        def number(name: str) -> bool:
+            value = getattr(self, name)
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        def integer(name: str) -> bool:
+            return isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool)
+
+        need(number("temperature") and self.temperature >= 0, "temperature", "a number >= 0")
+        need(integer("top_k") and self.top_k >= 0, "top_k", "a whole number >= 0 (0 is off)")
+        need(number("top_p") and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
+        need(number("min_p") and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
+        need(number("repetition_penalty") and self.repetition_penalty > 0, "repetition_penalty",
+             "a number > 0 (1 is off)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            need(number(name) and abs(getattr(self, name)) <= PENALTY_RANGE, name,
+                 f"a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}]")
+        need(integer("penalty_last_n") and self.penalty_last_n >= -1, "penalty_last_n",
+             "a whole number >= -1 (0 is off, -1 is the whole history)")
+        need(self.seed is None or integer("seed"), "seed", "a whole number or None")
 
 
 def make_generator(seed: int | None, device="cpu") -> torch.Generator:
@@ -16,23 +73,87 @@ def make_generator(seed: int | None, device="cpu") -> torch.Generator:
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
-           top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits (vocab,) -> token id (0-dim LongTensor). temperature 0 is greedy (argmax)."""
+           top_p: float = 1.0, generator: torch.Generator | None = None, min_p: float = 0.0) -> torch.Tensor:
+    """logits (vocab,) -> token id (0-dim LongTensor): top-k, top-p, min-p, temperature, then a draw.
+
+    temperature 0 is greedy (argmax). Stateless: penalties belong to a `Sampler`.
+    """
     if temperature <= 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
     if top_k and top_k < logits.shape[-1]:
         logits, ids = torch.topk(logits, top_k)  # sorted, highest first
     elif top_p < 1.0:
         logits, ids = torch.sort(logits, descending=True)
     else:
         ids = None
-    probs = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
         # Keep the smallest set of top tokens whose mass reaches top_p (always at least one).
+        probs = torch.softmax(logits, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= top_p, 0.0)
+        logits = logits.masked_fill(mass_before >= top_p, -math.inf)
+    if min_p > 0:
+        # p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p): no softmax needed.
+        logits = logits.masked_fill(logits < logits.max() + math.log(min_p), -math.inf)
+    probs = torch.softmax(logits / temperature, dim=-1)
     # argmax(p / E) with E ~ Exp(1) draws from p (exponential race): one pass, no cumulative sums.
     noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
     choice = torch.argmax(probs / noise)
     return choice if ids is None else ids[choice]
+
+
+class Sampler:
+    """The sampling state of one sequence: its parameters, seeded generator and token history.
+
+    Call `accept(ids)` with the prompt ids, then `sample(logits)` and `accept([token])` for each new
+    token. Ids accepted before the first `sample()` are the prompt: they count for the repetition
+    penalty's window but not for the frequency/presence penalties.
+    """
+
+    def __init__(self, params: SamplingParams, device="cpu"):
+        self.params = params
+        self.generator = make_generator(params.seed, device=device)
+        window = None if params.penalty_last_n < 0 else params.penalty_last_n
+        self.recent: deque[int] = deque(maxlen=window)  # the last penalty_last_n ids, prompt included
+        self.generated: dict[int, int] = {}  # token id -> times generated in this reply
+        self.started = False  # has sample() been called (so accepted ids are generated ones)?
+
+    def accept(self, token_ids) -> None:
+        for token in token_ids:
+            token = int(token)
+            self.recent.append(token)
+            if self.started:
+                self.generated[token] = self.generated.get(token, 0) + 1
+
+    def penalized(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (vocab,) float32 with the repetition, frequency and presence penalties applied."""
+        p = self.params
+        logits = logits.float()
+        if p.repetition_penalty != 1.0 and self.recent:
+            ids = torch.tensor(sorted(set(self.recent)), device=logits.device)
+            seen = logits[ids]
+            logits = logits.clone()
+            logits[ids] = torch.where(seen <= 0, seen * p.repetition_penalty, seen / p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and self.generated:
+            ids = torch.tensor(list(self.generated), device=logits.device)
+            counts = torch.tensor(list(self.generated.values()), dtype=logits.dtype, device=logits.device)
+            logits = logits.index_add(0, ids, -(counts * p.frequency_penalty + p.presence_penalty))
+        return logits
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """The next token for logits (vocab,) of the next position; does not accept it."""
+        self.started = True
+        p = self.params
+        return int(sample(self.penalized(logits), p.temperature, p.top_k, p.top_p, self.generator, p.min_p))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top_n: int = 0) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` and its top_n (id, logprob) pairs, most likely first.
+
+    From log_softmax of the raw logits (vocab,): the model's own distribution, before any penalty,
+    filter or temperature, as OpenAI's `logprobs` reports it.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, min(max(top_n, 0), logprobs.shape[-1])) if top_n > 0 else None
+    pairs = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+    return float(logprobs[token]), pairs

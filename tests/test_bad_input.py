@@ -1,10 +1,10 @@
 """Oversized and malformed messages: a 200,000-character message, 30,000 characters of one kind, an empty
 message, only whitespace, NUL bytes, lone surrogates (what a browser sends for half an emoji: a str that
 UTF-8 cannot encode). Each gets a reply or a polite refusal, never a crash, and the event loop keeps
-running while a long message is tokenized (on the service's worker thread, which lets go of the GIL).
+running while a long message is tokenized (in the engine process).
 
-Through the service, for the Llama 3 format and the default model's ChatML template, and through the
-Chainlit handlers in a mocked Chainlit context (as tests/test_app_handlers.py).
+Through the engine client, for the Llama 3 format and the default model's ChatML template, and through
+the Chainlit handlers in a mocked Chainlit context (tests/support/handlers.py, as tests/test_main.py).
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ import random
 import time
 
 import pytest
-import torch
+from support.app import imported_app
+from support.checkpoints import write_tiny_checkpoint
+from support.handlers import Chat
+from support.special_checkpoints import write_chatml_checkpoint
 
-from app.service import Done, Failed, GenerationService, ReplySettings, Text
-from app_helpers import imported_app
-from e2e_helpers import write_tiny_checkpoint
-from model.checkpoint import load_checkpoint
-from special_checkpoints import write_chatml_checkpoint
-from test_app_handlers import Chat
-from test_service import chat
+from app.client import EngineClient
+from app.conversation import Conversation
+from app.messages import Done, EngineConfig, Failed, ReplySettings, Text
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,14 +44,6 @@ ODD = {"empty": "", "whitespace": " \n\t \u3000 ", "nul": "\x00hello\x00\x00", "
 PRIVATE_USE = "".join(map(chr, range(0xE000, 0xF900)))  # where the ChatML format finds its marker character
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     folder = tmp_path_factory.mktemp("weights")
@@ -63,12 +54,16 @@ def weights(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["llama3", "chatml"])
 def service(request, weights):
-    folder = weights / request.param
-    checkpoint = load_checkpoint(folder)
-    service = GenerationService({folder.name: folder}, loader=lambda name, path: checkpoint)
-    service.checkpoint()
-    yield service
-    service.close()
+    client = EngineClient(EngineConfig(checkpoint=str(weights / request.param), threads=1))
+    run(client.load())
+    yield client
+    client.close()
+
+
+def chat(text: str) -> Conversation:
+    conversation = Conversation()
+    conversation.add("user", text)
+    return conversation
 
 
 async def ticking(work):
@@ -106,7 +101,7 @@ def events_of(service, text, settings=ReplySettings(max_new_tokens=4, temperatur
     return run(ask())
 
 
-# ---- the service --------------------------------------------------------------------------------
+# ---- the engine ---------------------------------------------------------------------------------
 
 def test_200k_characters_are_refused_politely_within_seconds_and_the_loop_keeps_ticking(service):
     events, max_gap, took = events_of(service, huge_message())
@@ -144,7 +139,8 @@ def test_every_private_use_character_is_still_text(service):
 
 @pytest.fixture(scope="module")
 def main(weights):
-    with imported_app(checkpoint=weights / "chatml", weights_dir=weights, max_new_tokens=8, history="off") as main:
+    with imported_app(checkpoint=weights / "chatml", weights_dir=weights, max_new_tokens=8, threads=1,
+                      history="off") as main:
         yield main
 
 

@@ -5,7 +5,8 @@ import json
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from llama_models.datatypes import RawMessage
 from llama_models.llama3.chat_format import ChatFormat as MetaChatFormat
 from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
@@ -122,8 +123,8 @@ def test_injected_header_stays_text(llama3):
 
 
 @pytest.mark.parametrize("messages, error", [
-    ([{"role": "tool", "content": "x"}],
-     r"message 0: expected role in \('system', 'user', 'assistant'\), found 'tool'"),
+    ([{"role": "ipython", "content": "x"}],
+     r"message 0: expected role in \('system', 'user', 'assistant'(, 'tool')?\), found 'ipython'"),
     ([{"role": "user", "content": "x"}, {"content": "x"}], "message 1: expected role in .* found None"),
     ([{"role": "user", "content": None}], "message 0: expected str content, found NoneType"),
     ([{"role": "user", "content": [{"type": "text", "text": "x"}]}],
@@ -134,6 +135,15 @@ def test_bad_messages(llama3, smol_format, messages, error):
     for chat_format in (llama3, smol_format):
         with pytest.raises(ValueError, match=error):
             chat_format.encode_dialog(messages)
+
+
+def test_tool_results_only_in_the_llama3_format(llama3, smol_format):
+    """A "tool" message (a tool's result) is Meta's ipython turn; a chat template takes none."""
+    assert llama3.render([{"role": "tool", "content": "x"}], False) == \
+        "<|begin_of_text|><|start_header_id|>ipython<|end_header_id|>\n\nx<|eot_id|>"
+    with pytest.raises(ValueError, match=r"message 0: expected role in \('system', 'user', 'assistant'\), "
+                                         r"found 'tool'"):
+        smol_format.encode_dialog([{"role": "tool", "content": "x"}])
 
 
 # --- chat templates (SmolLM2-135M-Instruct) -------------------------------------------------------------------

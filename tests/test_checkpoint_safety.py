@@ -16,15 +16,17 @@ from pathlib import Path
 import chainlit  # noqa: F401  (its configuration is read from the project root, before any test changes folder)
 import pytest
 import torch
+from support.app import imported_app
+from support.checkpoints import write_tiny_checkpoint
+from support.engine import EngineHarness, request
+from support.handlers import Chat
+from support.servers import ROOT
 
-from app.service import Conversation, Done, Failed, GenerationService, Loading, ReplySettings
+from app.messages import Done, Failed, Loading, ReplySettings
 from app.settings import Settings
-from app_helpers import imported_app
-from e2e_helpers import ROOT, write_tiny_checkpoint
 from model.checkpoint import load_checkpoint
-from test_app_handlers import Chat
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 
 GREEDY = ReplySettings(max_new_tokens=12, temperature=0.0)
 
@@ -47,29 +49,24 @@ def write_hostile_checkpoint(folder: Path, config_from: Path, marker: Path) -> P
     return folder
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
 
 
-def events(service, conversation: Conversation, settings: ReplySettings = GREEDY) -> list:
-    async def ask():
-        return await service.stream(conversation, settings).events()
-    return asyncio.run(asyncio.wait_for(ask(), 60))
+def events(engine: EngineHarness, model: str | None = None) -> list:
+    """Every event of a reply to "Hello" by the model (the default one if None)."""
+    r = request("Hello", GREEDY, model=model or engine.engine.default)
+    return engine.ask(r)[r.id]
 
 
-def hello(model: str | None = None) -> Conversation:
-    conversation = Conversation(model=model)
-    conversation.add("user", "Hello")
-    return conversation
+def weights_with(tmp_path: Path, **folders: Path) -> Path:
+    """A weights folder whose subfolders link to the given checkpoint folders."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for name, folder in folders.items():
+        (weights / name).symlink_to(folder)
+    return weights
 
 
 # ---- pickles ------------------------------------------------------------------------------------
@@ -93,21 +90,18 @@ def test_every_torch_load_is_weights_only():
             f"{file}:{line}: torch.load without weights_only=True"
 
 
-def test_service_refuses_a_pickle_that_would_run_code_and_goes_on(tiny, tmp_path):
+def test_the_engine_refuses_a_pickle_that_would_run_code_and_goes_on(tiny, tmp_path):
     marker = tmp_path / "the-pickle-ran"
     hostile = write_hostile_checkpoint(tmp_path / "hostile", tiny, marker)
-    service = GenerationService({"tiny": tiny, "hostile": hostile})
-    try:
-        refused = events(service, hello("hostile"))
-        assert isinstance(refused[0], Loading) and isinstance(refused[-1], Failed)
-        assert refused[-1].reason == "load"
-        assert "refused" in refused[-1].message and "could run code" in refused[-1].message
-        assert "model.pth" in refused[-1].message
-        assert not marker.exists(), "the pickle's code ran"
-        assert isinstance(events(service, hello("tiny"))[-1], Done)
-        assert isinstance(events(service, hello("hostile"))[-1], Failed)  # still refused, still serving
-    finally:
-        service.close()
+    engine = EngineHarness(tiny, weights_dir=str(weights_with(tmp_path, hostile=hostile)))
+    refused = events(engine, "hostile")
+    assert isinstance(refused[0], Loading) and isinstance(refused[-1], Failed)
+    assert refused[-1].reason == "load"
+    assert "refused" in refused[-1].message and "could run code" in refused[-1].message
+    assert "model.pth" in refused[-1].message
+    assert not marker.exists(), "the pickle's code ran"
+    assert isinstance(events(engine, "tiny")[-1], Done)
+    assert isinstance(events(engine, "hostile")[-1], Failed)  # still refused, still serving
 
 
 def test_chat_shows_why_a_hostile_checkpoint_is_refused_and_the_app_goes_on(tiny, tmp_path):
@@ -115,7 +109,8 @@ def test_chat_shows_why_a_hostile_checkpoint_is_refused_and_the_app_goes_on(tiny
     weights = tmp_path / "weights"
     shutil.copytree(tiny, weights / "tiny")
     write_hostile_checkpoint(weights / "hostile", tiny, marker)
-    with imported_app(checkpoint=weights / "tiny", weights_dir=weights, max_new_tokens=8, history="off") as main:
+    with imported_app(checkpoint=weights / "tiny", weights_dir=weights, max_new_tokens=8, threads=1,
+                      history="off") as main:
         hostile, working = Chat(main, profile="hostile"), Chat(main)
 
         async def scenario():
@@ -152,39 +147,39 @@ def test_start_up_logs_where_each_model_comes_from(tiny, tmp_path, monkeypatch, 
     shutil.copytree(tiny, tmp_path / "real-folder")
     (weights / "linked").symlink_to(tmp_path / "real-folder")
     monkeypatch.chdir(tmp_path)
-    with imported_app(checkpoint="weights/linked", weights_dir="weights", history="off") as main:
+    with imported_app(checkpoint="weights/linked", weights_dir="weights", threads=1, history="off") as main:
+        async def start():
+            await main.start_backend()
+            await main.BACKEND.load()
+
         with caplog.at_level(logging.INFO, logger="app"):
-            asyncio.run(main.load_default_model())
-        assert main.SERVICE.is_loaded()
+            asyncio.run(start())
+        assert main.BACKEND.is_loaded()
     assert f"model linked (default): {(tmp_path / 'real-folder').resolve()}" in caplog.messages
 
 
 # ---- folders that change while serving ----------------------------------------------------------
 
 def test_a_folder_deleted_before_its_model_loads_is_an_error_and_other_models_go_on(tiny, tmp_path):
-    gone = shutil.copytree(tiny, tmp_path / "gone")
-    service = GenerationService({"tiny": tiny, "gone": gone})
-    try:
-        shutil.rmtree(gone)
-        failed = events(service, hello("gone"))[-1]
-        assert isinstance(failed, Failed) and failed.reason == "load"
-        assert f"The model gone could not be loaded: {gone}: no such file or folder" == failed.message
-        assert isinstance(events(service, hello("tiny"))[-1], Done)
-        shutil.copytree(tiny, gone)  # put back: the next request loads it
-        assert isinstance(events(service, hello("gone"))[-1], Done)
-    finally:
-        service.close()
+    weights = tmp_path / "weights"
+    gone = shutil.copytree(tiny, weights / "gone")
+    engine = EngineHarness(tiny, weights_dir=str(weights))
+    shutil.rmtree(gone)
+    failed = events(engine, "gone")[-1]
+    assert isinstance(failed, Failed) and failed.reason == "load"
+    assert f"The model gone could not be loaded: {gone}: no such file or folder" == failed.message
+    assert isinstance(events(engine, "tiny")[-1], Done)
+    shutil.copytree(tiny, gone)  # put back: the next request loads it
+    assert isinstance(events(engine, "gone")[-1], Done)
 
 
 def test_a_folder_half_deleted_before_its_model_loads_is_an_error(tiny, tmp_path):
-    half = shutil.copytree(tiny, tmp_path / "half")
-    service = GenerationService({"half": half})
-    try:
-        (half / "model.safetensors").unlink()
-        failed = events(service, hello())[-1]
-        assert isinstance(failed, Failed) and failed.reason == "load" and str(half) in failed.message
-    finally:
-        service.close()
+    weights = tmp_path / "weights"
+    half = shutil.copytree(tiny, weights / "half")
+    engine = EngineHarness(tiny, weights_dir=str(weights))
+    (half / "model.safetensors").unlink()
+    failed = events(engine, "half")[-1]
+    assert isinstance(failed, Failed) and failed.reason == "load" and str(half) in failed.message
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["memory-mapped", "converted"])
@@ -192,15 +187,12 @@ def test_a_loaded_model_keeps_working_when_its_files_are_deleted_or_replaced(tin
     """fp32 weights stay memory-mapped from the file; the deleted file's pages stay readable until unmapped.
     (Overwriting a mapped file in place is another matter: replace files by renaming a new one over them.)"""
     folder = shutil.copytree(tiny, tmp_path / "model")
-    service = GenerationService({"model": folder}, loader=lambda name, path: load_checkpoint(path, dtype=dtype))
-    try:
-        before = events(service, hello())[-1]
-        assert isinstance(before, Done)
-        shutil.rmtree(folder)
-        after = events(service, hello())[-1]
-        assert isinstance(after, Done) and after.text == before.text
-        write_tiny_checkpoint(tmp_path / "other", seed=5).rename(folder)  # another model in its place
-        replaced = events(service, hello())[-1]
-        assert isinstance(replaced, Done) and replaced.text == before.text  # the loaded one still answers
-    finally:
-        service.close()
+    engine = EngineHarness(folder, loader=lambda name, path: load_checkpoint(path, dtype=dtype), kv_cache_mb=0)
+    before = events(engine)[-1]
+    assert isinstance(before, Done)
+    shutil.rmtree(folder)
+    after = events(engine)[-1]
+    assert isinstance(after, Done) and after.text == before.text
+    write_tiny_checkpoint(tmp_path / "other", seed=5).rename(folder)  # another model in its place
+    replaced = events(engine)[-1]
+    assert isinstance(replaced, Done) and replaced.text == before.text  # the loaded one still answers

@@ -10,19 +10,15 @@ LLAMA_SKIP_BROWSER=1 says to skip it.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import time
 from pathlib import Path
 
 import pytest
+from support.browser import CHROMIUM, CHROMIUM_ARGS, browser_or_reason
+from support.servers import DEFAULT_MODEL, ROOT, ChainlitServer, server_env
 
-from e2e_helpers import DEFAULT_MODEL, ROOT, ChainlitServer, server_env
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
 SHOTS = ROOT / "test-output" / "e2e"
 SCREENSHOT = ROOT / "docs" / "screenshot.png"
 
@@ -30,15 +26,6 @@ ANSWERS = '.step[data-step-type="assistant_message"]:not(:has(img[alt="Avatar fo
 STATS = '.step:has(img[alt="Avatar for stats"]) .message-content'
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def browser_or_reason() -> str | None:
-    """None when the browser test can run, else why not."""
-    if not CHROMIUM.exists():
-        return f"{CHROMIUM} is missing: install Debian's Chromium with `apt-get install -y chromium`"
-    if importlib.util.find_spec("playwright") is None:
-        return "the playwright package is missing: `pip install -r requirements-test.txt`"
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +40,8 @@ def server(tmp_path_factory):
         prepare_default(DEFAULT_MODEL.parent)
     # One torch thread: on 2 cores the browser and the test need the other one.
     folder = tmp_path_factory.mktemp("chainlit")
-    env = server_env(checkpoint=DEFAULT_MODEL, temperature=0, dtype="fp32", threads=1,
+    # greedy and no repetition penalty: the same answers on every run, the ones this test pins
+    env = server_env(checkpoint=DEFAULT_MODEL, temperature=0, repetition_penalty=1, dtype="fp32", threads=1,
                      history_db=folder / "history.db")  # history on, as by default, in a database of its own
     server = ChainlitServer(env, log=folder / "chainlit.log")
     try:
@@ -196,4 +184,35 @@ def test_chat_follow_up_stop_and_settings(page, server):
                            timeout=60_000)
     assert "Eiffel" not in page.inner_text("body") and answer_texts(page)[0]
     shot(page, "07-edited")
+    assert "Traceback" not in server.log()
+
+
+def test_eight_tabs_are_answered_at_once(page, server):
+    """Eight tabs ask at about the same time: every one is streaming its answer before any has finished
+    (one batch in the engine, no queue), and Stop in each ends it."""
+    tabs = []
+    for _ in range(8):
+        tab = page.context.browser.new_page(viewport={"width": 1100, "height": 800})
+        tab.set_default_timeout(60_000)
+        tab.goto(server.url)
+        tab.wait_for_selector("#chat-input")
+        tabs.append(tab)
+    try:
+        for i, tab in enumerate(tabs):
+            send(tab, f"Write a long story about a dragon named Number {i}.")
+        deadline = time.monotonic() + 120
+        while not all(answer_texts(tab) and answer_texts(tab)[0] for tab in tabs):
+            assert time.monotonic() < deadline, "not every tab got an answer within 120 s"
+            assert not any(stats_lines(tab) for tab in tabs), "a tab finished before every tab had started"
+            time.sleep(0.05)
+        shot(tabs[-1], "08-eighth-tab")
+        for tab in tabs:
+            tab.click("#stop-button")
+        for tab in tabs:
+            tab.wait_for_function(f"() => [...document.querySelectorAll('{STATS}')].length === 1", timeout=10_000)
+            assert answer_texts(tab)[0].strip()
+            assert not tab.locator("text=/yours is (next|number)/").count()  # nobody waited in line
+    finally:
+        for tab in tabs:
+            tab.close()
     assert "Traceback" not in server.log()

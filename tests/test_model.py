@@ -6,12 +6,10 @@ import json
 
 import pytest
 import torch
-import transformers
+from support.checkpoints import ROPE, VOCAB, hf_model, prompt_ids, write_meta
 
 from model import CheckpointError, KVCache, LlamaConfig, RopeScaling, generate, load_checkpoint
 from model.rope import inv_freq
-
-from checkpoints import ROPE, VOCAB, hf_model, prompt_ids, write_meta
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +298,7 @@ def test_pickle_that_would_run_code_is_refused(hf_folder, tmp_path):
 
 
 def test_cancel_during_prefill_stops_between_chunks(hf_folder):
-    from model.generate import PREFILL_CHUNK
+    from model.generation import PREFILL_CHUNK
     ckpt = load_checkpoint(hf_folder, dtype=torch.float32)
     prompt = prompt_ids(n=PREFILL_CHUNK * 2 + 10, seed=8)[0].tolist()
     checks = []
@@ -324,15 +322,15 @@ def test_control_tokens_are_kept_as_ids_but_not_shown(hf_folder):
     # Make the model's third token a control token by editing the output head's choice.
     python_tag = ckpt.tokenizer.special_tokens["<|python_tag|>"]
     gen = generate(ckpt, prompt, max_new_tokens=6, stop_ids=set())
-    original = ckpt.model.forward
+    original = ckpt.model.decode
 
-    def forward(tokens, *args, **kw):
-        logits = original(tokens, *args, **kw)
+    def decode(tokens, caches):
+        logits = original(tokens, caches)
         if len(gen.tokens) == 2:
             logits[..., python_tag] = 1e4
         return logits
 
-    ckpt.model.forward = ckpt.model.decode = forward
+    ckpt.model.decode = decode
     text = "".join(gen)
     assert gen.tokens[2] == python_tag
     assert "<|python_tag|>" not in text and text == gen.text

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
 
 import model.tokenizer as tokenizer_module
@@ -252,7 +253,8 @@ def test_hf_split_added_matches_tokenizers(smol, smol_hf, varied_texts):
 
 
 def test_hf_split_added_strips_like_tokenizers(tmp_path, smollm2_tokenizer_folder):
-    from tokenizers import AddedToken, Tokenizer as RustTokenizer
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as RustTokenizer
     rust = RustTokenizer.from_file(str(smollm2_tokenizer_folder / "tokenizer.json"))
     rust.add_special_tokens([AddedToken("<L>", lstrip=True), AddedToken("<R>", rstrip=True)])
     rust.add_tokens([AddedToken("<think>", special=False)])

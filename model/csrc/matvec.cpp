@@ -1,11 +1,15 @@
-// y = W x for a single token, reading 16-bit or 8-bit weights at memory bandwidth.
+// y = x W^T for a few rows of x (decode: one new token per sequence), reading 16-bit or 8-bit
+// weights at memory bandwidth.
 //
-// Decoding one token multiplies every weight matrix by one vector, so its speed is the speed at
-// which weights stream from memory. PyTorch's CPU linear for one row runs well below bandwidth
-// (oneDNN's bf16 kernels are tuned for many rows; fp32 weights are twice the bytes). These loops
-// read each weight once, split the rows across torch's threads, and take x and give y in x's dtype
-// (fp32 or bf16). Built with -march=native: AVX-512 CPUs get the intrinsics paths, others the plain
-// loops, which the compiler vectorizes.
+// Decoding multiplies every weight matrix by M <= 8 rows, so its speed is the speed at which
+// weights stream from memory. PyTorch's CPU linear for a few rows runs well below bandwidth
+// (oneDNN's bf16 kernels are tuned for many rows; fp32 weights are twice the bytes). These ops read
+// each weight once for all M rows of x, split the weight rows across torch's threads, and take x
+// and give y in x's dtype (fp32 or bf16). Each op takes several matrices of the same K and gives
+// their outputs side by side (q|k|v, gate|up in one call and one parallel region).
+//
+// The instruction set is chosen when this file is compiled: AVX-512 (with vdpbf16ps where the CPU
+// has AVX-512 BF16), else AVX2 + FMA, else plain loops the compiler vectorizes (dot_*.h).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -13,200 +17,231 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define HAVE_AVX512 1
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <numeric>
+#include <string>
+#include <type_traits>
 #include <vector>
+
+#include "dot_portable.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include "dot_avx512.h"
+namespace isa = avx512;
+#if defined(__AVX512BF16__)
+#define HAVE_BF16_DOT 1
+constexpr const char* kPath = "AVX-512 BF16";
+#else
+constexpr const char* kPath = "AVX-512";
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "dot_avx2.h"
+namespace isa = avx2;
+constexpr const char* kPath = "AVX2";
+#else
+namespace isa = portable;
+constexpr const char* kPath = "portable";
+#endif
+
+#ifndef TORCH_EXTENSION_NAME  // set by torch.utils.cpp_extension to the name the build was given
+#define TORCH_EXTENSION_NAME llama_kernels
+#endif
 
 namespace {
 
 using c10::BFloat16;
 
-// Rows per task: at least ~64 KB of weights, so a thread's share is worth waking it for.
+constexpr int64_t kMaxRows = 8;  // rows of x per call: model/linear.py's MAX_KERNEL_ROWS
+
+// Calls f(std::integral_constant<int, M>{}) for the runtime rows = M in 1..kMaxRows, so each M gets
+// its own compiled loop with its accumulators in registers.
+template <typename F>
+void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: TORCH_CHECK(false, "x has ", rows, " rows; the decode kernel takes 1 to ", kMaxRows);
+  }
+}
+
+// Weight rows per task: at least ~64 KB of weights, so a thread's share is worth waking it for.
 int64_t grain(int64_t k_dim, int64_t bytes_per_weight) {
   return std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, k_dim * bytes_per_weight));
 }
 
-float to_float(uint16_t bf16) {  // bf16 is the top half of an fp32
-  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// ---- bf16 weights ------------------------------------------------------------------------------
-// One row at a time: on AVX-512 a single stream per row measured faster than interleaving rows.
-
-#ifdef HAVE_AVX512
-float dot_bf16(const uint16_t* w, const float* x, int64_t k_dim) {  // fp32 x: widen each weight
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= k_dim; k += 32) {
-    __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
-    __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k + 16)));
-    acc0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)), _mm512_loadu_ps(x + k), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)), _mm512_loadu_ps(x + k + 16), acc1);
-  }
-  float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-  for (; k < k_dim; k++) sum += to_float(w[k]) * x[k];
-  return sum;
-}
-#else
-float dot_bf16(const uint16_t* w, const float* x, int64_t k_dim) {
-  // 32 running sums, which the compiler turns into several independent vector accumulators: one
-  // accumulator would wait on the latency of each multiply-add (measured 15 GB/s instead of 20-37).
-  float part[32] = {};
-  int64_t k = 0;
-  for (; k + 32 <= k_dim; k += 32)
-    for (int j = 0; j < 32; j++) part[j] += to_float(w[k + j]) * x[k + j];
-  float sum = 0.f;
-  for (int j = 0; j < 32; j++) sum += part[j];
-  for (; k < k_dim; k++) sum += to_float(w[k]) * x[k];
-  return sum;
-}
-#endif
-
-#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
-// bf16 x and bf16 weights: dot products of bf16 pairs accumulated in fp32 (vdpbf16ps), 32 a step.
-float dot_bf16_bf16(const uint16_t* w, const uint16_t* x, int64_t k_dim) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= k_dim; k += 32)
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
-  if (k < k_dim) {
-    const __mmask32 tail = static_cast<__mmask32>((1ull << (k_dim - k)) - 1);
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(tail, w + k),
-                           (__m512bh)_mm512_maskz_loadu_epi16(tail, x + k));
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-#define HAVE_BF16_DOT 1
-#endif
-
-// ---- int8 weights ------------------------------------------------------------------------------
-// Each run of `group` weights of a row has its own scale. x is rounded to int16 with one scale, so
-// within a group the products are integer multiply-adds (|w| <= 127, |x| <= 32767: a group of up to
-// 256 sums safely in int32); each group's sum is then scaled in float.
-
-float dot_q8(const int8_t* w, const int16_t* x, const float* scale, int64_t k_dim, int64_t group) {
-  int64_t k = 0;
-  float sum = 0.f;
-#ifdef HAVE_AVX512
-  if (group % 32 == 0) {
-    __m512 total = _mm512_setzero_ps();
-    for (; k < k_dim; k += group) {
-      __m512i acc = _mm512_setzero_si512();
-      for (int64_t i = k; i < k + group; i += 32) {  // 32 weights widened to int16; pairs multiplied and added
-        __m512i wi = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i)));
-        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(wi, _mm512_loadu_si512(x + i)));
-      }
-      total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(scale[k / group]), total);
-    }
-    return _mm512_reduce_add_ps(total);
-  }
-#endif
-  for (; k < k_dim; k += group) {
-    int32_t acc = 0;
-    for (int64_t i = k; i < k + group; i++) acc += static_cast<int16_t>(w[i]) * x[i];
-    sum += static_cast<float>(acc) * scale[k / group];
-  }
-  return sum;
-}
-
-// ---- ops ---------------------------------------------------------------------------------------
-// Each op takes several matrices with the same K and gives their outputs concatenated (the rows of
-// q, k and v, or of gate and up, in one call and one parallel region).
-
-void check(const at::Tensor& x, at::TensorList ws, at::ScalarType dtype) {
-  TORCH_CHECK(x.dim() == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
-              x.is_contiguous() && x.device().is_cpu(), "x: contiguous float32 or bfloat16 CPU tensor (K,)");
-  TORCH_CHECK(!ws.empty(), "no weight matrices");
-  for (const at::Tensor& w : ws) {
+// x is (K,) or (M, K); returns M.
+int64_t check(const char* op, const at::Tensor& x, at::TensorList ws, at::ScalarType dtype) {
+  TORCH_CHECK((x.dim() == 1 || x.dim() == 2) && x.is_contiguous() && x.device().is_cpu() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              op, ": x must be a contiguous float32 or bfloat16 CPU tensor of shape (K,) or (M, K); got ",
+              x.scalar_type(), " ", x.sizes(), x.is_contiguous() ? "" : " (not contiguous)", " on ", x.device());
+  const int64_t rows = x.dim() == 1 ? 1 : x.size(0);
+  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, op, ": x has ", rows, " rows; expected 1 to ", kMaxRows);
+  TORCH_CHECK(!ws.empty(), op, ": no weight matrices");
+  for (size_t i = 0; i < ws.size(); i++) {
+    const at::Tensor& w = ws[i];
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype && w.is_contiguous() && w.device().is_cpu(),
-                "w: contiguous (N, K) CPU tensor of ", dtype);
-    TORCH_CHECK(w.size(1) == x.size(0), "w is ", w.sizes(), " but x has ", x.size(0), " elements");
+                op, ": w[", i, "] must be a contiguous (N, K) CPU tensor of ", dtype, "; got ", w.scalar_type(),
+                " ", w.sizes(), w.is_contiguous() ? "" : " (not contiguous)", " on ", w.device());
+    TORCH_CHECK(w.size(1) == x.size(-1), op, ": w[", i, "] is ", w.sizes(), " but x has K=", x.size(-1));
   }
+  return rows;
 }
 
-// y[n] = row(m, r) for output n = row r of matrix m, in parallel; y in x's dtype.
-template <typename Row>
-at::Tensor rows_to(const at::Tensor& x, at::TensorList ws, int64_t bytes_per_weight, Row row) {
-  std::vector<int64_t> first{0};  // first[m]: y index of matrix m's row 0
+// Rows of x are read in pieces of K that fit in L1 (kXBytes for all M rows together): for several
+// rows, x of a whole row of K = 2048 or more would be read from L2 for every weight row. The
+// weight rows of a thread's share are taken kBlockRows at a time, piece by piece.
+constexpr int64_t kXBytes = 32 * 1024;
+constexpr int64_t kBlockRows = 8;
+
+// Weights per piece of K: K itself where M rows of x fit in kXBytes, else the largest multiple of
+// `align` (the step of the loops, or the int8 group) whose x fits.
+int64_t piece(int64_t rows, int64_t k_dim, int64_t x_bytes, int64_t align) {
+  const int64_t fits = kXBytes / (rows * x_bytes) / align * align;
+  return fits >= k_dim || fits == 0 ? k_dim : fits;
+}
+
+// y[m, n] = row_scale[m] * sum over pieces of out[m], where dot(i, r, k0, len, out) gives the dot
+// products of weights k0..k0+len of row r of matrix i (output n) with every row m of x; in
+// parallel over n, y in x's dtype, (N,) for x (K,) and (M, N) for x (M, K).
+template <int M, typename Dot>
+at::Tensor rows_to(const at::Tensor& x, at::TensorList ws, int64_t bytes_per_weight, int64_t x_bytes,
+                   int64_t align, const float* row_scale, Dot dot) {
+  std::vector<int64_t> first{0};  // first[i]: the output index of matrix i's row 0
   for (const at::Tensor& w : ws) first.push_back(first.back() + w.size(0));
-  at::Tensor y = at::empty({first.back()}, x.options());
+  const int64_t n_total = first.back(), k_dim = x.size(-1);
+  const int64_t len = piece(M, k_dim, x_bytes, align);
+  at::Tensor y = x.dim() == 1 ? at::empty({n_total}, x.options()) : at::empty({M, n_total}, x.options());
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   BFloat16* yb = bf16 ? y.data_ptr<BFloat16>() : nullptr;
-  at::parallel_for(0, first.back(), grain(x.size(0), bytes_per_weight), [&](int64_t begin, int64_t end) {
-    size_t m = 0;
-    for (int64_t n = begin; n < end; n++) {
-      while (n >= first[m + 1]) m++;
-      const float v = row(m, n - first[m]);
-      if (bf16) yb[n] = BFloat16(v); else yf[n] = v;
+  at::parallel_for(0, n_total, grain(k_dim, bytes_per_weight), [&](int64_t begin, int64_t end) {
+    float out[M], sums[kBlockRows][M];
+    size_t block_matrix = 0;
+    for (int64_t n0 = begin; n0 < end; n0 += kBlockRows) {
+      const int64_t n1 = std::min(end, n0 + kBlockRows);
+      while (n0 >= first[block_matrix + 1]) block_matrix++;
+      for (int64_t k0 = 0; k0 < k_dim; k0 += len) {
+        size_t i = block_matrix;
+        for (int64_t n = n0; n < n1; n++) {
+          while (n >= first[i + 1]) i++;
+          dot(i, n - first[i], k0, std::min(len, k_dim - k0), out);
+          for (int m = 0; m < M; m++) sums[n - n0][m] = (k0 == 0 ? 0.f : sums[n - n0][m]) + out[m];
+        }
+      }
+      for (int64_t n = n0; n < n1; n++) {
+        for (int m = 0; m < M; m++) {
+          const float v = sums[n - n0][m] * row_scale[m];
+          if (bf16) yb[m * n_total + n] = BFloat16(v); else yf[m * n_total + n] = v;
+        }
+      }
     }
   });
   return y;
 }
 
 at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws) {
-  check(x, ws, at::kBFloat16);
-  const int64_t k_dim = x.size(0);
+  const int64_t rows = check("matvec_bf16", x, ws, at::kBFloat16);
+  const int64_t k_dim = x.size(-1);
   std::vector<const uint16_t*> w;
   for (const at::Tensor& t : ws) w.push_back(reinterpret_cast<const uint16_t*>(t.data_ptr()));
+  const float ones[kMaxRows] = {1, 1, 1, 1, 1, 1, 1, 1};
+  at::Tensor y;
 #ifdef HAVE_BF16_DOT
   if (x.scalar_type() == at::kBFloat16) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    return rows_to(x, ws, 2, [&](size_t m, int64_t r) { return dot_bf16_bf16(w[m] + r * k_dim, xp, k_dim); });
+    with_rows(rows, [&](auto m_rows) {
+      constexpr int M = decltype(m_rows)::value;
+      y = rows_to<M>(x, ws, 2, 2, 32, ones, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+        isa::dot_bf16_bf16<M>(w[i] + r * k_dim + k0, xp + k0, k_dim, len, out);
+      });
+    });
+    return y;
   }
 #endif
-  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor xf = x.to(at::kFloat);  // no copy when x is fp32
   const float* xp = xf.data_ptr<float>();
-  return rows_to(x, ws, 2, [&](size_t m, int64_t r) { return dot_bf16(w[m] + r * k_dim, xp, k_dim); });
+  with_rows(rows, [&](auto m_rows) {
+    constexpr int M = decltype(m_rows)::value;
+    y = rows_to<M>(x, ws, 2, 4, 32, ones, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+      isa::dot_bf16<M>(w[i] + r * k_dim + k0, xp + k0, k_dim, len, out);
+    });
+  });
+  return y;
 }
 
 at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList scales) {
-  check(x, ws, at::kChar);
-  TORCH_CHECK(scales.size() == ws.size(), "one scale vector per matrix");
+  const int64_t rows = check("matvec_int8", x, ws, at::kChar);
+  const int64_t k_dim = x.size(-1);
+  TORCH_CHECK(scales.size() == ws.size(), "matvec_int8: ", ws.size(), " weight matrices but ", scales.size(),
+              " scale tensors; expected one per matrix");
   std::vector<const int8_t*> w;
   std::vector<const float*> s;
-  for (size_t m = 0; m < ws.size(); m++) {
-    TORCH_CHECK(scales[m].dim() == 2 && scales[m].size(0) == ws[m].size(0) &&
-                scales[m].scalar_type() == at::kFloat && scales[m].is_contiguous(),
-                "scale: contiguous float32 (N, K / group)");
-    TORCH_CHECK(x.size(0) % scales[m].size(1) == 0 && x.size(0) / scales[m].size(1) <= 256,
-                "scale: K / group groups of at most 256 weights; got ", scales[m].sizes(), " for K=", x.size(0));
-    w.push_back(ws[m].data_ptr<int8_t>());
-    s.push_back(scales[m].data_ptr<float>());
+  std::vector<int64_t> groups, n_groups;  // per matrix: weights per group, groups per row
+  int64_t align = isa::kQ8Step;  // pieces of K hold whole groups of every matrix, whole steps of the loops
+  for (size_t i = 0; i < ws.size(); i++) {
+    const at::Tensor& scale = scales[i];
+    TORCH_CHECK(scale.dim() == 2 && scale.size(0) == ws[i].size(0) && scale.scalar_type() == at::kFloat &&
+                scale.is_contiguous() && scale.device().is_cpu(),
+                "matvec_int8: scale[", i, "] must be a contiguous float32 CPU tensor (N, K / group) with N=",
+                ws[i].size(0), "; got ", scale.scalar_type(), " ", scale.sizes());
+    TORCH_CHECK(scale.size(1) >= 1 && k_dim % scale.size(1) == 0 && k_dim / scale.size(1) <= 256,
+                "matvec_int8: scale[", i, "] is ", scale.sizes(), ": expected K / group columns, groups of at most ",
+                "256 weights, for K=", k_dim);
+    w.push_back(ws[i].data_ptr<int8_t>());
+    s.push_back(scale.data_ptr<float>());
+    groups.push_back(k_dim / scale.size(1));
+    n_groups.push_back(scale.size(1));
+    align = std::lcm(align, groups.back());
   }
-  const int64_t k_dim = x.size(0);
+  // Each row of x rounded to int16 with its own scale, so products within a group are integers.
   const at::Tensor xf = x.to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
-  float x_max = 0.f;
-  for (int64_t k = 0; k < k_dim; k++) x_max = std::max(x_max, std::abs(xp[k]));
-  const float x_scale = x_max > 0.f ? x_max / 32767.f : 1.f;
-  std::vector<int16_t> xq(k_dim);
-  for (int64_t k = 0; k < k_dim; k++) xq[k] = static_cast<int16_t>(std::nearbyint(xp[k] / x_scale));
-  std::vector<int64_t> groups;
-  for (const at::Tensor& t : scales) groups.push_back(t.size(1));
-  return rows_to(x, ws, 1, [&](size_t m, int64_t r) {
-    return dot_q8(w[m] + r * k_dim, xq.data(), s[m] + r * groups[m], k_dim, k_dim / groups[m]) * x_scale;
+  std::vector<int16_t> xq(rows * k_dim);
+  float x_scale[kMaxRows];
+  for (int64_t m = 0; m < rows; m++) {
+    float x_max = 0.f;
+    for (int64_t k = 0; k < k_dim; k++) x_max = std::max(x_max, std::abs(xp[m * k_dim + k]));
+    x_scale[m] = x_max > 0.f ? x_max / 32767.f : 1.f;
+    for (int64_t k = 0; k < k_dim; k++)
+      xq[m * k_dim + k] = static_cast<int16_t>(std::nearbyint(xp[m * k_dim + k] / x_scale[m]));
+  }
+  at::Tensor y;
+  with_rows(rows, [&](auto m_rows) {
+    constexpr int M = decltype(m_rows)::value;
+    y = rows_to<M>(x, ws, 1, 2, align, x_scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+      const int8_t* row = w[i] + r * k_dim + k0;
+      const float* row_scale = s[i] + r * n_groups[i] + (k0 == 0 ? 0 : k0 / groups[i]);
+      if (groups[i] % isa::kQ8Step == 0) isa::dot_q8<M>(row, xq.data() + k0, k_dim, row_scale, len, groups[i], out);
+      else portable::dot_q8<M>(row, xq.data() + k0, k_dim, row_scale, len, groups[i], out);
+    });
   });
+  return y;
 }
+
+std::string path() { return kPath; }
 
 }  // namespace
 
-TORCH_LIBRARY(llama_kernels, m) {
+// The op namespace is the build's name, so builds for different instruction sets load side by side.
+#define DEFINE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define IMPL_LIBRARY(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+DEFINE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("matvec_bf16(Tensor x, Tensor[] w) -> Tensor");
   m.def("matvec_int8(Tensor x, Tensor[] w, Tensor[] scale) -> Tensor");
+  m.def("path() -> str", &path);  // which of the code paths above this build compiled
 }
 
-TORCH_LIBRARY_IMPL(llama_kernels, CPU, m) {
+IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("matvec_bf16", matvec_bf16);
   m.impl("matvec_int8", matvec_int8);
 }

@@ -1,35 +1,23 @@
-"""The Chainlit handlers of app/main.py, called as Chainlit calls them, in a mocked Chainlit context.
-
-Each test sets a ChainlitContext whose session is a plain object and whose emitter is an AsyncMock,
-calls the handlers, and reads what they sent from the emitter's awaited calls. The model is a tiny
-random Llama checkpoint, so replies are gibberish but real: streamed by the real service.
+"""The Chainlit handlers of app/main.py, called as Chainlit calls them, in a mocked Chainlit context
+(tests/support/handlers.py: a session that is a plain object, an emitter that is an AsyncMock). The
+model is a tiny random Llama checkpoint, so replies are gibberish but real: streamed by the real engine
+process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
-import uuid
-from unittest.mock import AsyncMock, MagicMock
 
 import pytest
-import torch
-
-from e2e_helpers import write_tiny_checkpoint
+from support.app import imported_app
+from support.checkpoints import write_tiny_checkpoint
+from support.handlers import Chat
 
 pytestmark = pytest.mark.timeout(120)
 
 SYSTEM_PROMPT = "You are terse."
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -41,86 +29,10 @@ def main(tmp_path_factory):
     broken.mkdir()
     (broken / "config.json").write_text("{}")
     (broken / "model.safetensors").write_bytes(b"this is not a safetensors file")
-    env = {name: "" for name in os.environ if name.startswith("LLAMA_")}  # e.g. from a developer's .env
-    env |= {"LLAMA_CHECKPOINT": str(weights / "tiny"), "LLAMA_WEIGHTS_DIR": str(weights),
-            "LLAMA_MAX_CONTEXT": "512", "LLAMA_MAX_NEW_TOKENS": "24", "LLAMA_SYSTEM_PROMPT": SYSTEM_PROMPT,
-            "LLAMA_HISTORY": "off"}  # no database: these sessions are mocks (tests/test_history.py has the real thing)
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    sys.modules.pop("app.main", None)
-    try:
-        import app.main as main
+    # no database: these sessions are mocks (tests/test_history.py has the real thing)
+    with imported_app(checkpoint=weights / "tiny", weights_dir=weights, max_context=512, max_new_tokens=24,
+                      system_prompt=SYSTEM_PROMPT, threads=1, history="off") as main:
         yield main
-    finally:
-        sys.modules.pop("app.main", None)
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    main.SERVICE.close()
-
-
-class Session:
-    """What the handlers and cl.user_session read of a Chainlit WebsocketSession."""
-
-    def __init__(self, profile: str | None = None):
-        self.id = f"test-{uuid.uuid4()}"
-        self.thread_id = str(uuid.uuid4())
-        self.user_env, self.chat_settings, self.user = {}, {}, None
-        self.chat_profile = profile
-        self.client_type = "webapp"
-        self.to_clear = False
-        self.current_task = None
-
-
-def mock_emitter():
-    from chainlit.emitter import BaseChainlitEmitter
-
-    emitter = AsyncMock(spec=BaseChainlitEmitter)
-    emitter.set_chat_settings = MagicMock()  # called without await by ChatSettings.send()
-    emitter.clear = MagicMock()
-    return emitter
-
-
-class Chat:
-    """One browser tab: a session, its emitter, and helpers to read what was sent to it."""
-
-    def __init__(self, main, profile: str | None = None):
-        self.main, self.session, self.emitter = main, Session(profile), mock_emitter()
-
-    def enter(self):
-        from chainlit.context import ChainlitContext, context_var
-        context_var.set(ChainlitContext(self.session, self.emitter))
-
-    async def start(self):
-        self.enter()
-        await self.main.start_chat()
-
-    async def send(self, text: str, id: str | None = None):
-        """The user sends (or, with the id of an earlier message, edits) a message."""
-        import chainlit as cl
-        self.enter()
-        message = cl.Message(content=text, type="user_message", id=id)
-        await self.main.on_message(message)
-        return message
-
-    def sent(self) -> list[dict]:
-        """Final state of each message sent (send_step), in order."""
-        return [call.args[0] for call in self.emitter.send_step.await_args_list]
-
-    def replies(self) -> list[str]:
-        return [s["output"] for s in self.sent() if s["name"] not in ("stats",) and not s["isError"]]
-
-    def stats(self) -> list[str]:
-        return [s["output"].strip("*") for s in self.sent() if s["name"] == "stats"]  # italic markdown
-
-    def errors(self) -> list[str]:
-        return [s["output"] for s in self.sent() if s["isError"]]
-
-    def conversation(self):
-        from chainlit.user_session import user_sessions
-        return user_sessions[self.session.id]["conversation"]
 
 
 def run(coroutine):
@@ -135,7 +47,9 @@ def test_chat_start_offers_settings_with_the_checkpoints_defaults(main):
 
     [call] = [c for c in chat.emitter.emit.await_args_list if c.args[0] == "chat_settings"]
     widgets = {w["id"]: w for w in call.args[1]}
-    assert list(widgets) == ["temperature", "top_k", "top_p", "max_new_tokens", "seed", "system_prompt"]
+    assert list(widgets) == ["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "seed",
+                             "system_prompt"]
+    assert widgets["min_p"]["initial"] == 0 and widgets["repetition_penalty"]["initial"] == 1  # tiny's: off
     # tiny's generation_config.json sets nothing: Llama 3's defaults; LLAMA_MAX_NEW_TOKENS=24
     assert widgets["temperature"]["initial"] == 0.6 and widgets["top_p"]["initial"] == 0.9
     assert widgets["top_k"]["initial"] == 0 and widgets["max_new_tokens"]["initial"] == 24
@@ -183,7 +97,8 @@ def test_message_streams_a_reply_then_a_stats_line_and_keeps_the_history(main):
     history = [(m.role, m.content, m.id) for m in chat.conversation().messages]
     assert history == [("user", "Hello", first.id), ("assistant", replies[0], chat.sent()[0]["id"]),
                        ("user", "And then?", second.id), ("assistant", replies[1], chat.sent()[2]["id"])]
-    assert chat.conversation().kv_cache is not None  # the next turn prefills only what is new
+    # each reply keeps the ids it was generated as, so the next turn's prompt matches the engine's cache
+    assert all(m.ids for m in chat.conversation().messages if m.role == "assistant")
 
 
 def test_stop_ends_the_reply_at_once_keeps_it_and_frees_the_model(main):
@@ -270,6 +185,8 @@ def test_settings_apply_to_the_next_reply(main):
     from chainlit.user_session import user_sessions
     settings = user_sessions[chat.session.id]["reply_settings"]
     assert settings == main.ReplySettings(max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=42)
+    panel = main.read_settings({"repetition_penalty": 1.3, "min_p": 0.1})[0]
+    assert (panel.repetition_penalty, panel.min_p) == (1.3, 0.1)
     assert chat.conversation().system_prompt == "Be a pirate."
     assert chat.stats()[0].startswith("16 tokens") and "length limit" in chat.stats()[0]
 
@@ -338,22 +255,47 @@ def test_a_model_that_fails_to_load_is_reported_and_other_chats_go_on(main):
     assert len(working.replies()) == 1 and not working.errors()
 
 
-def test_a_second_chat_waits_its_turn_and_is_told(main):
+def test_two_chats_are_answered_at_once(main):
     first, second = Chat(main), Chat(main)
 
     async def scenario():
         await first.start()
         await second.start()
         first.enter()
-        await main.update_settings({"max_new_tokens": 100, "temperature": 1.0, "seed": "1", "system_prompt": ""})
+        await main.update_settings({"max_new_tokens": 200, "temperature": 1.0, "seed": "1", "system_prompt": ""})
         one = asyncio.create_task(first.send("Long answer please"))
         while first.emitter.send_token.await_count < 1:
             await asyncio.sleep(0.01)
         two = asyncio.create_task(second.send("Hi"))
-        await asyncio.gather(one, two)
+        await two
+        assert not one.done()  # the second reply finished while the first was still streaming
+        await one
 
     run(scenario())
-    notes = [s for s in second.sent() if s["output"].startswith("Waiting for 1 other reply")]
+    assert len(first.replies()) == len(second.replies()) == 1
+    assert len(first.stats()) == len(second.stats()) == 1
+
+
+def test_a_chat_waits_for_a_place_in_the_batch_and_is_told(tmp_path):
+    write_tiny_checkpoint(tmp_path / "tiny")
+    with imported_app(checkpoint=tmp_path / "tiny", weights_dir=tmp_path, max_batch=1, max_new_tokens=24, threads=1,
+                      history="off") as main:
+        first, second = Chat(main), Chat(main)
+
+        async def scenario():
+            await main.BACKEND.load()  # no "Loading" note in the first chat
+            await first.start()
+            await second.start()
+            first.enter()
+            await main.update_settings({"max_new_tokens": 300, "temperature": 1.0, "seed": "1", "system_prompt": ""})
+            one = asyncio.create_task(first.send("Long answer please"))
+            while first.emitter.send_token.await_count < 1:
+                await asyncio.sleep(0.01)
+            two = asyncio.create_task(second.send("Hi"))
+            await asyncio.gather(one, two)
+
+        run(scenario())
+    notes = [s for s in second.sent() if "yours is next in line" in s["output"]]
     assert len(notes) == 1
     removed = [c.args[0]["id"] for c in second.emitter.delete_step.await_args_list]
     assert notes[0]["id"] in removed  # gone once the answer started
@@ -376,3 +318,27 @@ def test_chat_end_cancels_a_reply_nobody_reads(main):
 
     run(scenario())
     assert "stopped by user" in chat.stats()[0]
+
+
+def test_an_engine_that_dies_mid_reply_is_an_error_in_that_chat_and_the_next_message_works(main):
+    import signal
+
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await main.update_settings({"max_new_tokens": 4000, "temperature": 1.0, "seed": "", "system_prompt": ""})
+        task = asyncio.create_task(chat.send("Write a long story"))
+        while chat.emitter.send_token.await_count < 2:
+            await asyncio.sleep(0.01)
+        os.kill(main.BACKEND.pid, signal.SIGKILL)  # out of memory, a crash in a kernel...
+        await asyncio.wait_for(task, 10)
+        await main.BACKEND.load()  # a new engine is up
+        await main.update_settings({"max_new_tokens": 8})
+        await chat.send("Are you back?")
+
+    run(scenario())
+    [error] = chat.errors()
+    assert "stopped unexpectedly" in error and "send your message again" in error
+    assert [m.content for m in chat.conversation().messages if m.role == "user"] == ["Are you back?"]
+    assert len(chat.stats()) == 1 and main.BACKEND.restarts == 1

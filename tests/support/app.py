@@ -12,7 +12,8 @@ from contextlib import contextmanager
 def imported_app(**llama):
     """Yield app.main imported with LLAMA_<NAME>=value for each name=value (every other LLAMA_* unset);
     afterwards the module is forgotten, the environment restored and its service closed."""
-    env = {name: "" for name in os.environ if name.startswith("LLAMA_")}  # e.g. from a developer's .env
+    env = {name: "" for name in os.environ  # e.g. from a developer's .env; the machine's cache folder stays
+           if name.startswith("LLAMA_") and name != "LLAMA_CACHE_DIR"}
     env |= {f"LLAMA_{name.upper()}": str(value) for name, value in llama.items()}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
@@ -29,4 +30,4 @@ def imported_app(**llama):
             else:
                 os.environ[name] = value
         if main is not None:
-            main.SERVICE.close()
+            main.BACKEND.close()

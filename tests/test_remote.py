@@ -10,38 +10,27 @@ itself runs in front of it: the API and a chat tab of that app are answered by t
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import openai
 import pytest
-import torch
+from support.chat_tab import ChatTab, sign_in
+from support.checkpoints import write_tiny_checkpoint
+from support.servers import ApiServer, ChainlitServer, free_port, server_env
 
-from app.remote import RemoteService, api_base
-from app.service import Conversation, Done, Failed, GenerationService, ReplySettings, Text
+from app.backend import open_backend
+from app.client import EngineClient
+from app.conversation import Conversation
+from app.messages import Done, EngineConfig, Failed, ReplySettings, Text
+from app.remote import RemoteClient, api_base
 from app.settings import Settings, SettingsError
-from chat_client import ChatTab, sign_in
-from e2e_helpers import ROOT, ChainlitServer, free_port, server_env, write_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(240)
 
 KEY = "backend-key"
 MAX_CONTEXT = 16384  # a reply this long takes the tiny model many seconds
 GONE = "the client went away; cancelled"
-
-
-class ApiServer(ChainlitServer):
-    """`python -m app.api --port N`: the API alone, in its own process group."""
-
-    def __init__(self, env: dict[str, str], log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log
-        self._log = open(log, "wb")
-        self.process = subprocess.Popen([sys.executable, "-m", "app.api", "--port", str(self.port)], cwd=ROOT,
-                                        env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 @pytest.fixture(scope="module")
@@ -66,23 +55,18 @@ def backend(tiny, tmp_path_factory):
 def remote(backend):
     settings = Settings.from_env({"LLAMA_BACKEND_URL": backend.url, "LLAMA_BACKEND_KEY": KEY,
                                   "LLAMA_MAX_CONTEXT": str(MAX_CONTEXT)})
-    service = GenerationService.from_settings(settings)  # picks the remote backend
-    yield service
-    service.close()
+    backend = open_backend(settings)  # picks the remote backend
+    yield backend
+    backend.close()
 
 
 @pytest.fixture(scope="module")
 def local(tiny):
-    """The same checkpoint in this process, one thread, float32, as the backend runs it."""
-    from model.checkpoint import load_checkpoint
-
-    checkpoint = load_checkpoint(tiny, dtype=torch.float32)
-    service = GenerationService({"tiny": tiny}, loader=lambda name, path: checkpoint, max_context=MAX_CONTEXT)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield service
-    torch.set_num_threads(threads)
-    service.close()
+    """The same checkpoint served here, one thread, float32, as the backend runs it."""
+    client = EngineClient(EngineConfig(checkpoint=str(tiny), dtype="fp32", threads=1, max_context=MAX_CONTEXT))
+    run(client.load())
+    yield client
+    client.close()
 
 
 def run(coroutine):
@@ -105,7 +89,7 @@ def chat(*texts: str, system: str | None = None) -> Conversation:
 # ---- replies ------------------------------------------------------------------------------------
 
 def test_the_backends_models_are_the_profiles(remote, backend):
-    assert isinstance(remote, RemoteService)
+    assert isinstance(remote, RemoteClient)
     assert list(remote.profiles) == ["tiny"] and remote.default == "tiny"
     assert remote.url == f"{backend.url}/v1"
     assert api_base("http://host:8000/") == "http://host:8000/v1"
@@ -166,17 +150,17 @@ def test_a_prompt_too_long_for_the_backend_fails_as_it_would_here(remote):
 
 
 def test_a_wrong_key_and_an_unreachable_backend_are_reported(backend):
-    wrong = RemoteService(backend.url, ["tiny"], key="wrong")
+    wrong = RemoteClient(backend.url, ["tiny"], key="wrong")
     [failed] = ask(wrong, chat("Hi"), ReplySettings(max_new_tokens=3))
     assert isinstance(failed, Failed) and "LLAMA_BACKEND_KEY" in failed.message
 
-    gone = RemoteService(f"http://127.0.0.1:{free_port()}", ["tiny"])
+    gone = RemoteClient(f"http://127.0.0.1:{free_port()}", ["tiny"])
     [failed] = ask(gone, chat("Hi"), ReplySettings(max_new_tokens=3))
     assert isinstance(failed, Failed) and failed.reason == "error" and "could not be reached" in failed.message
 
     with pytest.raises(SettingsError, match="LLAMA_BACKEND_URL=.*could not list its models"):
-        GenerationService.from_settings(Settings.from_env({"LLAMA_BACKEND_URL": f"http://127.0.0.1:{free_port()}"}))
-    named = GenerationService.from_settings(Settings.from_env(
+        open_backend(Settings.from_env({"LLAMA_BACKEND_URL": f"http://127.0.0.1:{free_port()}"}))
+    named = open_backend(Settings.from_env(
         {"LLAMA_BACKEND_URL": f"http://127.0.0.1:{free_port()}", "LLAMA_BACKEND_MODEL": "big"}))
     assert list(named.profiles) == ["big"]
     with pytest.raises(SettingsError, match="LLAMA_BACKEND_URL=ftp://x: expected an http"):
@@ -216,3 +200,17 @@ def test_the_chat_app_fronts_the_backend(backend, local, tmp_path):
         front.stop()
     log = front.log_path.read_text(errors="replace")
     assert "Traceback" not in log and " - ERROR - " not in log, log
+
+
+def test_n_replies_and_a_raw_prompt_through_the_backend(remote, local):
+    settings = ReplySettings(max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0, seed=9)
+
+    async def both(backend):
+        many = await backend.stream(chat("Hello there"), settings, n=2).events()
+        raw = await backend.complete("Once upon a time", settings=ReplySettings(max_new_tokens=5, temperature=0.0),
+                                     ).events()
+        return ({e.index: e.text for e in many if isinstance(e, Done)}, raw[-1])
+
+    (remote_many, remote_raw), (local_many, local_raw) = run(both(remote)), run(both(local))
+    assert remote_many == local_many and len(set(remote_many.values())) == 2
+    assert isinstance(remote_raw, Done) and remote_raw.text == local_raw.text

@@ -1,4 +1,4 @@
-"""Small checkpoints for the robustness tests, beside the random ones of e2e_helpers:
+"""Small checkpoints for the robustness tests, beside the random ones of support.checkpoints:
 
     write_chatml_checkpoint   a tiny random model with the default model's tokenizer and ChatML template
     write_scripted_checkpoint a tiny model that answers every Llama 3 prompt with one given text
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoints import hf_model
-from e2e_helpers import DEFAULT_MODEL
+from support.checkpoints import hf_model
+from support.servers import DEFAULT_MODEL
 
 SMOLLM2_VOCAB = 49152
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -1,9 +1,6 @@
-"""Shared by the app's tests: a tiny random Llama checkpoint, and a real Chainlit server to drive.
-
-The tiny checkpoint has Llama 3's vocabulary (128256), so the Llama 3 tokenizer that ships with the
-llama-models package loads for it, and everything else small: it writes and loads in seconds and
-generates hundreds of (random) tokens a second on one CPU core.
-"""
+"""Real servers for the tests to drive: the chat app (`chainlit run app/main.py`) and the API alone
+(`python -m app.api`), each in a process group of its own (with the engine process it starts),
+always stopped by stop()."""
 
 from __future__ import annotations
 
@@ -18,18 +15,10 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / "weights" / "SmolLM2-135M-Instruct"
 # Chainlit reads these bare names itself (CI=true switches on its CI mode): never pass them on.
 CHAINLIT_OWN_ENV = ("CI", "HEADLESS", "DEBUG", "WATCH", "DATABASE_URL", "NO_CACHE", "RUN_TARGET")
-
-
-def write_tiny_checkpoint(folder: Path, seed: int = 0) -> Path:
-    """A random Llama 3-shaped model in Hugging Face format (config.json + model.safetensors)."""
-    from checkpoints import hf_model
-
-    hf_model(seed=seed, num_hidden_layers=2).save_pretrained(folder)
-    return folder
 
 
 def free_port() -> int:
@@ -50,19 +39,21 @@ def server_env(**llama) -> dict[str, str]:
 
 
 class ChainlitServer:
-    """`chainlit run app/main.py -h --host H --port N` from the project root; always stopped by stop().
+    """`chainlit run app/main.py -h --host H --port N` from the project root.
     host=None leaves --host out, to start it as the README says."""
 
     def __init__(self, env: dict[str, str], log: Path, port: int | None = None, host: str | None = "127.0.0.1"):
+        self.start([sys.executable, "-m", "chainlit", "run", "app/main.py", "-h",
+                    *(["--host", host] if host else [])], env, log, port)
+
+    def start(self, command: list[str], env: dict[str, str], log: Path, port: int | None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "chainlit", "run", "app/main.py", "-h", *(["--host", host] if host else []),
-             "--port", str(self.port)],
-            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen([*command, "--port", str(self.port)], cwd=ROOT, env=env, stdout=self._log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -93,3 +84,10 @@ class ChainlitServer:
             except ProcessLookupError:
                 pass
         self._log.close()
+
+
+class ApiServer(ChainlitServer):
+    """`python -m app.api --port N`: the API alone."""
+
+    def __init__(self, env: dict[str, str], log: Path, port: int | None = None):
+        self.start([sys.executable, "-m", "app.api"], env, log, port)

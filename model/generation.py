@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from .checkpoint import DEFAULT_MAX_CONTEXT, Checkpoint
+from .checkpoint import Checkpoint
+from .config import DEFAULT_MAX_CONTEXT
 from .kv_cache import KVCache
-from .sampling import make_generator, sample
-
+from .sampling import Sampler, SamplingParams
 
 PREFILL_CHUNK = 256  # prompt tokens per forward pass; a cancel is noticed between chunks
 
@@ -67,15 +67,19 @@ class GenerationStats:
 class Generation:
     """One reply. Iterate it for text pieces; afterwards read `tokens`, `finish_reason`, `stats`.
 
-    finish_reason: "stop" (a stop token), "length" (max_new_tokens or the context limit),
-    "cancelled" (should_stop() returned True).
+    finish_reason: "stop" (a stop token, or a `constraint` after which only one may come), "length"
+    (max_new_tokens or the context limit), "cancelled" (should_stop() returned True).
+
+    Sampling comes from `sampling` or from the shorthand `temperature`, `top_k`, `top_p` (not both);
+    `seed`, when given, replaces the seed of either. Neither given: greedy.
     """
 
     def __init__(self, checkpoint: Checkpoint, prompt_ids: list[int], *, max_new_tokens: int = 512,
-                 temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0,
+                 sampling: SamplingParams | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, should_stop: Callable[[], bool] | None = None,
                  max_context: int | None = None, kv_cache: KVCache | None = None,
-                 stop_ids: set[int] | None = None):
+                 stop_ids: set[int] | None = None, constraint=None):
         model = checkpoint.model
         limit = min(max_context or DEFAULT_MAX_CONTEXT, checkpoint.config.max_seq_len)
         if not prompt_ids:
@@ -85,10 +89,12 @@ class Generation:
                                 f"tokens, which must also leave room for the reply")
         self.checkpoint, self.prompt_ids = checkpoint, list(prompt_ids)
         self.max_new_tokens = max(0, min(max_new_tokens, limit - len(prompt_ids)))
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.generator = make_generator(seed, device=checkpoint.device)
+        self.sampling = sampling_params(sampling, temperature, top_k, top_p, seed)
+        self.sampler = Sampler(self.sampling, device=checkpoint.device)
+        self.sampler.accept(self.prompt_ids)
         self.should_stop = should_stop or (lambda: False)
         self.stop_ids = checkpoint.stop_ids if stop_ids is None else stop_ids
+        self.constraint = constraint  # e.g. model.structured.JsonConstraint: mask(), advance(token), finished
         needed = len(prompt_ids) + self.max_new_tokens
         if kv_cache is None:
             kv_cache = KVCache(checkpoint.config, needed, device=checkpoint.device, dtype=checkpoint.dtype)
@@ -123,18 +129,26 @@ class Generation:
             if self.should_stop():
                 self.finish_reason = "cancelled"
                 break
-            token = int(sample(logits, self.temperature, self.top_k, self.top_p, self.generator))
+            if self.constraint is not None:
+                logits = logits.masked_fill(~self.constraint.mask(), float("-inf"))
+            token = self.sampler.sample(logits)
             if not self.tokens:
                 self.stats.time_to_first_token = time.perf_counter() - start_time
             if token in self.stop_ids:
                 self.finish_reason = "stop"
                 break
+            if self.constraint is not None:
+                self.constraint.advance(token)
             self.tokens.append(token)
+            self.sampler.accept([token])
             self.stats.new_tokens = len(self.tokens)
             piece = stream.push(token) if token not in self.hidden_ids else ""
             if piece:
                 yield piece
             if len(self.tokens) == self.max_new_tokens:
+                break
+            if self.constraint is not None and self.constraint.finished:  # only a stop id may follow
+                self.finish_reason = "stop"
                 break
             logits = self._forward([token], cache.length)
             cache.tokens.append(token)
@@ -150,18 +164,52 @@ class Generation:
     @torch.inference_mode()
     def _forward(self, ids: list[int], start_pos: int) -> torch.Tensor:
         """Run ids at start_pos through the model, filling the cache; logits of the last one (vocab,)."""
-        tokens = torch.tensor([ids], dtype=torch.long, device=self.checkpoint.device)
-        forward = self._model.decode if len(ids) == 1 else self._model
-        return forward(tokens, start_pos=start_pos, kv_cache=self.kv_cache, last_only=True)[0, -1]
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.checkpoint.device)
+        if len(ids) == 1:
+            return self._model.decode(tokens, [self.kv_cache])[0]
+        return self._model(tokens[None], start_pos=start_pos, kv_cache=self.kv_cache, last_only=True)[0, -1]
 
 
-def sampling_defaults(checkpoint: Checkpoint) -> dict:
-    """temperature, top_k, top_p from the checkpoint's generation_config.json, else Llama 3's."""
+def sampling_params(sampling: SamplingParams | None, temperature: float | None, top_k: int | None,
+                    top_p: float | None, seed: int | None) -> SamplingParams:
+    """One SamplingParams from Generation's `sampling` or its shorthand keywords."""
+    shorthand = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
+                 if v is not None}
+    if sampling is not None and shorthand:
+        raise ValueError(f"Generation: pass either sampling= or {', '.join(shorthand)}=, not both")
+    if sampling is None:
+        sampling = SamplingParams(**{**shorthand, "top_k": shorthand.get("top_k") or 0})
+    return sampling if seed is None else replace(sampling, seed=seed)
+
+
+LLAMA3_TEMPERATURE, LLAMA3_TOP_P = 0.6, 0.9  # Meta's generation_config.json for Llama 3.x Instruct
+
+
+def sampling_defaults(checkpoint: Checkpoint) -> SamplingParams:
+    """The checkpoint's generation_config.json (Hugging Face names), else Llama 3's defaults.
+
+    Reads temperature, top_k, top_p, min_p, repetition_penalty; do_sample=false means greedy.
+    """
     g = checkpoint.generation_defaults
-    if g.get("do_sample") is False:
-        return {"temperature": 0.0, "top_k": None, "top_p": 1.0}
-    return {"temperature": float(g.get("temperature", 0.6)), "top_k": g.get("top_k") or None,
-            "top_p": float(g.get("top_p", 0.9))}
+
+    def value(name: str, default, kind=float):
+        found = g.get(name)
+        if found is None:
+            return default
+        try:
+            return kind(found)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}={found!r}: expected a {kind.__name__}") from None
+
+    try:
+        if g.get("do_sample") is False:  # greedy: only the penalty still matters
+            return SamplingParams(repetition_penalty=value("repetition_penalty", 1.0))
+        return SamplingParams(
+            temperature=value("temperature", LLAMA3_TEMPERATURE), top_k=value("top_k", 0, int),
+            top_p=value("top_p", LLAMA3_TOP_P), min_p=value("min_p", 0.0),
+            repetition_penalty=value("repetition_penalty", 1.0))
+    except ValueError as e:
+        raise ValueError(f"generation_config.json of {checkpoint.name}: {e}") from None
 
 
 def generate(checkpoint: Checkpoint, prompt_ids: list[int], **options) -> Generation:

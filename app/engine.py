@@ -1,0 +1,470 @@
+"""The engine: the one process that holds the models, the KV caches and the compute threads.
+
+    python -m app.engine INPUT_ADDRESS OUTPUT_ADDRESS PARENT_PID < config.json
+
+The web process (`app.client`) starts it, sends it `Generate`/`Cancel`/`Load` messages over a ZeroMQ
+socket and reads back each request's events (`app.messages`). Its loop, one step at a time: take
+new messages, admit waiting requests into the batch, prefill prompt chunks within a token budget,
+decode one token for every running sequence in one forward pass, send what came out. Models load
+on a thread of their own, so streams keep running while another model loads.
+
+`Engine` is the loop's state and step without the sockets, so tests can drive it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import torch
+
+from model.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_checkpoint
+from model.generation import PREFILL_CHUNK, PromptTooLong, sampling_defaults
+from model.kv_cache import KVCache
+
+from .messages import (
+    Cancel,
+    EngineConfig,
+    EngineStats,
+    Failed,
+    FromEngine,
+    Generate,
+    Load,
+    Loading,
+    ModelFailed,
+    ModelInfo,
+    ModelReady,
+    Queued,
+    ReplySettings,
+    Started,
+    Text,
+    ToEngine,
+    Trimmed,
+)
+from .prefix_cache import PrefixCache
+from .prompt import fit_prompt
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .settings import DEFAULT_MAX_NEW_TOKENS
+
+log = logging.getLogger("app.engine")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+IDLE_POLL_S = 0.1  # how long the loop waits for a message when there is nothing to compute
+LOADING_POLL_S = 0.02  # ... and while a model loads (its requests start as soon as it is there)
+
+
+class Engine:
+    """Models, sequences and caches; `handle()` a message, `step()` the computation. What comes out
+    goes to `emit`, one message at a time, in order."""
+
+    def __init__(self, config: EngineConfig, emit: Callable[[FromEngine], None],
+                 loader: Callable[[str, Path], Checkpoint] | None = None):
+        self.config = config
+        self.emit = emit
+        self.profiles = find_profiles(Path(config.checkpoint), Path(config.weights_dir) if config.weights_dir else None)
+        self.default = next(iter(self.profiles))
+        self.loader = loader or self._load
+        self.checkpoints: dict[str, Checkpoint] = {}
+        self.infos: dict[str, ModelInfo] = {}
+        self._loading: set[str] = set()
+        self._loaded: queue.Queue[tuple[str, Checkpoint | Exception]] = queue.Queue()
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
+        self.scheduler = Scheduler(config.max_batch, PREFILL_CHUNK)
+        self.prefix_cache = PrefixCache(config.kv_cache_mb * 2**20)
+        self._positions: dict[str, int] = {}
+        self._stats = EngineStats()
+        self._token_tables: dict[str, list[bytes]] = {}  # model -> each token's bytes (for logprobs)
+
+    # -- messages
+
+    def start(self) -> None:
+        self.emit(Started({name: str(path) for name, path in self.profiles.items()}, self.default))
+        self.load(self.default)
+
+    def handle(self, message: ToEngine) -> None:
+        if isinstance(message, Generate):
+            self.submit(message)
+        elif isinstance(message, Cancel):
+            self.cancel(message.id)
+        elif isinstance(message, Load):
+            self.load(message.model)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return [sequence for sequences in self.requests.values() for sequence in sequences]
+
+    def submit(self, request: Generate) -> None:
+        if request.model not in self.profiles:
+            self.emit(Failed(request.id, f"There is no model named {request.model!r}; there are: "
+                                         f"{', '.join(self.profiles)}.", "bad_request"))
+            return
+        leader = Sequence(request, time.perf_counter())
+        leader.followers = [Sequence(request, leader.arrived, i, leader) for i in range(1, request.n)]
+        self.requests[request.id] = [leader, *leader.followers]
+        for sequence in self.requests[request.id]:
+            self.scheduler.add(sequence)
+        if request.model in self.checkpoints:
+            self._prepare(request.id)
+        else:
+            self.emit(Loading(request.id, request.model))
+            self.load(request.model)
+
+    def cancel(self, request_id: str) -> None:
+        for sequence in list(self.requests.get(request_id, [])):
+            sequence.cancel()  # a running one ends at its next step; a waiting one now
+            if sequence not in self.scheduler.running:
+                self._finish(sequence)
+
+    def load(self, name: str) -> None:
+        """Start loading a model on a thread (if it is not loaded or loading); ModelReady follows."""
+        if name in self.checkpoints:
+            self.emit(ModelReady(self.infos[name]))
+        elif name not in self.profiles:
+            self.emit(ModelFailed(name, f"There is no model named {name!r}; there are: {', '.join(self.profiles)}."))
+        elif name not in self._loading:
+            self._loading.add(name)
+            threading.Thread(target=self._load_in_thread, args=(name,), name=f"load {name}", daemon=True).start()
+
+    def _load_in_thread(self, name: str) -> None:
+        started = time.perf_counter()
+        try:
+            checkpoint = self.loader(name, self.profiles[name])
+            log.info("loaded %s in %.1f s", name, time.perf_counter() - started)
+            self._loaded.put((name, checkpoint))
+        except Exception as e:  # CheckpointError, and whatever a broken file raises
+            log.exception("loading %s failed", name)
+            self._loaded.put((name, e))
+
+    def _load(self, name: str, path: Path) -> Checkpoint:
+        c = self.config
+        if name == self.default and c.prepare_default:  # converted on first start; later, completed if need be
+            from model.convert.prepare_default import ConversionError, prepare_default
+            try:
+                prepare_default(path.parent)
+            except ConversionError as e:
+                raise CheckpointError(str(e)) from None
+        return load_checkpoint(path, device=resolve_device(c.device), dtype=DTYPES.get(c.dtype),
+                               tokenizer=c.tokenizer if name == self.default else None,
+                               quantize=None if c.quantize == "off" else c.quantize)
+
+    @property
+    def busy(self) -> bool:
+        """Whether step() has sequences to run (else the loop may wait for messages)."""
+        return any(s.ready for s in self.sequences)
+
+    @property
+    def loading(self) -> bool:
+        """Whether a model is loading (its thread hands it to step())."""
+        return bool(self._loading)
+
+    # -- one step
+
+    def step(self) -> None:
+        self._take_loaded()
+        for sequence in self.scheduler.admit():
+            self._take_cache(sequence)
+        step = self.scheduler.schedule()
+        for sequence, n in step.prefill:
+            self._guarded([sequence], self._prefill, sequence, n)
+        by_model: dict[str, list[Sequence]] = {}
+        for sequence in step.decode:
+            by_model.setdefault(sequence.model, []).append(sequence)
+        for model, batch in by_model.items():
+            self._guarded(batch, self._decode, model, batch)
+        for sequence in self.sequences:
+            if sequence.finished:
+                self._finish(sequence)
+        self._announce_positions()
+        self._announce_stats()
+
+    @torch.inference_mode()
+    def _prefill(self, sequence: Sequence, n: int) -> None:
+        model = self.checkpoints[sequence.model].model
+        ids, start = sequence.prefill_chunk(n)
+        tokens = torch.tensor([ids], device=model.tok_embeddings.weight.device)
+        logits = model(tokens, start_pos=start, kv_cache=sequence.cache, last_only=True)[0, -1]
+        sequence.cache.tokens.extend(ids)
+        if sequence.prompt_left == 0:
+            for follower in sequence.followers:  # the other replies to the same prompt start here too
+                follower.cache = sequence.cache.copy_prefix(sequence.cache.length, follower.max_len)
+                self._accept(follower, follower.sample(logits))
+            self._accept(sequence, sequence.sample(logits))
+
+    @torch.inference_mode()
+    def _decode(self, model_name: str, batch: list[Sequence]) -> None:
+        model = self.checkpoints[model_name].model
+        last = [sequence.tokens[-1] for sequence in batch]
+        caches = [sequence.cache for sequence in batch]
+        logits = model.decode(torch.tensor(last, device=model.tok_embeddings.weight.device), caches)  # (b, vocab)
+        for sequence, token, row in zip(batch, last, logits):
+            sequence.cache.tokens.append(token)
+            self._accept(sequence, sequence.sample(row))
+
+    def _accept(self, sequence: Sequence, token: int) -> None:
+        text = sequence.accept(token)
+        logprobs = sequence.take_logprobs()
+        if text or logprobs:
+            self.emit(Text(sequence.id, text, sequence.index, logprobs))
+
+    def _guarded(self, batch: list[Sequence], work: Callable, *args) -> None:
+        """Run one piece of a step; a failure (a bug, out of memory) ends only the sequences in it."""
+        try:
+            work(*args)
+        except Exception as e:
+            log.exception("generation failed")
+            for request_id in dict.fromkeys(sequence.id for sequence in batch):
+                self._fail(request_id, f"Generation failed: {e}", "error")
+
+    # -- sequences coming and going
+
+    def _prepare(self, request_id: str) -> None:
+        """Build the prompt (the model is loaded); a prompt that cannot be built fails the request."""
+        sequences = self.requests[request_id]
+        request = sequences[0].request
+        checkpoint, info = self.checkpoints[request.model], self.infos[request.model]
+        settings = request.settings.over(info.defaults)
+        try:
+            if request.prompt is not None:
+                prompt, left_out = checkpoint.tokenizer.encode(request.prompt, bos=True), 0
+                if len(prompt) >= info.context_limit:
+                    raise PromptTooLong(f"The prompt has {len(prompt)} tokens; the model reads at most "
+                                        f"{info.context_limit} tokens at once, its reply included.")
+            else:
+                if request.tools and not checkpoint.chat_format.supports_tools:
+                    raise ValueError(f"the model {request.model} has no tool calling (its chat template is given "
+                                     "no tools; Llama 3 checkpoints are)")
+                prompt, left_out = fit_prompt(checkpoint.chat_format, request.messages, request.left_out,
+                                              info.context_limit, settings.max_new_tokens, tools=request.tools,
+                                              tool_choice=request.tool_choice)
+        except PromptTooLong as e:
+            self._fail(request_id, str(e), "prompt_too_long")
+            return
+        except ValueError as e:  # messages the chat format cannot take
+            self._fail(request_id, f"The request cannot be answered: {e}", "bad_request")
+            return
+        if left_out > request.left_out:
+            self.emit(Trimmed(request_id, left_out))
+        try:
+            constraints = [self._constraint(request, checkpoint) for _ in sequences]
+        except ValueError as e:  # a schema that cannot be compiled (SchemaError)
+            self._fail(request_id, str(e), "bad_request")
+            return
+        for sequence, constraint in zip(sequences, constraints):  # n replies: seeds seed, seed + 1, ...
+            seed = None if settings.seed is None else settings.seed + sequence.index
+            sequence.start(checkpoint, prompt, msgspec.structs.replace(settings, seed=seed), info.context_limit,
+                           constraint=constraint, token_bytes=self._token_bytes(request))
+
+    def _constraint(self, request: Generate, checkpoint: Checkpoint):
+        """The JSON constraint a reply of this request follows, or None."""
+        if request.json_schema is None and not request.json_object:
+            return None
+        from model.structured import JsonConstraint  # llguidance, loaded only where JSON is asked for
+        return JsonConstraint(checkpoint.tokenizer, request.json_schema, vocab_size=checkpoint.config.vocab_size,
+                              stop_ids=checkpoint.stop_ids)
+
+    def _token_bytes(self, request: Generate) -> list[bytes] | None:
+        """Every token's bytes, for a request that asks for logprobs (read once per model)."""
+        if request.logprobs is None:
+            return None
+        if request.model not in self._token_tables:
+            self._token_tables[request.model] = self.checkpoints[request.model].tokenizer.token_bytes()
+        return self._token_tables[request.model]
+
+    def _take_cache(self, sequence: Sequence) -> None:
+        if sequence.cache is not None:  # a follower, with its copy of the leader's prompt
+            return
+        checkpoint = self.checkpoints[sequence.model]
+
+        def new_cache(max_len: int) -> KVCache:
+            return KVCache(checkpoint.config, max_len, device=checkpoint.device, dtype=checkpoint.dtype)
+
+        self.prefix_cache.trim(self._bytes_in_use())
+        sequence.cache, sequence.stats.reused_tokens = self.prefix_cache.take(
+            sequence.model, sequence.prompt, sequence.max_len, new_cache)
+
+    def _finish(self, sequence: Sequence) -> None:
+        """Send the sequence's Done and keep its cache for requests that start the same way."""
+        done, batch = sequence.done(), len(self.scheduler.running)
+        if sequence.unsent:  # held back as a possible tool call, and not one
+            self.emit(Text(sequence.id, sequence.unsent, sequence.index))
+        self.emit(done)
+        if sequence.cache is not None:
+            self.prefix_cache.put(sequence.model, sequence.cache, self._bytes_in_use(without=sequence))
+        self._forget(sequence)
+        s = done.stats
+        log.info("reply: prompt %d tokens (%d from the cache), %d new tokens, first token %.2f s, %.1f tokens/s, "
+                 "%s, batch %d", s.prompt_tokens, s.reused_tokens, s.new_tokens, s.time_to_first_token,
+                 s.tokens_per_second, done.finish_reason, batch)
+
+    def _forget(self, sequence: Sequence) -> None:
+        sequences = self.requests.get(sequence.id, [])
+        if sequence in sequences:
+            sequences.remove(sequence)
+        if not sequences:
+            self.requests.pop(sequence.id, None)
+            self._positions.pop(sequence.id, None)
+        self.scheduler.remove(sequence)
+
+    def _fail(self, request_id: str, message: str, reason: str) -> None:
+        """End a whole request (all its sequences) with one Failed; its caches are not kept."""
+        self.emit(Failed(request_id, message, reason))
+        for sequence in list(self.requests.get(request_id, [])):
+            sequence.cache = None
+            self._forget(sequence)
+
+    def _bytes_in_use(self, without: Sequence | None = None) -> int:
+        return sum(s.cache.used_bytes for s in self.scheduler.running if s.cache is not None and s is not without)
+
+    def _take_loaded(self) -> None:
+        while True:
+            try:
+                name, result = self._loaded.get_nowait()
+            except queue.Empty:
+                return
+            self._loading.discard(name)
+            waiting = [request_id for request_id, (leader, *_) in self.requests.items()
+                       if leader.model == name and leader.prompt is None]
+            if isinstance(result, Exception):
+                message = f"The model {name} could not be loaded: {result}"
+                self.emit(ModelFailed(name, message))
+                for request_id in waiting:
+                    self._fail(request_id, message, "load")
+                continue
+            self.checkpoints[name] = result
+            self.infos[name] = model_info(name, result, self.config)
+            self.emit(ModelReady(self.infos[name]))
+            for request_id in waiting:
+                if not self.requests[request_id][0].finished:  # else cancelled while its model loaded
+                    self._prepare(request_id)
+
+    def _announce_positions(self) -> None:
+        positions = {sequence.id: position for sequence, position in self.scheduler.positions().items()
+                     if sequence.index == 0}
+        for request_id, position in positions.items():
+            if self._positions.get(request_id) != position:
+                self.emit(Queued(request_id, position))
+        self._positions = positions
+
+
+    def _announce_stats(self) -> None:
+        running = len(self.scheduler.running)
+        stats = EngineStats(running, len(self.scheduler) - running,
+                            self._bytes_in_use() + self.prefix_cache.nbytes, len(self.prefix_cache))
+        if stats != self._stats:
+            self.emit(stats)
+            self._stats = stats
+
+
+def model_info(name: str, checkpoint: Checkpoint, config: EngineConfig) -> ModelInfo:
+    """The model's context limit, and the settings a reply gets when the caller sets none: the
+    server's (LLAMA_* variables) over the checkpoint's generation_config.json."""
+    s = sampling_defaults(checkpoint)
+    own = ReplySettings(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=s.temperature, top_k=s.top_k,
+                        top_p=s.top_p, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+                        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty)
+    return ModelInfo(name, min(config.max_context, checkpoint.config.max_seq_len), config.defaults.over(own))
+
+
+def find_profiles(checkpoint: Path, weights_dir: Path | None) -> dict[str, Path]:
+    """Profile name -> checkpoint: the given checkpoint first, then every checkpoint folder in weights_dir."""
+    profiles = {checkpoint.name if checkpoint.is_dir() or not checkpoint.suffix else checkpoint.stem: checkpoint}
+    if weights_dir is None or not weights_dir.is_dir():
+        return profiles
+    known = {checkpoint.resolve()}
+    for folder in sorted(weights_dir.iterdir()):
+        if not folder.is_dir() or folder.name.startswith(".") or folder.resolve() in known:
+            continue
+        try:
+            find_checkpoint(folder)
+        except CheckpointError:
+            continue
+        name, n = folder.name, 2
+        while name in profiles:
+            name, n = f"{folder.name} ({n})", n + 1
+        profiles[name] = folder
+        known.add(folder.resolve())
+    return profiles
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+# ---- the process ------------------------------------------------------------------------------
+
+def serve(config: EngineConfig, input_address: str, output_address: str, parent: int) -> None:
+    """The engine's loop over its sockets, until the web process (pid `parent`, which may have gone
+    already while this one started) goes away, or sends SIGTERM."""
+    import zmq
+
+    if os.getppid() != parent:
+        log.info("the web process %d is gone; stopping", parent)
+        return
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.bind(input_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 0)  # what the web process did not read goes with it
+    outbox.connect(output_address)
+    decode = msgspec.msgpack.Decoder(ToEngine).decode
+    encode = msgspec.msgpack.Encoder().encode
+    pending: list[FromEngine] = []
+    engine = Engine(config, pending.append)
+
+    def flush() -> None:
+        if pending:
+            data = encode(pending)
+            while not outbox.poll(1000 * IDLE_POLL_S, zmq.POLLOUT):  # the web process is not reading
+                if os.getppid() != parent:
+                    raise SystemExit(0)
+            outbox.send(data)
+            pending.clear()
+
+    try:
+        engine.start()
+        flush()
+        while os.getppid() == parent:
+            if inbox.poll(0 if engine.busy else 1000 * (LOADING_POLL_S if engine.loading else IDLE_POLL_S)):
+                while inbox.poll(0):
+                    engine.handle(decode(inbox.recv()))
+            engine.step()
+            flush()
+        log.info("the web process %d is gone; stopping", parent)
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=0)
+        context.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or not args[2].isdigit():
+        print("usage: python -m app.engine INPUT_ADDRESS OUTPUT_ADDRESS PARENT_PID < config.json", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the web process's to handle; it stops us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s - %(levelname)s - %(name)s - %(message)s")
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    serve(config, args[0], args[1], int(args[2]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

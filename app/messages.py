@@ -1,0 +1,216 @@
+"""The messages between the web process and the engine process, and the events a reply streams.
+
+Both backends (the local engine, `app.client`, and a remote OpenAI-compatible server,
+`app.remote`) give the web side the same events, so the chat UI and the API never ask which one
+runs. Everything here is a `msgspec.Struct`: encoded as MessagePack over the engine's sockets, and
+plain typed objects everywhere else. Web -> engine:
+
+    Generate(id, model, messages | prompt, settings)   start a reply
+    Cancel(id)                                          stop it at its next token
+    Load(model)                                         load a model before a request needs it
+
+Engine -> web, each event naming its request:
+
+    Queued(position)    while it waits: how many requests are ahead of it (sent again on change)
+    Loading(model)      the model is loading (its first use)
+    Trimmed(left_out)   the oldest messages no longer fit the context and were left out
+    Text(text)          a piece of the reply; the web side joins pieces to about one per 50 ms
+    Done(text, finish_reason, stats, token_ids)   the last event of a reply, also of a cancelled one
+    Failed(message, reason)                        the last event of a request that could not run
+
+A request for n replies (the API's `n`) gets Text and Done events for each, told apart by `index`.
+
+and about the engine: Started(profiles, default), ModelReady(info), ModelFailed(model, message),
+EngineStats(running, waiting, kv_cache_bytes, kept_caches).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from model.config import DEFAULT_MAX_CONTEXT
+
+FINISH_REASONS = {"stop": "stop token", "length": "length limit (Max new tokens, in the settings)",
+                  "cancelled": "stopped by user"}
+
+
+class ReplySettings(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Sampling and limits of one reply; None means the default (the server's, else the model's)."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None  # 0: off
+    top_p: float | None = None
+    min_p: float | None = None  # llama.cpp's: keep tokens at least this share of the top token's probability
+    repetition_penalty: float | None = None  # llama.cpp's, over the last 64 tokens; 1 is off
+    frequency_penalty: float | None = None  # OpenAI's, over the reply; 0 is off
+    presence_penalty: float | None = None
+    seed: int | None = None  # None: random
+    stop: tuple[str, ...] = ()  # strings that end the reply (not included in it)
+    ignore_eos: bool = False  # go on past the model's stop tokens, to the token limit (for benchmarks)
+
+    def over(self, base: ReplySettings) -> ReplySettings:
+        """These settings, with base's values where these are None."""
+        return msgspec.structs.replace(base, **{name: value for name in self.__struct_fields__
+                                                if (value := getattr(self, name)) is not None})
+
+
+class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    role: str  # "system", "user", "assistant" or "tool"
+    content: str
+    ids: list[int] | None = None  # a reply of the model's: the token ids it was generated as
+    tool_calls: list[dict] | None = None  # an assistant's calls, as OpenAI writes them
+    tool_call_id: str | None = None  # a tool result: the call it answers
+
+
+class Stats(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens whose keys/values came from the engine's prefix cache
+    new_tokens: int = 0
+    time_to_first_token: float = 0.0  # seconds from the engine receiving the request to its first token
+    total_time: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode_time = self.total_time - self.time_to_first_token
+        return (self.new_tokens - 1) / decode_time if self.new_tokens > 1 and decode_time > 0 else 0.0
+
+
+# ---- web -> engine ------------------------------------------------------------------------------
+
+class EngineConfig(msgspec.Struct, omit_defaults=True):
+    """What the engine process serves and how; sent once, as JSON on its standard input."""
+
+    checkpoint: str  # the default model's checkpoint
+    weights_dir: str | None = None  # every checkpoint folder in it is offered too
+    prepare_default: bool = False  # convert the embedded default model when the checkpoint is missing
+    tokenizer: str | None = None  # the default model's tokenizer, instead of its own
+    device: str = "auto"
+    dtype: str = "auto"
+    quantize: str = "off"
+    max_context: int = DEFAULT_MAX_CONTEXT
+    defaults: ReplySettings = ReplySettings()  # the server's defaults (LLAMA_TEMPERATURE, ...)
+    max_batch: int = 8  # sequences decoded together; more wait
+    kv_cache_mb: int = 1024  # kept and running KV caches together
+    threads: int | None = None
+
+
+class Generate(msgspec.Struct, tag=True, omit_defaults=True):
+    id: str
+    model: str
+    settings: ReplySettings = ReplySettings()
+    messages: list[ChatMessage] = []  # a chat: the system prompt, if any, comes first
+    left_out: int = 0  # leading non-system messages already left out of this chat's prompt before
+    prompt: str | None = None  # a raw completion prompt instead of messages
+    n: int = 1  # replies to compute from the one prompt (prefilled once; seeds seed, seed + 1, ...)
+    tools: list[dict] | None = None  # OpenAI tool definitions (Llama 3 checkpoints)
+    tool_choice: str | dict | None = None  # "none", "auto", "required" or {"type": "function", ...}
+    parallel_tool_calls: bool = True  # False: at most one call per reply
+    json_schema: dict | None = None  # the reply is a document of this JSON schema (constrained decoding)
+    json_object: bool = False  # the reply is a JSON object (OpenAI's json_object mode)
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives; None: off
+
+
+class Cancel(msgspec.Struct, tag=True):
+    id: str
+
+
+class Load(msgspec.Struct, tag=True):
+    model: str
+
+
+# ---- engine -> web: a request's events ----------------------------------------------------------
+
+class Queued(msgspec.Struct, tag=True):
+    id: str
+    position: int  # requests ahead of this one
+
+
+class Loading(msgspec.Struct, tag=True):
+    id: str
+    model: str
+
+
+class Trimmed(msgspec.Struct, tag=True):
+    id: str
+    left_out: int  # leading non-system messages no longer in the prompt
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token: str  # the token's text (U+FFFD where its bytes are part of a character)
+    bytes: list[int]  # its UTF-8 bytes
+    logprob: float  # in the model's own distribution (before penalties, filters and temperature)
+    top: list[TokenLogprob] = []  # the most likely tokens at its position
+
+
+class Text(msgspec.Struct, tag=True):
+    id: str
+    text: str
+    index: int = 0  # which of the request's n replies
+    logprobs: list[TokenLogprob] = []  # the tokens this text (or a later one) comes from, when asked for
+
+
+class Done(msgspec.Struct, tag=True):
+    id: str
+    text: str
+    finish_reason: str  # "stop", "length" or "cancelled"
+    stats: Stats = msgspec.field(default_factory=Stats)
+    token_ids: list[int] = []  # the reply as generated (a follow-up's prompt reuses them)
+    index: int = 0  # which of the request's n replies (each ends with its own Done)
+    tool_calls: list[dict] = []  # the calls the reply makes (a request with tools), as OpenAI writes them
+
+    @property
+    def summary(self) -> str:
+        """One line for people: tokens, time to first token, speed, why it ended."""
+        s = self.stats
+        parts = [f"{s.new_tokens} tokens"]
+        if s.new_tokens:
+            parts.append(f"first token {s.time_to_first_token:.2f} s")
+        if s.tokens_per_second:
+            parts.append(f"{s.tokens_per_second:.1f} tokens/s")
+        parts.append(FINISH_REASONS.get(self.finish_reason, self.finish_reason))
+        return " · ".join(parts)
+
+
+class Failed(msgspec.Struct, tag=True):
+    id: str
+    message: str
+    reason: str  # "prompt_too_long", "load", "busy", "bad_request", "engine" or "error"
+
+
+Event = Queued | Loading | Trimmed | Text | Done | Failed
+
+
+# ---- engine -> web: about the engine ------------------------------------------------------------
+
+class ModelInfo(msgspec.Struct):
+    name: str
+    context_limit: int  # prompt + reply, in tokens
+    defaults: ReplySettings  # every field set: what a reply gets when the caller sets nothing
+
+
+class Started(msgspec.Struct, tag=True):
+    profiles: dict[str, str]  # model name -> where its checkpoint is
+    default: str
+
+
+class ModelReady(msgspec.Struct, tag=True):
+    info: ModelInfo
+
+
+class ModelFailed(msgspec.Struct, tag=True):
+    model: str
+    message: str
+
+
+class EngineStats(msgspec.Struct, tag=True):
+    """Sent when it changes: what the engine holds now."""
+
+    running: int = 0  # sequences in the batch
+    waiting: int = 0  # sequences waiting for a place (or for their model)
+    kv_cache_bytes: int = 0  # written positions of running and kept caches
+    kept_caches: int = 0  # finished replies' caches kept for reuse
+
+
+ToEngine = Generate | Cancel | Load
+FromEngine = Queued | Loading | Trimmed | Text | Done | Failed | Started | ModelReady | ModelFailed | EngineStats

@@ -1,0 +1,93 @@
+"""A reply being computed, as the web side sees it: an async iterator of its events, and cancel().
+
+Either backend (the local engine or a remote server) hands events to `deliver()` from any thread;
+the caller iterates them on its own event loop. Text pieces that arrive faster than one per
+`stream_interval` are joined, so the browser re-renders a message about 20 times a second, not once
+per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+
+from .conversation import Conversation
+from .messages import Done, Event, Failed, ReplySettings, Text
+
+STREAM_INTERVAL = 0.05  # seconds between two Text events of one reply
+
+
+class Reply:
+    """A request's events; a request for n replies ends after the n-th Done (or a Failed)."""
+
+    def __init__(self, conversation: Conversation, settings: ReplySettings, model: str,
+                 on_cancel: Callable[[Reply], None], stream_interval: float = STREAM_INTERVAL, n: int = 1):
+        self.id = uuid.uuid4().hex
+        self.n = n
+        self._open = n  # replies without their Done yet, as delivered
+        self._dones = 0  # as iterated
+        self.conversation = conversation
+        self.settings = settings
+        self.model = model
+        self.messages = list(conversation.messages)  # what was asked, whatever the caller adds later
+        self.cancelled = False
+        self.stream_interval = stream_interval
+        self._on_cancel = on_cancel
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._ahead: Event | None = None  # read while joining text pieces, returned next
+        self._last_text = 0.0
+        self._finished = False
+        self.ended = False  # the backend delivered its last event
+
+    def cancel(self) -> None:
+        """Stop this reply at its next token; a Done with finish_reason "cancelled" follows.
+        Safe from any thread, and twice."""
+        if not self.cancelled and not self.ended:
+            self.cancelled = True
+            self._on_cancel(self)
+
+    def deliver(self, event: Event) -> None:
+        """Hand an event to the caller's event loop (from any thread)."""
+        if isinstance(event, Done):
+            self._open -= 1
+        self.ended = self.ended or isinstance(event, Failed) or self._open == 0
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            self.cancelled = True
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._finished:
+            raise StopAsyncIteration
+        if self._ahead is not None:
+            event, self._ahead = self._ahead, None
+        else:
+            event = await self._events.get()
+        if isinstance(event, Text):
+            wait = self._last_text + self.stream_interval - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            pieces, logprobs = [event.text], list(event.logprobs)
+            while not self._events.empty():
+                following = self._events.get_nowait()
+                if not isinstance(following, Text) or following.index != event.index:
+                    self._ahead = following
+                    break
+                pieces.append(following.text)
+                logprobs += following.logprobs
+            self._last_text = time.monotonic()
+            event = Text(event.id, "".join(pieces), event.index, logprobs)
+        if isinstance(event, Done):
+            self._dones += 1
+        self._finished = isinstance(event, Failed) or (isinstance(event, Done) and self._dones == self.n)
+        return event
+
+    async def events(self) -> list[Event]:
+        """Every remaining event, up to and including the last one."""
+        return [event async for event in self]

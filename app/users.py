@@ -1,0 +1,314 @@
+"""Password sign-in: the users file (LLAMA_USERS) with argon2 hashes, the check, and failed sign-ins
+slowed down.
+
+The file has one `name:hash` line per person (blank lines and # comments skipped), the hash an
+argon2id string (argon2-cffi) written by
+
+    python -m app.users add NAME      asks for NAME's password, adds or replaces NAME's line
+    python -m app.users convert       hashes every plain-text password of the file in place
+
+(both on the file named by --file, else by LLAMA_USERS). A line with a password in plain text stops
+the app at start with a message naming these commands. LLAMA_PASSWORD is one password, kept in the
+environment, with which any name that is not in the file signs in.
+
+Each failed sign-in is answered later than the one before it, per name and per client address:
+1 s, 2 s, 4 s, ... at most 30 s, counted again from 1 s after 15 minutes without a failure. The
+sign-ins of one name or one address are checked one at a time, so guessing runs at one try per delay
+however many requests are sent at once. Behind a reverse proxy every client has the proxy's address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import contextvars
+import getpass
+import hmac
+import logging
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+from argon2 import PasswordHasher, extract_parameters
+from argon2.exceptions import InvalidHashError, VerificationError
+
+from .settings import Settings, SettingsError
+
+log = logging.getLogger(__name__)
+
+HASHER = PasswordHasher()  # argon2id with argon2-cffi's defaults (RFC 9106's low-memory profile)
+HASH_PREFIX = "$argon2"
+FIRST_DELAY_S = 1.0
+MAX_DELAY_S = 30.0
+FORGET_AFTER_S = 900.0  # failures older than this no longer count
+MAX_WAITING = 8  # sign-ins of one name or address waiting their turn; more are refused at once
+
+CLIENT_ADDRESS: contextvars.ContextVar[str] = contextvars.ContextVar("client_address", default="unknown")
+
+
+# ---- the users file -----------------------------------------------------------------------------
+
+def parse_lines(text: str) -> list[tuple[int, str, str | None, str | None]]:
+    """(line number, line, name, secret) for each line; name and secret are None for blank, comment and
+    malformed lines."""
+    parsed = []
+    for number, line in enumerate(text.splitlines(), 1):
+        name, colon, secret = line.partition(":")
+        if not line.strip() or line.lstrip().startswith("#") or not colon or not name.strip() or not secret:
+            parsed.append((number, line, None, None))
+        else:
+            parsed.append((number, line, name.strip(), secret))  # a plain-text password exactly as written
+    return parsed
+
+
+def is_hash(secret: str) -> bool:
+    return secret.startswith(HASH_PREFIX)
+
+
+def read_users(path: Path) -> dict[str, str]:
+    """`name:hash` lines -> {name: argon2 hash}; SettingsError names the file, the line and the fix."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SettingsError(f"LLAMA_USERS={path}: cannot read the file: {e.strerror}") from None
+    users = {}
+    for number, line, name, secret in parse_lines(text):
+        if name is None:
+            if line.strip() and not line.lstrip().startswith("#"):
+                raise SettingsError(f"LLAMA_USERS={path}, line {number}: expected name:hash "
+                                    f"(write it with: python -m app.users add NAME --file {path})")
+            continue
+        secret = secret.strip()
+        if not is_hash(secret):
+            raise SettingsError(
+                f"LLAMA_USERS={path}, line {number}: the password of {name!r} is in plain text; the file holds "
+                f"argon2 hashes. Convert it with: python -m app.users convert --file {path} (hashes every "
+                f"plain-text password in place), or set a new password with: python -m app.users add {name} "
+                f"--file {path}")
+        try:
+            extract_parameters(secret)
+        except InvalidHashError:
+            raise SettingsError(f"LLAMA_USERS={path}, line {number}: the hash of {name!r} is not a valid argon2 "
+                                f"hash; write a new one with: python -m app.users add {name} --file {path}") from None
+        users[name] = secret
+    if not users:
+        raise SettingsError(f"LLAMA_USERS={path}: no name:hash line in the file "
+                            f"(add one with: python -m app.users add NAME --file {path})")
+    return users
+
+
+def write_lines(path: Path, lines: list[str]) -> None:
+    """Replace the file at once (a new file renamed over it), readable by its owner only."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(line + "\n" for line in lines))
+    os.replace(temporary, path)
+
+
+# ---- checking a sign-in -------------------------------------------------------------------------
+
+class Passwords:
+    """A named user of LLAMA_USERS with their password, or any other name with LLAMA_PASSWORD."""
+
+    def __init__(self, users: dict[str, str], shared: str | None = None):
+        self.users, self.shared = users, shared
+        self.decoy: str | None = None  # verified for unknown names, so that they take as long as known ones
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Passwords:
+        return cls(read_users(settings.users_file) if settings.users_file else {}, settings.password)
+
+    def check(self, name: str, password: str) -> str | None:
+        """The user's identifier if the password is right, else None (an argon2 verify: a fraction of a second)."""
+        name = name.strip()
+        if not name:
+            return None
+        if name in self.users:
+            return name if _verify(self.users[name], password) else None
+        if self.users:
+            self.decoy = self.decoy or HASHER.hash(secrets.token_urlsafe(16))
+            _verify(self.decoy, password)
+        if self.shared is not None and hmac.compare_digest(password.encode(), self.shared.encode()):
+            return name
+        return None
+
+
+def _verify(hash: str, password: str) -> bool:
+    try:
+        return HASHER.verify(hash, password)
+    except (VerificationError, InvalidHashError):
+        return False
+
+
+class Throttle:
+    """Failures per key (a name, an address): the attempts of a key take turns, and each failure is
+    answered after a delay that doubles with the key's recent failures."""
+
+    def __init__(self, first_delay_s: float = FIRST_DELAY_S, max_delay_s: float = MAX_DELAY_S,
+                 forget_after_s: float = FORGET_AFTER_S, max_waiting: int = MAX_WAITING,
+                 sleep=asyncio.sleep, clock=time.monotonic):
+        self.first_delay_s, self.max_delay_s, self.forget_after_s = first_delay_s, max_delay_s, forget_after_s
+        self.max_waiting, self.sleep, self.clock = max_waiting, sleep, clock
+        self.failures: dict[str, tuple[int, float]] = {}  # key -> (failures in a row, clock() of the last)
+        self.turns: dict[str, tuple[asyncio.Lock, int]] = {}  # key -> (its turn, attempts holding or awaiting it)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, keys: tuple[str, ...]):
+        """Yields True once it is these keys' turn, or False at once when too many attempts wait for one."""
+        if any(self.turns.get(key, (None, 0))[1] > self.max_waiting for key in keys):
+            yield False
+            return
+        for key in keys:
+            lock, count = self.turns.get(key) or (asyncio.Lock(), 0)
+            self.turns[key] = (lock, count + 1)
+        async with contextlib.AsyncExitStack() as held:
+            try:
+                for key in keys:  # always in the same order (name, then address): no two attempts wait on each other
+                    await held.enter_async_context(self.turns[key][0])
+                yield True
+            finally:
+                for key in keys:
+                    lock, count = self.turns[key]
+                    if count == 1:
+                        del self.turns[key]
+                    else:
+                        self.turns[key] = (lock, count - 1)
+
+    async def failed(self, keys: tuple[str, ...]) -> float:
+        """Count a failure for each key and wait the longest of their delays; returns it."""
+        now = self.clock()
+        delay = 0.0
+        for key in keys:
+            count, last = self.failures.get(key, (0, now))
+            count = 1 if now - last > self.forget_after_s else count + 1
+            self.failures[key] = (count, now)
+            delay = max(delay, min(self.first_delay_s * 2 ** (count - 1), self.max_delay_s))
+        self.failures = {k: v for k, v in self.failures.items() if now - v[1] <= self.forget_after_s}
+        await self.sleep(delay)
+        return delay
+
+    def succeeded(self, key: str) -> None:
+        self.failures.pop(key, None)
+
+
+class SignIn:
+    """`await sign_in(name, password)`: the user's identifier, or None after the failure's delay."""
+
+    def __init__(self, passwords: Passwords, throttle: Throttle | None = None):
+        self.passwords, self.throttle = passwords, throttle or Throttle()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SignIn:
+        return cls(Passwords.from_settings(settings))
+
+    async def __call__(self, name: str, password: str, address: str | None = None) -> str | None:
+        address = address or CLIENT_ADDRESS.get()
+        keys = (f"name {name.strip()}", f"address {address}")
+        async with self.throttle.turn(keys) as admitted:
+            if not admitted:
+                log.warning("sign-in as %r from %s refused unchecked: more than %d sign-ins of that name or "
+                            "address wait their turn", name, address, self.throttle.max_waiting)
+                return None
+            user = await asyncio.to_thread(self.passwords.check, name, password)  # argon2 keeps the CPU busy
+            if user is not None:
+                self.throttle.succeeded(keys[0])
+                return user
+            delay = await self.throttle.failed(keys)
+            log.info("sign-in as %r from %s failed; answered after %.0f s", name, address, delay)
+            return None
+
+
+class ClientAddress:
+    """ASGI middleware that makes each request's client address known to SignIn (Chainlit's password
+    callback is given only the name and the password)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        client = scope.get("client")
+        token = CLIENT_ADDRESS.set(client[0] if client else "unknown")
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CLIENT_ADDRESS.reset(token)
+
+
+# ---- python -m app.users ------------------------------------------------------------------------
+
+def add(path: Path, name: str, password: str) -> None:
+    """Give name this password in the file (created if missing): its line is replaced, else appended."""
+    line, lines, placed = f"{name}:{HASHER.hash(password)}", [], False
+    for _, text, other, _ in parse_lines(path.read_text()) if path.exists() else []:
+        if other == name:
+            if placed:
+                continue  # a later line for the same name would count instead: drop it
+            text, placed = line, True
+        lines.append(text)
+    write_lines(path, lines if placed else [*lines, line])
+
+
+def convert(path: Path) -> list[str]:
+    """Hash every plain-text password of the file in place; returns the names converted."""
+    lines, converted = [], []
+    for _, text, name, secret in parse_lines(path.read_text()):
+        if name is not None and not is_hash(secret):
+            text = f"{name}:{HASHER.hash(secret)}"
+            converted.append(name)
+        lines.append(text)
+    if converted:
+        write_lines(path, lines)
+    return converted
+
+
+def read_password(name: str) -> str:
+    """Asked twice on a terminal; else the first line of standard input (for scripts)."""
+    if not sys.stdin.isatty():
+        return sys.stdin.readline().rstrip("\r\n")
+    password = getpass.getpass(f"Password for {name}: ")
+    if getpass.getpass("The same again: ") != password:
+        raise SettingsError("the two passwords differ; nothing was written")
+    return password
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.users", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_command = commands.add_parser("add", help="add a user or set a new password (asked for)")
+    add_command.add_argument("name")
+    convert_command = commands.add_parser("convert", help="hash every plain-text password in the file")
+    for command in (add_command, convert_command):
+        command.add_argument("--file", type=Path, help="the users file (default: LLAMA_USERS)")
+    args = parser.parse_args(argv)
+    try:
+        path = args.file or Settings.from_env().users_file
+        if path is None:
+            raise SettingsError("expected --file FILE, or LLAMA_USERS naming the users file")
+        if args.command == "add":
+            name = args.name.strip()
+            if not name or name != args.name or name.startswith("#") or any(c in name for c in ":\r\n"):
+                raise SettingsError(f"the name {args.name!r} cannot be stored: expected no ':' or line break, no "
+                                    "leading '#' and no spaces around it")
+            password = read_password(name)
+            if not password:
+                raise SettingsError("the password is empty; nothing was written")
+            add(path, name, password)
+            print(f"{path}: {name}'s password is stored as an argon2 hash")
+        else:
+            if not path.exists():
+                raise SettingsError(f"{path}: no such file")
+            converted = convert(path)
+            print(f"{path}: hashed the passwords of {', '.join(converted)}" if converted
+                  else f"{path}: no plain-text passwords")
+    except (SettingsError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

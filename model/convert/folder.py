@@ -1,0 +1,93 @@
+"""Writing a model folder into `weights/` so that it is whole or absent.
+
+A folder is built in a hidden sibling (`.NAME.tmp-*`, or `.NAME.download` for a download, which a
+later run resumes) and renamed into place when complete; the app and the engine skip hidden folders.
+A failure leaves `weights/` as it was, apart from a download's hidden folder, kept to resume from.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+
+class ConversionError(Exception):
+    """A model that cannot be brought into weights/ (bad file, failed download, full disk); the message
+    says why and what to do."""
+
+
+def log(message: str) -> None:
+    print(f"[fetch] {message}", file=sys.stderr, flush=True)
+
+
+def remove_stale_siblings(out_dir: Path) -> None:
+    """Temp folders left by a conversion that crashed: `.NAME.tmp-*` and `.NAME.old-*`."""
+    for pattern in (f".{out_dir.name}.tmp-*", f".{out_dir.name}.old-*"):
+        for stale in out_dir.parent.glob(pattern):
+            log(f"removing {stale} left by an earlier run")
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def check_free_space(folder: Path, needed: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise ConversionError(f"{folder}: not enough disk space for the model: need {needed / 1e6:.0f} MB, "
+                              f"{free / 1e6:.0f} MB free; free some space and run again")
+
+
+def move_into_place(built: Path, out_dir: Path) -> None:
+    """`os.replace` cannot overwrite a full folder, so an old one is first moved aside, then deleted."""
+    if not out_dir.exists():
+        built.replace(out_dir)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    out_dir.replace(aside / out_dir.name)
+    try:
+        built.replace(out_dir)
+    except OSError:
+        (aside / out_dir.name).replace(out_dir)  # put the old folder back
+        raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def make_parent(out_dir: Path) -> Path | None:
+    """Create `out_dir`'s parent if missing; returns it when this call created it (for `undo`)."""
+    made = None if out_dir.parent.exists() else out_dir.parent
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConversionError(f"{out_dir.parent}: cannot create the folder: {e}") from None
+    return made
+
+
+def new_build_folder(out_dir: Path) -> Path:
+    """An empty hidden sibling of `out_dir` to build the model in."""
+    building = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    building.chmod(0o755)  # mkdtemp makes it private; the final folder should not be
+    return building
+
+
+def undo(building: Path | None, made_parent: Path | None) -> None:
+    if building is not None:
+        shutil.rmtree(building, ignore_errors=True)
+    if made_parent is not None:
+        try:
+            made_parent.rmdir()  # only if still empty
+        except OSError:
+            pass
+
+
+def write_error(e: OSError, out_dir: Path, size: int) -> ConversionError:
+    if e.errno == errno.ENOSPC:
+        return ConversionError(f"{out_dir.parent}: no space left on device while writing the model "
+                               f"({size / 1e6:.0f} MB); free some space and run again")
+    return ConversionError(f"{out_dir}: cannot write the model: {e}")
+
+
+def write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,173 @@
+"""A GGUF's tensors as safetensors entries in Hugging Face names, each kept in the type it has.
+
+F32, F16 and BF16 tensors are copied byte for byte. A Q8_0 tensor (blocks of one f16 scale followed
+by 32 int8 weights) is split into `<module>.weight` (int8, (N, K)) and `<module>.scale` (f16,
+(N, K // 32)): the same values in the same bytes, nothing quantized twice and nothing widened to
+fp32. q/k rows go from llama.cpp's interleaved RoPE order to ours. Any other type is refused,
+unless `dequantize` (the default model's int4 file): then it becomes float32, which holds every
+dequantized value exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from ..rope import permute_qk_rows
+from .folder import ConversionError, log
+
+KEPT = {  # GGUF type -> safetensors dtype of the copy
+    GGMLQuantizationType.F32: "F32",
+    GGMLQuantizationType.F16: "F16",
+    GGMLQuantizationType.BF16: "BF16",
+}
+Q8_0_GROUP = 32  # weights per Q8_0 block, each block with one f16 scale
+ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1}
+ROWS_PER_CHUNK = 8192  # rows copied at a time, so a large embedding never has a second full copy
+SUPPORTED = "F32, F16, BF16 and Q8_0"
+
+GGUF_TO_HF = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+ROPE_FREQS = "rope_freqs.weight"  # RoPE factors: they go into config.json, not the weights
+
+
+@dataclass
+class Entry:
+    """One tensor of the safetensors file, and how to produce its bytes."""
+
+    name: str
+    dtype: str  # safetensors dtype: F32, F16, BF16, I8
+    shape: list[int]
+    chunks: Callable[[], Iterator[np.ndarray]]  # the data, in row order, in pieces
+
+    @property
+    def nbytes(self) -> int:
+        return ITEM_SIZE[self.dtype] * int(np.prod(self.shape))
+
+
+def hf_name(name: str, path: Path) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_TO_HF:
+        return f"model.layers.{parts[1]}.{GGUF_TO_HF[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in GGUF_TO_HF:
+        return f"{GGUF_TO_HF[parts[0]]}.{parts[1]}"
+    raise ConversionError(f"{path}: unexpected tensor {name!r} for a Llama model")
+
+
+def hf_shape(tensor: ReaderTensor) -> list[int]:
+    return [int(n) for n in reversed(tensor.shape)]  # GGUF lists the fastest-varying dim first
+
+
+def qk_heads(name: str, config: dict) -> int | None:
+    """The head count by which a q or k projection's rows are permuted; None for any other tensor."""
+    if ".attn_q." in name:
+        return config["num_attention_heads"]
+    if ".attn_k." in name:
+        return config["num_key_value_heads"]
+    return None
+
+
+def in_row_chunks(rows: np.ndarray, heads: int | None) -> Callable[[], Iterator[np.ndarray]]:
+    """`rows` (N, ...) in pieces of ROWS_PER_CHUNK rows; a q/k projection whole, permuted (it is small)."""
+    def chunks():
+        if heads is not None:
+            yield permute_qk_rows(rows, heads, to="half")
+            return
+        for start in range(0, rows.shape[0], ROWS_PER_CHUNK):
+            yield rows[start:start + ROWS_PER_CHUNK]
+    return chunks
+
+
+def entries(reader: GGUFReader, config: dict, path: Path, dequantize_others: bool) -> list[Entry]:
+    """The safetensors entries of every tensor of the file (in its order), without reading their data."""
+    found = []
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue
+        name, shape, heads = hf_name(tensor.name, path), hf_shape(tensor), qk_heads(tensor.name, config)
+        kind = tensor.tensor_type
+        if kind in KEPT:
+            # F32/F16 come as typed (N, K) arrays, BF16 as raw bytes (N, 2K): rows either way
+            found.append(Entry(name, KEPT[kind], shape, in_row_chunks(tensor.data, heads)))
+        elif kind == GGMLQuantizationType.Q8_0 and not dequantize_others:
+            found += q8_0_entries(tensor, name, shape, heads, path)
+        elif dequantize_others:
+            found.append(Entry(name, "F32", shape, dequantized(tensor, shape, heads, path)))
+        else:
+            raise ConversionError(f"{path}: tensor {tensor.name} is {kind.name}; this importer keeps weights "
+                                  f"as they are and supports {SUPPORTED} (int4 types such as Q4_0, Q4_1 "
+                                  f"and the K-quants are not). Use the file's Q8_0, F16 or BF16 version.")
+    return found
+
+
+def q8_0_entries(tensor: ReaderTensor, name: str, shape: list[int], heads: int | None,
+                 path: Path) -> list[Entry]:
+    if len(shape) != 2:
+        raise ConversionError(f"{path}: tensor {tensor.name} is Q8_0 with shape {shape}; expected a matrix")
+    n, k = shape
+    blocks = tensor.data.reshape(n, k // Q8_0_GROUP, 2 + Q8_0_GROUP)  # per block: f16 scale, 32 int8
+    weights = in_row_chunks(blocks[:, :, 2:], heads)
+    scales = in_row_chunks(blocks[:, :, :2], heads)
+    return [Entry(name, "I8", shape, weights),
+            Entry(name.removesuffix(".weight") + ".scale", "F16", [n, k // Q8_0_GROUP], scales)]
+
+
+def dequantized(tensor: ReaderTensor, shape: list[int], heads: int | None,
+                path: Path) -> Callable[[], Iterator[np.ndarray]]:
+    def chunks():
+        values = dequantize(tensor.data, tensor.tensor_type)
+        if list(values.shape) != shape:
+            raise ConversionError(f"{path}: tensor {tensor.name} dequantized to {list(values.shape)}, "
+                                  f"expected {shape}")
+        yield np.asarray(values, np.float32) if heads is None else permute_qk_rows(values, heads, to="half")
+    return chunks
+
+
+def write_safetensors(found: list[Entry], out: Path) -> None:
+    """Stream the entries into `out` one piece at a time (safetensors' own writer wants them all in memory).
+
+    The format: 8-byte little-endian header length, a JSON header of dtype/shape/byte offsets, then the data.
+    """
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for entry in found:
+        header[entry.name] = {"dtype": entry.dtype, "shape": entry.shape,
+                              "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned
+    started, total = time.monotonic(), len(found)
+    with open(out, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for i, entry in enumerate(found, 1):
+            written = 0
+            for piece in entry.chunks():
+                written += f.write(memoryview(np.ascontiguousarray(piece)).cast("B"))
+            if written != entry.nbytes:
+                raise ConversionError(f"{out}: wrote {written} bytes for {entry.name}, expected {entry.nbytes}")
+            if i % 50 == 0 or i == total:
+                log(f"tensors {i}/{total} ({time.monotonic() - started:.1f}s)")
+
+
+def safetensors_bytes(found: list[Entry]) -> int:
+    return sum(entry.nbytes for entry in found)

@@ -1,0 +1,148 @@
+"""Download a Hugging Face checkpoint into `weights/<name>/` with huggingface_hub.
+
+Only the files the engine reads: config.json, generation_config.json, the safetensors weights (one
+file, or shards and their index), the tokenizer's files and `original/tokenizer.model`, each where
+the repo has it. The token is huggingface_hub's own: `HF_TOKEN`, else the one `hf auth login` saved.
+`HF_ENDPOINT` points at another hub (a mirror, or the tests' stand-in).
+
+Files go into `weights/.<name>.download/`, which is renamed to `weights/<name>` once all are there.
+An interrupted run leaves that hidden folder; the next run fetches only the files still missing
+(huggingface_hub itself resumes a dropped connection within a file). A run that got nothing leaves
+`weights/` as it was. Every failure is one ConversionError line that says what to do.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from pathlib import Path
+
+import httpx2  # huggingface_hub's HTTP client: its transport errors mean "no network"
+from huggingface_hub import HfApi, get_token, hf_hub_download, snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+from ..config import ConfigError, LlamaConfig
+from .folder import ConversionError, check_free_space, log, make_parent, move_into_place, undo
+
+WANTED = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
+                    r"|model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json"
+                    r"|special_tokens_map\.json|chat_template\.jinja|original/tokenizer\.model")
+REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+SPARE_BYTES = 10_000_000
+HUB_CACHE = ".cache"  # huggingface_hub's bookkeeping inside a download folder
+
+
+def download(repo_id: str, weights_dir: str | Path = "weights", *, name: str | None = None,
+             revision: str | None = None, force: bool = False) -> Path:
+    """`weights_dir/<name>` (default: the repo's name) holding the checkpoint; returns it."""
+    if not REPO_ID.fullmatch(repo_id):
+        raise ConversionError(f"{repo_id!r}: expected a Hugging Face model id (owner/name, e.g. "
+                              "meta-llama/Llama-3.2-1B-Instruct)")
+    out_dir = Path(weights_dir) / (name or repo_id.split("/")[1])
+    if out_dir.exists() and not force:
+        raise ConversionError(f"{out_dir} already exists; pass --force to download it again, or --name to "
+                              "choose another folder")
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # read now: huggingface_hub reads it once, at import
+    partial = out_dir.parent / f".{out_dir.name}.download"
+    made_parent = make_parent(out_dir)
+    try:
+        files = fetch_into(partial, repo_id, revision, endpoint)
+        shutil.rmtree(partial / HUB_CACHE, ignore_errors=True)
+        move_into_place(partial, out_dir)
+    except BaseException as e:
+        if isinstance(e, NoLlamaCheckpoint) or not files_in(partial):
+            undo(partial, made_parent)  # nothing worth resuming: weights/ as it was
+        else:
+            log(f"kept {partial} ({folder_bytes(partial) / 1e6:.0f} MB): the same command resumes from it")
+        raise hub_error(e, repo_id, revision, endpoint, partial) from None
+    log(f"wrote {out_dir}: {', '.join(sorted(files))}")
+    return out_dir
+
+
+class NoLlamaCheckpoint(ConversionError):
+    """The repo holds no Llama checkpoint the engine reads (another architecture, or no safetensors)."""
+
+
+def fetch_into(partial: Path, repo_id: str, revision: str | None, endpoint: str | None) -> list[str]:
+    """Download the checkpoint's files into `partial`; returns their names."""
+    info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision, files_metadata=True)
+    sizes = {s.rfilename: s.size or 0 for s in info.siblings or [] if WANTED.fullmatch(s.rfilename)}
+    if "config.json" not in sizes or not any(f.endswith(".safetensors") for f in sizes):
+        found = ", ".join(sorted(s.rfilename for s in info.siblings or [])[:8]) or "no files"
+        raise NoLlamaCheckpoint(f"{repo_id}: expected a transformers checkpoint (config.json and "
+                                f"model.safetensors), found {found}. For a repo of .gguf files, download one "
+                                "and run python -m model.fetch FILE.gguf")
+    missing = sum(size for f, size in sizes.items() if not has_file(partial / f, size))
+    log(f"{repo_id} at {info.sha[:12]}: {len(sizes)} files, {sum(sizes.values()) / 1e6:.0f} MB"
+        f" ({missing / 1e6:.0f} MB to download)")
+    check_free_space(partial.parent, missing + SPARE_BYTES)
+    hf_hub_download(repo_id, "config.json", revision=info.sha, local_dir=partial, endpoint=endpoint)
+    try:
+        LlamaConfig.from_hf_config(partial / "config.json")
+    except ConfigError as e:
+        raise NoLlamaCheckpoint(f"{repo_id}: {str(e).replace(str(partial / 'config.json'), 'config.json')}; "
+                                "this engine runs Llama-architecture models") from None
+    snapshot_download(repo_id, revision=info.sha, local_dir=partial, allow_patterns=list(sizes), endpoint=endpoint)
+    short = [f for f, size in sizes.items() if not has_file(partial / f, size)]
+    if short:  # huggingface_hub hands back what is on disk when it cannot reach the hub
+        raise ConversionError(f"{repo_id}: {', '.join(short)} did not arrive; run the same command again")
+    return list(sizes)
+
+
+def files_in(partial: Path) -> list[str]:
+    """The checkpoint files already in a download folder."""
+    if not partial.is_dir():
+        return []
+    return [str(p.relative_to(partial)) for p in partial.rglob("*")
+            if p.is_file() and WANTED.fullmatch(str(p.relative_to(partial)))]
+
+
+def has_file(path: Path, size: int) -> bool:
+    return path.is_file() and path.stat().st_size == size
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def hub_error(e: BaseException, repo_id: str, revision: str | None, endpoint: str | None,
+              partial: Path) -> BaseException:
+    """The one line that says what went wrong and what to do (unknown errors pass through unchanged)."""
+    hub = endpoint or "https://huggingface.co"
+    if isinstance(e, ConversionError):
+        return e
+    if isinstance(e, GatedRepoError):
+        if get_token() is not None or (e.response is not None and e.response.status_code == 403):
+            return ConversionError(f"{repo_id} is gated and your token has no access yet: accept its terms at "
+                                   f"{hub}/{repo_id} with the account of that token, then run again")
+        return ConversionError(f"{repo_id} is gated: accept its terms at {hub}/{repo_id}, then set HF_TOKEN "
+                               "(or run `hf auth login`) and run again")
+    if isinstance(e, RepositoryNotFoundError):
+        return ConversionError(f"{repo_id}: no such model on {hub}; check the id (owner/name), and for a "
+                               "private model set HF_TOKEN (or run `hf auth login`)")
+    if isinstance(e, RevisionNotFoundError):
+        return ConversionError(f"{repo_id}: no revision {revision!r}; use a branch, tag or commit of the repo")
+    if isinstance(e, HfHubHTTPError) and e.response is not None and e.response.status_code == 401:
+        return ConversionError(f"{hub} refused the token for {repo_id} (HTTP 401); check HF_TOKEN "
+                               "(or run `hf auth login` again)")
+    if isinstance(e, HfHubHTTPError):
+        status = e.response.status_code if e.response is not None else "an error"
+        return ConversionError(f"{hub} answered HTTP {status} for {repo_id}; try again later")
+    if isinstance(e, (LocalEntryNotFoundError, OfflineModeIsEnabled, httpx2.TransportError)):
+        return ConversionError(f"cannot reach {hub} ({type(e).__name__}); check the network (or HF_ENDPOINT, "
+                               "HF_HUB_OFFLINE, the proxy settings) and run the same command again")
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return ConversionError(f"{partial.parent}: no space left on device while downloading {repo_id}; "
+                               "free some space and run the same command again")
+    if isinstance(e, OSError):
+        return ConversionError(f"{partial}: cannot write the download: {e}")
+    return e

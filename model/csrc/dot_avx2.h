@@ -1,0 +1,79 @@
+// AVX2 + FMA dot products of one weight row (or `len` weights of it) with M rows of x, row m at
+// x + m * x_stride (M = 1..8), for CPUs without AVX-512 (Zen 1-3, Intel before Ice Lake and its
+// E-cores). These CPUs have no bf16 arithmetic, so x is fp32. Each block of weights is loaded
+// once and multiplied into all M rows of x.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "dot_portable.h"  // FOR_EACH_ROW, prefetch_ahead, bf16_to_float
+
+namespace avx2 {
+
+inline float reduce_add(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// 8 bf16 -> 8 fp32: the 16-bit pattern shifted into the top half of a 32-bit lane.
+inline __m256 widen_bf16(const uint16_t* w) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+// out[m] = w . x[m] for bf16 w and fp32 x. Each multiply-add waits for the one before it on the
+// same accumulator (4 cycles), so rows get as many accumulators as 16 registers allow: four each
+// for one or two rows (32 weights a step, one 8-weight piece per accumulator), two for up to 6
+// rows, one beyond (16 weights a step).
+template <int M>
+void dot_bf16(const uint16_t* w, const float* x, int64_t x_stride, int64_t len, float* out) {
+  constexpr int A = M <= 2 ? 4 : M <= 6 ? 2 : 1;  // accumulators per row
+  constexpr int P = A == 4 ? 4 : 2;                // pieces of 8 weights per step
+  __m256 acc[M][A];
+  FOR_EACH_ROW(m) for (int a = 0; a < A; a++) acc[m][a] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * P <= len; k += 8 * P) {
+    prefetch_ahead(w + k);
+    __m256 wp[P];
+    for (int p = 0; p < P; p++) wp[p] = widen_bf16(w + k + 8 * p);
+    FOR_EACH_ROW(m) for (int p = 0; p < P; p++)
+      acc[m][p % A] = _mm256_fmadd_ps(wp[p], _mm256_loadu_ps(x + m * x_stride + k + 8 * p), acc[m][p % A]);
+  }
+  FOR_EACH_ROW(m) {
+    __m256 total = acc[m][0];
+    for (int a = 1; a < A; a++) total = _mm256_add_ps(total, acc[m][a]);
+    float sum = reduce_add(total);
+    for (int64_t t = k; t < len; t++) sum += portable::bf16_to_float(w[t]) * x[m * x_stride + t];
+    out[m] = sum;
+  }
+}
+
+// int8 w, int16 x: 16 weights widened to int16, pairs multiplied and added into int32 (vpmaddwd);
+// each group's integer sum is then scaled in fp32. Needs group % 16 == 0.
+constexpr int64_t kQ8Step = 16;
+
+template <int M>
+void dot_q8(const int8_t* w, const int16_t* x, int64_t x_stride, const float* scale, int64_t len, int64_t group,
+            float* out) {
+  __m256 total[M];
+  FOR_EACH_ROW(m) total[m] = _mm256_setzero_ps();
+  for (int64_t k = 0, g = 0; k < len; k += group, g++) {  // g: the group (no division per group)
+    prefetch_ahead(w + k);
+    __m256i acc[M];
+    FOR_EACH_ROW(m) acc[m] = _mm256_setzero_si256();
+    for (int64_t i = k; i < k + group; i += kQ8Step) {
+      const __m256i wi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
+      FOR_EACH_ROW(m)
+        acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(
+            wi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * x_stride + i))));
+    }
+    const __m256 s = _mm256_set1_ps(scale[g]);
+    FOR_EACH_ROW(m) total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), s, total[m]);
+  }
+  FOR_EACH_ROW(m) out[m] = reduce_add(total[m]);
+}
+
+}  // namespace avx2

@@ -1,0 +1,51 @@
+"""Bring a model into weights/ in one command.
+
+    python -m model.fetch meta-llama/Llama-3.2-1B-Instruct  # download from Hugging Face
+    python -m model.fetch path/to/model.gguf                # import a GGUF (llama.cpp, Ollama, LM Studio)
+    python -m model.fetch ~/.lmstudio/models                # import every Llama GGUF in a folder
+
+Prints each model folder it wrote. A failure prints one line saying what to do, exits with status 2
+and leaves weights/ as it was (an interrupted download keeps a hidden folder to resume from).
+The work is done in model/convert/ (hub.py, gguf.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .convert.folder import ConversionError
+from .convert.gguf import import_ggufs
+from .convert.hub import REPO_ID, download
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m model.fetch", description=__doc__.split("\n")[0])
+    parser.add_argument("source", help="a Hugging Face model id (owner/name), a .gguf file, or a folder of them")
+    parser.add_argument("--weights-dir", default="weights", help="where the model folder goes (default: weights)")
+    parser.add_argument("--name", help="the model folder's name (default: the repo's or the file's name)")
+    parser.add_argument("--revision", help="a branch, tag or commit of the Hugging Face repo (default: main)")
+    parser.add_argument("--force", action="store_true", help="replace a model folder of the same name")
+    args = parser.parse_args(argv)
+    source, weights_dir = Path(args.source).expanduser(), Path(args.weights_dir)
+    try:
+        if source.exists():
+            folders = import_ggufs(source, weights_dir, args.name, args.force)
+        elif not REPO_ID.fullmatch(args.source):
+            raise ConversionError(f"{args.source}: no such file or folder, and not a Hugging Face model id "
+                                  "(owner/name, e.g. meta-llama/Llama-3.2-1B-Instruct)")
+        else:
+            folders = [download(args.source, weights_dir, name=args.name, revision=args.revision, force=args.force)]
+    except ConversionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted; run the same command again to go on", file=sys.stderr)
+        sys.exit(130)
+    for folder in folders:
+        print(folder)
+
+
+if __name__ == "__main__":
+    main()

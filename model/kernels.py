@@ -1,0 +1,156 @@
+"""The decode kernel: csrc/matvec.cpp built with the system compiler once, cached, and loaded.
+
+Decode multiplies every weight matrix by a few rows, so it runs at the speed weights stream from
+memory; the kernel's ops stream 16-bit or 8-bit weights directly (see the C++ file). The
+instruction set is picked when the file is compiled, by `-march`: `native` (the default) gives
+the AVX-512 or AVX2 code on CPUs that have it and plain loops elsewhere. `LLAMA_KERNEL_MARCH`
+overrides it (e.g. `znver3` to run the AVX2 code on an AVX-512 machine, `x86-64` for the plain
+loops). The build is cached in ~/.cache/llama-chat/kernels/ (or $LLAMA_CACHE_DIR/kernels/) under
+a hash of the sources, the flags and the CPU, so it is compiled once per machine and code version,
+not once per checkout; `load_checkpoint` builds or loads it while the model loads. Without a
+compiler everything still works through `F.linear`, only slower; `LLAMA_KERNELS=0` turns the
+kernel off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import re
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .cpu import cache_dir, cpu_tag
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "matvec.cpp"  # includes the dot_*.h beside it
+FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fvisibility=hidden"]  # and -march=...; hidden: no calls through the PLT
+
+
+class KernelBuildError(RuntimeError):
+    """The extension could not be built or loaded (no compiler, or -march unknown to it)."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws) and matvec_int8(x, ws, scales)."""
+
+    march: str
+    name: str  # the library's and the ops' namespace: one per -march, so builds load side by side
+    ops: object
+    path: str  # which code the build compiled: "AVX-512 BF16", "AVX-512", "AVX2" or "portable"
+    folder: Path
+
+
+_lock = threading.Lock()
+_builds: dict[str, Kernels | KernelBuildError] = {}
+_engine = None  # the ops linears() uses: None until first asked for, False where there are none
+
+
+def engine_march() -> str:
+    return os.environ.get("LLAMA_KERNEL_MARCH") or "native"
+
+
+def build(march: str = "native") -> Kernels:
+    """The extension compiled with -march=`march`, built on first call (or loaded from the cache folder).
+
+    Raises KernelBuildError when it cannot be built; the same error again on later calls.
+    """
+    with _lock:
+        if march not in _builds:
+            try:
+                _builds[march] = _build(march)
+            except KernelBuildError as e:
+                _builds[march] = e
+    found = _builds[march]
+    if isinstance(found, KernelBuildError):
+        raise found
+    return found
+
+
+def kernels():
+    """The ops linears() uses (the LLAMA_KERNEL_MARCH build), built on first call; None where
+    LLAMA_KERNELS=0 or the kernel cannot be built. Decided once per process."""
+    global _engine
+    if _engine is None:  # once decided, no lock and no exception (torch.compile traces the callers)
+        try:
+            _engine = False if os.environ.get("LLAMA_KERNELS", "1") == "0" else build(engine_march()).ops
+        except KernelBuildError:
+            _engine = False
+    return _engine or None
+
+
+def decode_path() -> str:
+    """Which path decode takes: the kernel build's instruction set, or F.linear and why."""
+    if os.environ.get("LLAMA_KERNELS", "1") == "0":
+        return "F.linear (LLAMA_KERNELS=0)"
+    try:
+        found = build(engine_march())
+    except KernelBuildError as e:
+        return f"F.linear (no kernel: {e})"
+    return found.path if found.march == "native" else f"{found.path} (-march={found.march})"
+
+
+def build_folder(march: str, csrc: Path = CSRC) -> Path:
+    """Where the build for -march=`march` lives: keyed by what decides the binary (the sources'
+    contents, the flags, this CPU for -march=native, torch's and Python's versions), never by the
+    checkout's path, so every checkout of the same code shares one build."""
+    digest = hashlib.sha256()
+    for file in sorted(csrc.iterdir()):
+        if file.suffix in (".cpp", ".h"):
+            digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    digest.update(" ".join([*FLAGS, f"-march={march}", cpu_tag(), torch.__version__,
+                            platform.python_version()]).encode())
+    return cache_dir() / "kernels" / f"{_name(march)}-{digest.hexdigest()[:16]}"
+
+
+def _name(march: str) -> str:
+    return "llama_kernels_" + re.sub(r"\W", "_", march)
+
+
+def _build(march: str) -> Kernels:
+    name, folder = _name(march), build_folder(march)
+    library = folder / f"{name}.so"
+    if library.is_file():  # built before, by this or any checkout of the same code
+        torch.ops.load_library(str(library))
+    else:
+        _compile(name, march, folder)
+    ops = getattr(torch.ops, name)
+    # Shapes of the outputs, so torch.compile can trace through the ops: x (..., K) -> (..., sum N_i).
+    torch.library.register_fake(f"{name}::matvec_bf16")(lambda x, ws: _fake_output(x, ws))
+    torch.library.register_fake(f"{name}::matvec_int8")(lambda x, ws, scales: _fake_output(x, ws))
+    return Kernels(march=march, name=name, ops=ops, path=ops.path(), folder=folder)
+
+
+def _compile(name: str, march: str, folder: Path) -> None:
+    """Compile and load the library, building in a folder of its own that takes `folder`'s name
+    only once complete, so another process never loads a half-written library."""
+    from torch.utils.cpp_extension import load
+
+    scratch = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    scratch.mkdir(parents=True, exist_ok=True)
+    try:
+        load(name=name, sources=[str(SOURCE)], extra_cflags=[*FLAGS, f"-march={march}"],
+             build_directory=str(scratch), is_python_module=False, verbose=False)  # builds and loads
+    except Exception as e:  # no compiler, an -march it does not know, or an unsupported platform
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise KernelBuildError(f"building {SOURCE} with -march={march} failed: {_first_error(str(e))}") from None
+    try:
+        scratch.rename(folder)
+    except OSError:  # another process finished the same build first: keep its folder
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _first_error(log: str) -> str:
+    """The compiler's first error line (or the message's last line) from a failed build's output."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()] or ["unknown error"]
+    return next((line for line in lines if "error:" in line), lines[-1])[:300]
+
+
+def _fake_output(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))

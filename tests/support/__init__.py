@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: checkpoints they write, servers they start, clients they drive."""

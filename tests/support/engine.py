@@ -1,0 +1,71 @@
+"""The engine (app.engine.Engine) driven in this process, step by step, without its sockets."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+from app.conversation import Conversation
+from app.engine import Engine
+from app.messages import Done, EngineConfig, Failed, Generate, ReplySettings
+from app.prompt import dialog
+from model.generation import Generation
+from model.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class EngineHarness:
+    """An Engine whose events land in `events`; `run()` steps it until it has nothing left to do."""
+
+    def __init__(self, checkpoint: Path, loader=None, **config):
+        self.events: list = []
+        self.engine = Engine(EngineConfig(checkpoint=str(checkpoint), **config), self.events.append, loader)
+        self.engine.start()
+        self.run()
+
+    def run(self, *messages, max_steps: int | None = None) -> list:
+        """Handle the messages, then step until idle (or max_steps); the events that came out."""
+        first = len(self.events)
+        for message in messages:
+            self.engine.handle(message)
+        for _ in itertools.count() if max_steps is None else range(max_steps):
+            if not (self.engine.busy or self.engine.loading):
+                break
+            if not self.engine.busy:
+                time.sleep(0.002)  # the loader thread needs the interpreter more than this loop
+            self.engine.step()
+        return self.events[first:]
+
+    def ask(self, *requests: Generate) -> dict[str, list]:
+        """Run requests together to their end: each one's events, by id."""
+        events = self.run(*requests)
+        return {r.id: [e for e in events if getattr(e, "id", None) == r.id] for r in requests}
+
+
+def request(conversation: Conversation | str, settings: ReplySettings = ReplySettings(), model: str = "tiny",
+            **fields) -> Generate:
+    """A Generate for a conversation (or one user message), with a fresh id."""
+    if isinstance(conversation, str):
+        text, conversation = conversation, Conversation()
+        conversation.add("user", text)
+    return Generate(f"r{next(_ids)}", model, settings, conversation.chat_messages(),
+                    left_out=conversation.left_out, **fields)
+
+
+def last(events: list) -> Done | Failed:
+    assert events and isinstance(events[-1], Done | Failed), events
+    return events[-1]
+
+
+def reference(checkpoint, generate: Generate, settings: ReplySettings) -> Generation:
+    """The reply the engine gives alone, with no engine, batch or cache in between (run to the end).
+    Settings left unset are off (not the model's defaults)."""
+    prompt = checkpoint.chat_format.encode_dialog(dialog(generate.messages))
+    given = {name: value for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                      "frequency_penalty", "presence_penalty", "seed")
+             if (value := getattr(settings, name)) is not None}
+    generation = Generation(checkpoint, prompt, max_new_tokens=settings.max_new_tokens, sampling=SamplingParams(**given))
+    list(generation)
+    return generation

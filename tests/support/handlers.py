@@ -1,0 +1,72 @@
+"""The Chainlit handlers of app/main.py, called as Chainlit calls them, in a mocked Chainlit context.
+
+A `Chat` sets a ChainlitContext whose session is a plain object and whose emitter is an AsyncMock; the
+tests call the handlers, and read what they sent from the emitter's awaited calls.
+"""
+
+from __future__ import annotations
+
+import uuid
+from unittest.mock import AsyncMock, MagicMock
+
+
+class Session:
+    """What the handlers and cl.user_session read of a Chainlit WebsocketSession."""
+
+    def __init__(self, profile: str | None = None):
+        self.id = f"test-{uuid.uuid4()}"
+        self.thread_id = str(uuid.uuid4())
+        self.user_env, self.chat_settings, self.user = {}, {}, None
+        self.chat_profile = profile
+        self.client_type = "webapp"
+        self.to_clear = False
+        self.current_task = None
+
+
+def mock_emitter():
+    from chainlit.emitter import BaseChainlitEmitter
+
+    emitter = AsyncMock(spec=BaseChainlitEmitter)
+    emitter.set_chat_settings = MagicMock()  # called without await by ChatSettings.send()
+    emitter.clear = MagicMock()
+    return emitter
+
+
+class Chat:
+    """One browser tab: a session, its emitter, and helpers to read what was sent to it."""
+
+    def __init__(self, main, profile: str | None = None):
+        self.main, self.session, self.emitter = main, Session(profile), mock_emitter()
+
+    def enter(self):
+        from chainlit.context import ChainlitContext, context_var
+        context_var.set(ChainlitContext(self.session, self.emitter))
+
+    async def start(self):
+        self.enter()
+        await self.main.start_chat()
+
+    async def send(self, text: str, id: str | None = None):
+        """The user sends (or, with the id of an earlier message, edits) a message."""
+        import chainlit as cl
+        self.enter()
+        message = cl.Message(content=text, type="user_message", id=id)
+        await self.main.on_message(message)
+        return message
+
+    def sent(self) -> list[dict]:
+        """Final state of each message sent (send_step), in order."""
+        return [call.args[0] for call in self.emitter.send_step.await_args_list]
+
+    def replies(self) -> list[str]:
+        return [s["output"] for s in self.sent() if s["name"] not in ("stats",) and not s["isError"]]
+
+    def stats(self) -> list[str]:
+        return [s["output"].strip("*") for s in self.sent() if s["name"] == "stats"]  # italic markdown
+
+    def errors(self) -> list[str]:
+        return [s["output"] for s in self.sent() if s["isError"]]
+
+    def conversation(self):
+        from chainlit.user_session import user_sessions
+        return user_sessions[self.session.id]["conversation"]

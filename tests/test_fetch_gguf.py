@@ -1,0 +1,281 @@
+"""`python -m model.fetch file.gguf`: a Llama-3-shaped random GGUF written in llama.cpp's layout
+(gguf_checkpoints.py) imports into a folder that gives the source's logits, keeps each tensor's type
+(Q8_0 as int8 values and scales, not quantized again), has Meta's tokenizer and the file's chat
+template, and never holds a tensor widened to fp32. Plus folders of GGUFs (LM Studio, Ollama) and
+the refusals."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import struct
+import tracemalloc
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from support.checkpoints import hf_model, prompt_ids
+from support.gguf_checkpoints import CHAT_TEMPLATE, as_stored, write_llama3_gguf
+
+import model.convert.gguf as gguf_module
+import model.convert.gguf_tensors as tensors_module
+from model import ChatFormat, Tokenizer, generate, load_checkpoint
+from model.checkpoint import CheckpointError
+from model.config import RopeFreqFactors
+from model.fetch import main
+from model.quantize import dequantize_int8
+from model.rope import inv_freq, permute_qk_rows
+from model.tokenizer import meta_tokenizer_model
+
+KINDS = ["f32", "f16", "bf16", "q8_0"]
+UNTIED = {"f16"}  # one float kind with its own output head
+LOGIT_TOLERANCE = 1e-4  # float32; RoPE from llama.cpp's per-frequency factors vs the llama3 formula: ~1e-5
+SAFETENSORS_DTYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+
+
+@pytest.fixture(scope="module")
+def sources() -> dict[bool, transformers.LlamaForCausalLM]:
+    return {True: hf_model(seed=0), False: hf_model(tie=False, seed=1)}
+
+
+@pytest.fixture(scope="module")
+def imported(sources, tmp_path_factory):
+    """kind -> (the GGUF, the folder `python -m model.fetch` made of it, the source model), each made once."""
+    made = {}
+    root = tmp_path_factory.mktemp("gguf")
+
+    def get(kind):
+        if kind not in made:
+            source = sources[kind not in UNTIED]
+            path = write_llama3_gguf(source, root / f"Tiny-Llama-3-{kind}.gguf", kind)
+            main([str(path), "--weights-dir", str(root / "weights")])
+            made[kind] = path, root / "weights" / f"Tiny-Llama-3-{kind}", source
+        return made[kind]
+    return get
+
+
+@functools.cache
+def reader(path: Path) -> gguf.GGUFReader:
+    return gguf.GGUFReader(path)  # ~10 s for a Llama 3 vocabulary: read each file once
+
+
+def tensor_dtypes(folder: Path) -> dict[str, str]:
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        return {name: f.get_slice(name).get_dtype() for name in f.keys()}
+
+
+# ---- parity ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_the_source_weights(imported, kind):
+    """F32 against the source; F16/BF16 against the source rounded to that type; Q8_0 against the
+    dequantized Q8_0 values. Both in float32."""
+    _, folder, source = imported(kind)
+    ckpt = load_checkpoint(folder, dtype=torch.float32)
+    ids = prompt_ids(n=48)
+    with torch.no_grad():
+        ours, theirs = ckpt.model(ids), as_stored(source, kind)(ids).logits
+    diff = (ours - theirs).abs().max().item()
+    assert diff <= LOGIT_TOLERANCE, f"{kind}: max abs logit difference {diff}"
+
+
+def test_rope_factors_are_applied_as_the_file_gives_them(imported, sources):
+    path, folder, _ = imported("q8_0")
+    config = load_checkpoint(folder, dtype=torch.float32).config
+    factors = next(t for t in reader(path).tensors if t.name == "rope_freqs.weight").data
+    assert isinstance(config.rope_scaling, RopeFreqFactors)
+    assert np.array_equal(np.array(config.rope_scaling.factors, np.float32), factors)  # float32 as in the file
+    plain = inv_freq(config.replace(rope_scaling=None))
+    assert torch.equal(inv_freq(config), plain / torch.tensor(factors))
+    hf_inv_freq = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(sources[True].config).inv_freq
+    assert torch.allclose(inv_freq(config), hf_inv_freq, rtol=1e-6, atol=0)
+    assert not torch.allclose(plain, hf_inv_freq, rtol=1e-3)  # the scaling is there, and it matters
+
+
+def test_q8_0_greedy_decode_matches_transformers_on_the_dequantized_weights(imported):
+    """Default dtype: bf16 activations where the CPU has them, the int8 decode kernel, the int8 embedding."""
+    _, folder, source = imported("q8_0")
+    ckpt = load_checkpoint(folder)
+    ids = [128000, 9906, 11, 856, 836, 374]
+    reply = generate(ckpt, ids, max_new_tokens=16, temperature=0.0)
+    for _ in reply:
+        pass
+    expected = as_stored(source, "q8_0").generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    assert reply.tokens == expected[0, len(ids):].tolist()
+
+
+# ---- what is written -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16"])
+def test_float_tensors_keep_their_type_and_values(imported, kind):
+    """The GGUF holds the source rounded to its type (round to nearest even, as torch rounds): the folder
+    holds exactly that, q/k rows back in the source's order."""
+    _, folder, source = imported(kind)
+    dtypes = tensor_dtypes(folder)
+    assert {d for n, d in dtypes.items() if "norm" not in n} == {SAFETENSORS_DTYPE[kind]}
+    assert {d for n, d in dtypes.items() if "norm" in n} == {"F32"}  # as llama.cpp stores norms
+    expected = source.state_dict()
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        for name in ["model.layers.1.mlp.down_proj.weight", "model.layers.2.self_attn.q_proj.weight",
+                     "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"]:
+            ours = f.get_tensor(name)
+            assert torch.equal(ours, expected[name].to(ours.dtype)), name
+
+
+def test_q8_0_keeps_int8_values_and_f16_scales_as_they_are(imported):
+    path, folder, _ = imported("q8_0")
+    dtypes = tensor_dtypes(folder)
+    assert dtypes["model.embed_tokens.weight"] == "I8" and dtypes["model.embed_tokens.scale"] == "F16"
+    assert {d for n, d in dtypes.items() if n.endswith(".weight") and "norm" not in n} == {"I8"}
+    assert "lm_head.weight" not in dtypes  # tied: the head is the embedding
+    with safe_open(folder / "model.safetensors", framework="np") as f:
+        for gguf_name, name, heads in [("blk.2.ffn_gate.weight", "model.layers.2.mlp.gate_proj", None),
+                                       ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj", 2)]:
+            tensor = next(t for t in reader(path).tensors if t.name == gguf_name)
+            blocks = tensor.data.reshape(tensor.shape[1], -1, 34)  # per block: f16 scale, then 32 int8
+            if heads:
+                blocks = permute_qk_rows(blocks, heads, to="half")
+            assert np.array_equal(f.get_tensor(name + ".weight"), blocks[:, :, 2:].view(np.int8).reshape(len(blocks), -1))
+            assert np.array_equal(f.get_tensor(name + ".scale"), blocks[:, :, :2].copy().view(np.float16)[..., 0])
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization"] == {"method": "int8", "group_size": 32}
+
+
+def test_q8_0_loads_as_int8_with_the_file_scales(imported):
+    _, folder, source = imported("q8_0")
+    ckpt = load_checkpoint(folder, dtype=torch.float32)
+    m = ckpt.model
+    wq = m.layers[0].attention.wq
+    assert wq.weight.dtype == torch.int8 and wq.scale.dtype == torch.float32 and wq.scale.shape == (64, 2)
+    assert m.tok_embeddings.weight.dtype == torch.int8 and m.output.weight is m.tok_embeddings.weight
+    assert m.output.scale is m.tok_embeddings.scale
+    stored = as_stored(source, "q8_0")
+    assert torch.equal(dequantize_int8(m.layers[2].feed_forward.w2.weight, m.layers[2].feed_forward.w2.scale),
+                       stored.model.layers[2].mlp.down_proj.weight)
+    rows = torch.tensor([[0, 5, 128009]])
+    assert torch.equal(m.tok_embeddings(rows), stored.model.embed_tokens(rows))
+
+
+def test_no_file_is_larger_than_the_gguf_data(imported):
+    """Q8_0 as int8 + f16 scales is 34 bytes per 32 weights, as in the GGUF (float types are copied as they are)."""
+    path, folder, _ = imported("q8_0")
+    data = sum(int(t.n_bytes) for t in reader(path).tensors if t.name != "rope_freqs.weight")
+    file = folder / "model.safetensors"
+    header = struct.unpack("<Q", file.read_bytes()[:8])[0]
+    assert file.stat().st_size - 8 - header == data
+    assert sum(p.stat().st_size for p in folder.iterdir()) < path.stat().st_size
+
+
+def test_converting_never_widens_a_tensor_to_fp32(imported, tmp_path, monkeypatch):
+    """Only a row chunk at a time is copied: the peak while writing is far below one fp32 embedding."""
+    path, folder, _ = imported("q8_0")
+    monkeypatch.setattr(tensors_module, "dequantize", lambda *a: pytest.fail("dequantized a tensor"))
+    found = tensors_module.entries(reader(path), gguf_module.hf_config(reader(path), path), path, False)
+    tracemalloc.start()
+    try:
+        tensors_module.write_safetensors(found, tmp_path / "model.safetensors")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (tmp_path / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    fp32_embedding = 128256 * 64 * 4
+    assert peak < fp32_embedding / 8, f"peak {peak / 1e6:.1f} MB while writing"
+
+
+def test_tokenizer_is_metas_llama3_and_the_template_is_the_files(imported):
+    _, folder, _ = imported("bf16")
+    assert (folder / "tokenizer.model").read_bytes() == meta_tokenizer_model().read_bytes()
+    ckpt = load_checkpoint(folder)
+    assert isinstance(ckpt.tokenizer, Tokenizer) and isinstance(ckpt.chat_format, ChatFormat)
+    assert {128001, 128008, 128009} <= ckpt.stop_ids
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert tokenizer_config["chat_template"] == CHAT_TEMPLATE
+    assert (tokenizer_config["bos_token"], tokenizer_config["eos_token"]) == ("<|begin_of_text|>", "<|eot_id|>")
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["torch_dtype"]) == (128000, 128009, "bfloat16")
+    assert "quantization" not in config
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert "temperature" not in generation  # none in the file: the engine's Llama 3 defaults apply
+
+
+# ---- folders of GGUFs, and refusals ----------------------------------------------------------------
+
+def test_a_folder_of_ggufs_as_ollama_keeps_them(imported, smollm2_gguf, tmp_path, capsys):
+    """Ollama: blobs named by their hash, no .gguf; other blobs (a template, params) are not GGUFs."""
+    path, folder, _ = imported("q8_0")
+    blobs = tmp_path / "ollama" / "models" / "blobs"
+    blobs.mkdir(parents=True)
+    os.link(path, blobs / "sha256-1f3a")
+    os.link(smollm2_gguf, blobs / "sha256-9c2b")  # Q4_1: skipped, with the reason
+    (blobs / "sha256-77aa").write_text('{"stop": ["<|eot_id|>"]}')
+    weights = tmp_path / "weights"
+    main([str(tmp_path / "ollama"), "--weights-dir", str(weights)])
+    out = capsys.readouterr()
+    assert out.out.split() == [str(weights / "Tiny-Llama-3")]  # named after general.name
+    assert f"skipping {blobs / 'sha256-9c2b'}: " in out.err and "is Q4_1" in out.err
+    assert sorted(p.name for p in weights.iterdir()) == ["Tiny-Llama-3"]
+    assert (weights / "Tiny-Llama-3" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+
+
+def fails(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_an_int4_gguf_is_refused_naming_the_supported_types(smollm2_gguf, tmp_path, capsys):
+    line = fails([str(smollm2_gguf), "--weights-dir", str(tmp_path / "weights")], capsys)
+    assert line == (f"error: {smollm2_gguf}: tensor blk.0.ffn_down.weight is Q4_1; this importer keeps weights "
+                    "as they are and supports F32, F16, BF16 and Q8_0 (int4 types such as Q4_0, Q4_1 and the "
+                    "K-quants are not). Use the file's Q8_0, F16 or BF16 version.")
+    assert not (tmp_path / "weights").exists()
+
+
+def test_an_existing_model_folder_is_kept_unless_forced(imported, tmp_path, capsys):
+    path, _, _ = imported("q8_0")
+    (tmp_path / "Tiny-Llama-3-q8_0").mkdir()
+    line = fails([str(path), "--weights-dir", str(tmp_path)], capsys)
+    assert line == (f"error: {tmp_path / 'Tiny-Llama-3-q8_0'} already exists; pass --force to replace it, or "
+                    "--name to choose another folder")
+
+
+def test_a_folder_with_no_llama_gguf(tmp_path, capsys):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "notes.txt").write_text("no models here")
+    line = fails([str(tmp_path / "models"), "--weights-dir", str(tmp_path / "weights")], capsys)
+    assert line == f"error: {tmp_path / 'models'}: imported no Llama GGUF (found no GGUF file)"
+
+
+# ---- loading int8 checkpoints: what must hold ------------------------------------------------------
+
+@pytest.fixture
+def q8_0_copy(imported, tmp_path) -> Path:
+    _, folder, _ = imported("q8_0")
+    return Path(shutil.copytree(folder, tmp_path / "copy"))
+
+
+def test_int8_weights_need_the_quantization_entry(q8_0_copy):
+    config = json.loads((q8_0_copy / "config.json").read_text())
+    del config["quantization"]
+    (q8_0_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r'config.json: the weights hold int8 tensors with scales, so expected '
+                                              r'"quantization": \{"method": "int8", "group_size": N\}, found None'):
+        load_checkpoint(q8_0_copy)
+
+
+def test_int8_scales_must_fit_the_group_size(q8_0_copy):
+    config = json.loads((q8_0_copy / "config.json").read_text())
+    (q8_0_copy / "config.json").write_text(json.dumps(config | {"quantization": {"method": "int8", "group_size": 16}}))
+    with pytest.raises(CheckpointError, match=r"copy/model.safetensors: int8 weights: model.layers.0.self_attn.k_proj"
+                                              r".weight: \(32, 64\) with scale \(32, 2\), expected scale \(32, 4\) "
+                                              r"for group_size 16, "):
+        load_checkpoint(q8_0_copy)

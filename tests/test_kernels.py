@@ -1,0 +1,218 @@
+"""The decode kernel's ops (model/csrc/matvec.cpp) against F.linear on the dequantized weights, for
+every number of rows of x it takes (1 to MAX_KERNEL_ROWS), odd K and N, bf16 and int8 weights, in
+each of three builds: -march=native (this CPU's code), znver3 (the AVX2 code, which an AVX-512
+machine runs too) and x86-64 (the plain loops). A build is skipped only where the compiler cannot
+produce it (znver3 and x86-64 on other architectures).
+
+Tolerances, per output y[m, n], against the exact result (float64) with E = sum_k |w[n, k] x[m, k]|:
+- fp32 summation: the kernel sums K products in its own order (blocks, lanes, threads), F.linear in
+  another; each addition rounds by at most 2^-24 of the running sum, and rounding errors of random
+  signs grow like sqrt(K): we allow 4 sqrt(K) 2^-24 E, several times what is seen, and far below
+  one product lost or counted twice for the sizes tested.
+- bf16 output (x in bf16): y is rounded to bf16 at the end, 2^-9 of |y| at most; 2^-8 allowed.
+- int8 weights: the kernel rounds each row of x to int16 with one scale (max |x[m]| / 32767), an
+  error of at most half a step per element, so at most sum_k |w[n, k]| max|x[m]| / 65534 in y.
+"""
+
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.checkpoints import hf_model
+
+import model.kernels
+from model import cpu, load_checkpoint
+from model.kernels import CSRC, KernelBuildError, build, build_folder, decode_path
+from model.linear import MAX_KERNEL_ROWS
+from model.quantize import dequantize_int8, quantize_int8
+
+ROWS = range(1, MAX_KERNEL_ROWS + 1)
+# (N, K): odd sizes for the tails, K of the real models (576, 1536, 2048), N over many tasks and threads.
+SHAPES = [(1, 5), (7, 37), (3, 517), (1003, 576), (129, 1536), (67, 2048 + 31)]
+# int8: K of groups that the intrinsics step through (576, 1536, 2048: groups of 64) and of groups
+# that go to the plain loop on some instruction sets (96: groups of 48; 517: 47; 5: 5). Rows of x
+# longer than 32 KB in all are read in pieces of K (2079 and 4160 here, for several rows).
+INT8_SHAPES = [(1, 5), (7, 96), (3, 517), (1003, 576), (129, 1536), (67, 2048), (5, 4160)]
+
+
+BUILDS = {"native": None, "znver3": "AVX2", "x86-64": "portable"}  # -march -> the code it must compile
+
+
+def native_path() -> str:
+    if cpu.has_avx512():
+        return "AVX-512 BF16" if cpu.has_avx512_bf16() else "AVX-512"
+    return "AVX2" if cpu.has_avx2() else "portable"
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def kernels(request):
+    march = request.param
+    try:
+        return build(march)
+    except KernelBuildError as e:
+        if march == "native":
+            pytest.fail(f"the decode kernel did not build for this CPU (is a C++ compiler installed?): {e}")
+        pytest.skip(f"the compiler cannot build -march={march} here: {e}")
+
+
+@pytest.fixture(scope="module")
+def ops(kernels):
+    return kernels.ops
+
+
+def test_each_build_compiled_the_code_of_its_instruction_set(kernels):
+    assert kernels.path == (BUILDS[kernels.march] or native_path())
+
+
+def data(n, k, m, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+
+
+def bound(w, x, out_dtype, extra=0.0):
+    """Allowed |ours - exact| per output (see the module's docstring); w, x float64."""
+    k = w.shape[1]
+    exact = F.linear(x, w)
+    tol = 4 * math.sqrt(k) * 2**-24 * F.linear(x.abs(), w.abs()) + extra
+    if out_dtype == torch.bfloat16:
+        tol = tol + 2**-8 * exact.abs()
+    return exact, tol
+
+
+def check(ours, exact, tol):
+    err = (ours.double() - exact).abs()
+    worst = (err - tol).argmax()
+    assert (err <= tol).all(), f"error {err.flatten()[worst]:.3g} > allowed {tol.flatten()[worst]:.3g}"
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_weights(ops, m, n, k, x_dtype):
+    w, x = data(n, k, m, seed=n * k + m)
+    w, x = w.bfloat16(), x.to(x_dtype)
+    ours = ops.matvec_bf16(x, [w])
+    assert ours.shape == (m, n) and ours.dtype == x_dtype
+    check(ours, *bound(w.double(), x.double(), x_dtype))
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", INT8_SHAPES)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_int8_weights(ops, m, n, k, x_dtype):
+    w, x = data(n, k, m, seed=n + k + m)
+    x = x * torch.linspace(0.1, 3, m)[:, None]  # rows of different ranges: each row has its own int16 scale
+    q, scale = quantize_int8(w)
+    x = x.to(x_dtype)
+    ours = ops.matvec_int8(x, [q], [scale])
+    assert ours.shape == (m, n) and ours.dtype == x_dtype
+    wd, xd = dequantize_int8(q, scale).double(), x.double()
+    x_rounding = wd.abs().sum(1)[None, :] * xd.abs().amax(1, keepdim=True) / 65534  # (m, n)
+    check(ours, *bound(wd, xd, x_dtype, extra=x_rounding))
+
+
+@pytest.mark.parametrize("m", [1, 5, MAX_KERNEL_ROWS])
+def test_several_matrices_side_by_side(ops, m):
+    """q|k|v in one call: the outputs of matrices of different N, concatenated along the last axis."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 576, generator=g)
+    ws = [torch.randn(n, 576, generator=g).bfloat16() for n in (576, 192, 192)]
+    ours = ops.matvec_bf16(x, ws)
+    exact, tol = bound(torch.cat(ws).double(), x.double(), x.dtype)
+    check(ours, exact, tol)
+    qs = [quantize_int8(w.float()) for w in ws]
+    ours = ops.matvec_int8(x, [q for q, _ in qs], [s for _, s in qs])
+    wd = torch.cat([dequantize_int8(q, s) for q, s in qs]).double()
+    exact, tol = bound(wd, x.double(), x.dtype, extra=wd.abs().sum(1)[None] * x.abs().amax(1, keepdim=True) / 65534)
+    check(ours, exact, tol)
+
+
+def test_one_dimensional_x_gives_one_dimensional_y(ops):
+    w, x = data(9, 64, 1, seed=3)
+    y = ops.matvec_bf16(x[0], [w.bfloat16()])
+    assert y.shape == (9,)
+    torch.testing.assert_close(y, ops.matvec_bf16(x, [w.bfloat16()])[0], rtol=0, atol=0)
+
+
+def test_bad_input_is_refused_with_what_was_expected(ops):
+    w = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"x has 9 rows; expected 1 to 8"):
+        ops.matvec_bf16(torch.zeros(9, 64), [w])
+    with pytest.raises(RuntimeError, match=r"w\[0\] is \[4, 64\] but x has K=65"):
+        ops.matvec_bf16(torch.zeros(2, 65), [w])
+    with pytest.raises(RuntimeError, match=r"w\[1\] must be a contiguous \(N, K\) CPU tensor of BFloat16; got Float"):
+        ops.matvec_bf16(torch.zeros(2, 64), [w, torch.zeros(4, 64)])
+    with pytest.raises(RuntimeError, match=r"x must be a contiguous float32 or bfloat16 CPU tensor"):
+        ops.matvec_bf16(torch.zeros(64, 2).T, [w])
+    q, scale = quantize_int8(torch.randn(4, 64))
+    with pytest.raises(RuntimeError, match=r"scale\[0\] must be a contiguous float32 CPU tensor"):
+        ops.matvec_int8(torch.zeros(1, 64), [q], [scale.bfloat16()])
+    with pytest.raises(RuntimeError, match=r"1 weight matrices but 0 scale tensors"):
+        ops.matvec_int8(torch.zeros(1, 64), [q], [])
+
+
+def test_build_folder_is_keyed_by_sources_flags_and_cpu_not_by_the_checkout(tmp_path, monkeypatch):
+    copy = tmp_path / "elsewhere" / "csrc"
+    shutil.copytree(CSRC, copy)
+    assert build_folder("native", copy) == build_folder("native")  # another checkout of the same code
+    assert build_folder("znver3") != build_folder("native")
+    header = copy / "dot_avx2.h"
+    header.write_text(header.read_text() + "\n// changed\n")
+    assert build_folder("native", copy) != build_folder("native")
+    folder = build_folder("native")
+    monkeypatch.setattr(model.kernels, "cpu_tag", lambda: "another-cpu")
+    assert build_folder("native") != folder
+
+
+def test_another_checkout_loads_the_cached_build_without_compiling(tmp_path):
+    """The first reply of a fresh checkout must not compile: its build is found by the hash."""
+    native = build("native")
+    shutil.copytree(Path(model.__file__).parent, tmp_path / "model", ignore=shutil.ignore_patterns("__pycache__"))
+    script = """
+import torch.utils.cpp_extension
+def refuse(*args, **kwargs):
+    raise AssertionError("compiled again")
+torch.utils.cpp_extension.load = refuse
+from model.kernels import build
+b = build("native")
+print(b.folder, b.path, sep="\\n")
+"""
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=os.environ | {"PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines() == [str(native.folder), native.path]
+
+
+def test_decode_path_says_which_code_runs_or_why_not(monkeypatch):
+    monkeypatch.delenv("LLAMA_KERNEL_MARCH", raising=False)
+    assert decode_path() == native_path()
+    monkeypatch.setenv("LLAMA_KERNEL_MARCH", "x86-64")
+    assert decode_path() == "portable (-march=x86-64)"
+    monkeypatch.setenv("LLAMA_KERNEL_MARCH", "no-such-cpu")
+    reason = decode_path()
+    assert reason.startswith("F.linear (no kernel: building ") and "-march=no-such-cpu" in reason, reason
+    monkeypatch.setenv("LLAMA_KERNELS", "0")
+    assert decode_path() == "F.linear (LLAMA_KERNELS=0)"
+
+
+def test_llama_kernels_0_turns_the_kernel_off():
+    script = "from model.kernels import kernels, decode_path; print(kernels(), decode_path())"
+    r = subprocess.run([sys.executable, "-c", script], cwd=Path(model.__file__).parents[1], capture_output=True,
+                       text=True, timeout=300, env=os.environ | {"LLAMA_KERNELS": "0"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "None F.linear (LLAMA_KERNELS=0)"
+
+
+def test_loading_a_checkpoint_builds_the_kernel_and_logs_its_path(tmp_path, caplog, monkeypatch):
+    hf_model(seed=1).save_pretrained(tmp_path)
+    monkeypatch.delenv("LLAMA_KERNEL_MARCH", raising=False)
+    caplog.set_level(logging.INFO, logger="model.checkpoint")
+    load_checkpoint(tmp_path, dtype=torch.bfloat16)
+    assert f"decode kernel: {native_path()}" in caplog.messages

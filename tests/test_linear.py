@@ -1,0 +1,184 @@
+"""Linear layers (bf16 and int8 weights, the decode kernel behind them) against the plain PyTorch path."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.checkpoints import hf_model, prompt_ids
+
+import model.linear
+from model import generate, load_checkpoint
+from model.kernels import kernels
+from model.linear import MAX_KERNEL_ROWS, Linear, linear, project
+from model.quantize import dequantize_int8, quantize_int8
+
+
+class Spy:
+    """Stands in for the kernel's ops: records the x each op was given, then runs the real op."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, []
+
+    def matvec_bf16(self, x, ws):
+        self.calls.append(tuple(x.shape))
+        return self.ops.matvec_bf16(x, ws)
+
+    def matvec_int8(self, x, ws, scales):
+        self.calls.append(tuple(x.shape))
+        return self.ops.matvec_int8(x, ws, scales)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    ops = kernels()
+    assert ops is not None, "the C++ decode kernel did not build (is a C++ compiler installed?)"
+    spy = Spy(ops)
+    monkeypatch.setattr(model.linear, "kernels", lambda: spy)
+    return spy
+
+
+@pytest.mark.parametrize("shape", [(576,), (1, 576), (1, 1, 576), (8, 1, 576), (2, 4, 576), (3, 1, 1, 576)])
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_up_to_eight_rows_go_to_the_kernel_in_any_leading_shape(spy, shape, kind):
+    g = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(shape, generator=g)
+    w = torch.randn(7, 576, generator=g)
+    weight, scale = (w.bfloat16(), None) if kind == "bf16" else quantize_int8(w)
+    ours = linear(x, weight, scale)
+    rows = x.numel() // 576
+    assert spy.calls == [(rows, 576)]
+    assert ours.shape == (*shape[:-1], 7)
+    flat = x.reshape(rows, 576)
+    direct = spy.ops.matvec_bf16(flat, [weight]) if scale is None else spy.ops.matvec_int8(flat, [weight], [scale])
+    assert torch.equal(ours.reshape(rows, 7), direct)
+    plain = F.linear(x, weight.float() if scale is None else dequantize_int8(weight, scale))
+    assert (ours - plain).norm() < 1e-4 * plain.norm()  # test_kernels.py bounds the error per output
+
+
+@pytest.mark.parametrize("shape", [(9, 576), (3, 3, 576), (1, 512, 576)])
+def test_more_rows_go_to_f_linear(spy, shape):
+    x = torch.randn(shape)
+    assert MAX_KERNEL_ROWS < x.numel() // 576
+    linear(x, torch.randn(7, 576).bfloat16())
+    assert spy.calls == []
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_without_the_kernel_every_product_goes_to_f_linear(monkeypatch, kind):
+    monkeypatch.setattr(model.linear, "kernels", lambda: None)
+    w, x = torch.randn(7, 64), torch.randn(2, 1, 64)
+    weight, scale = (w.bfloat16(), None) if kind == "bf16" else quantize_int8(w)
+    plain = F.linear(x, weight.float() if scale is None else dequantize_int8(weight, scale))
+    assert torch.equal(linear(x, weight, scale), plain)
+
+
+def test_project_gives_the_layers_outputs_side_by_side(spy):
+    layers = [Linear(64, n) for n in (64, 16, 16)]
+    for layer in layers:
+        layer.weight = torch.nn.Parameter(layer.weight.detach().bfloat16(), requires_grad=False)
+    x = torch.randn(5, 1, 64)
+    ours = project(x, *layers)
+    assert ours.shape == (5, 1, 96) and spy.calls == [(5, 64)]
+    torch.testing.assert_close(ours, torch.cat([F.linear(x, layer.weight.float()) for layer in layers], -1),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_scales_cast_by_to_dtype_still_work(spy):
+    """model.to(torch.bfloat16) casts the float scale buffers too; the kernel takes them back in fp32."""
+    layer = Linear(64, 8)
+    q, layer.scale = quantize_int8(layer.weight.detach())
+    layer.weight = torch.nn.Parameter(q, requires_grad=False)
+    layer.to(torch.bfloat16)
+    assert layer.weight.dtype == torch.int8 and layer.scale.dtype == torch.bfloat16
+    x = torch.randn(2, 64)
+    plain = F.linear(x, dequantize_int8(q, layer.scale.float()))
+    assert (layer(x) - plain).norm() < 1e-4 * plain.norm()
+    assert spy.calls == [(2, 64)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    hf_model(seed=9).save_pretrained(folder)
+    return folder
+
+
+def test_bf16_weights_decode_like_prefill(folder):
+    """Greedy decode through the kernel picks the tokens that full forwards (F.linear) rank first.
+
+    Where activations are bf16 (CPUs with native bf16), the two paths sum in different orders and
+    round their outputs to bf16, so a near-tie may fall either way: the token decode picked must
+    then be within two bf16 steps of the best logit. With fp32 activations they agree exactly.
+    """
+    ckpt = load_checkpoint(folder, dtype=torch.bfloat16)
+    prompt = prompt_ids(n=10)[0].tolist()
+    gen = generate(ckpt, prompt, max_new_tokens=20, stop_ids=set())
+    list(gen)
+    ids = prompt + gen.tokens
+    with torch.no_grad():
+        logits = ckpt.model(torch.tensor([ids]))[0].float()  # many rows: F.linear
+    rows = logits[len(prompt) - 1:-1]
+    picked = rows.gather(-1, torch.tensor(gen.tokens)[:, None])[:, 0]
+    best = rows.max(-1).values
+    if ckpt.dtype == torch.float32:
+        assert gen.tokens == rows.argmax(-1).tolist()
+    else:
+        assert ((best - picked) <= 2 * 2**-8 * best.abs()).all()
+        assert (picked == best).sum() >= 18
+    assert rows.std(-1).min() > 0.5  # logits spread out: a broken kernel would pick far from the best
+
+
+def test_int8_scales_are_buffers_that_move_and_are_saved(folder):
+    ckpt = load_checkpoint(folder, dtype=torch.float32, quantize="int8")
+    wq = ckpt.model.layers[0].attention.wq
+    state = ckpt.model.state_dict()
+    assert torch.equal(state["layers.0.attention.wq.scale"], wq.scale)
+    assert wq.scale.shape == (wq.out_features, wq.in_features // 64) and wq.scale.dtype == torch.float32
+    assert "output.scale" in state  # the tied head's own int8 copy
+    moved = ckpt.model.layers[0].attention.to("meta")
+    assert moved.wq.scale.device.type == "meta" and moved.wq.weight.device.type == "meta"
+
+
+def test_unquantized_linears_have_no_scales_to_load(folder):
+    """A checkpoint carries no scales: they must not count as missing tensors."""
+    ckpt = load_checkpoint(folder, dtype=torch.float32)
+    assert ckpt.model.layers[0].attention.wq.scale is None
+    assert not [name for name in ckpt.model.state_dict() if name.endswith(".scale")]
+
+
+def test_int8_model_stays_close_to_float32(folder):
+    full = load_checkpoint(folder, dtype=torch.float32)
+    int8 = load_checkpoint(folder, dtype=torch.float32, quantize="int8")
+    assert int8.model.layers[0].attention.wq.weight.dtype == torch.int8
+    assert int8.model.tok_embeddings.weight.dtype == torch.float32  # lookups stay exact
+    ids = prompt_ids(n=32)
+    with torch.no_grad():
+        a, b = full.model(ids), int8.model(ids)
+    # Random weights make near-ties among 128k logits common; real checkpoints agree more closely
+    # (bench/quality.py measures that on the default model).
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+    assert (a - b).abs().mean() / a.abs().mean() < 0.05
+
+
+def test_compiled_decode_gives_the_same_tokens(folder):
+    # In a fresh interpreter: once chainlit is imported (other tests import the app), its lazy
+    # module __getattr__ raises KeyError for unknown names, which breaks torch.compile's inductor.
+    script = f"""
+import torch
+from model import generate, load_checkpoint
+plain = load_checkpoint({str(folder)!r}, dtype=torch.bfloat16)
+compiled = load_checkpoint({str(folder)!r}, dtype=torch.bfloat16, compile=True)
+assert compiled.model.decode is not compiled.model.forward
+prompt = list(range(1000, 1010))
+a = generate(plain, prompt, max_new_tokens=12, stop_ids=set())
+b = generate(compiled, prompt, max_new_tokens=12, stop_ids=set())
+list(a), list(b)
+print(a.tokens == b.tokens, len(a.tokens))
+"""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["True", "12"]

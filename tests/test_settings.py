@@ -1,0 +1,94 @@
+"""The app's configuration (app/settings.py): every LLAMA_* variable, its default and its errors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from app.settings import DEFAULT_MAX_NEW_TOKENS, Settings, SettingsError
+
+
+def test_settings_defaults():
+    settings = Settings.from_env({})
+    assert settings.checkpoint.name == "SmolLM2-135M-Instruct" and settings.is_default_checkpoint
+    assert settings.weights_dir.name == "weights"
+    assert (settings.device, settings.dtype, settings.max_context) == ("auto", "auto", 8192)
+    assert settings.max_new_tokens == DEFAULT_MAX_NEW_TOKENS
+    assert (settings.temperature, settings.top_k, settings.top_p, settings.threads) == (None, None, None, None)
+    assert settings.system_prompt is None
+
+
+def test_settings_from_values():
+    settings = Settings.from_env({
+        "LLAMA_CHECKPOINT": "/models/llama", "LLAMA_WEIGHTS_DIR": "/models", "LLAMA_TOKENIZER": "/t/tokenizer.model",
+        "LLAMA_DEVICE": "CPU", "LLAMA_DTYPE": "bf16", "LLAMA_MAX_CONTEXT": "2048",
+        "LLAMA_SYSTEM_PROMPT": "Be brief.", "LLAMA_MAX_NEW_TOKENS": "64", "LLAMA_TEMPERATURE": "0",
+        "LLAMA_TOP_K": "40", "LLAMA_TOP_P": "0.95", "LLAMA_THREADS": "2", "LLAMA_SEED_UNUSED": "x",
+    })
+    assert settings == Settings(checkpoint=Path("/models/llama"), weights_dir=Path("/models"),
+                                tokenizer=Path("/t/tokenizer.model"), device="cpu", dtype="bf16", max_context=2048,
+                                system_prompt="Be brief.", max_new_tokens=64, temperature=0.0, top_k=40,
+                                top_p=0.95, threads=2)
+    assert not settings.is_default_checkpoint
+    assert Settings.from_env({"LLAMA_TEMPERATURE": "  ", "LLAMA_TOP_P": ""}).temperature is None
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("LLAMA_TOP_P", "abc", "LLAMA_TOP_P=abc: expected a number between 0 and 1"),
+    ("LLAMA_TOP_P", "0", "LLAMA_TOP_P=0: expected a number between 0 and 1"),
+    ("LLAMA_TOP_P", "nan", "LLAMA_TOP_P=nan: expected a number between 0 and 1"),
+    ("LLAMA_TEMPERATURE", "-1", "LLAMA_TEMPERATURE=-1: expected a number between 0 and 100"),
+    ("LLAMA_TOP_K", "1.5", "LLAMA_TOP_K=1.5: expected a whole number of at least 0"),
+    ("LLAMA_MAX_NEW_TOKENS", "0", "LLAMA_MAX_NEW_TOKENS=0: expected a whole number of at least 1"),
+    ("LLAMA_MAX_CONTEXT", "lots", "LLAMA_MAX_CONTEXT=lots: expected a whole number of at least 16"),
+    ("LLAMA_THREADS", "-2", "LLAMA_THREADS=-2: expected a whole number of at least 1"),
+    ("LLAMA_DEVICE", "tpu", "LLAMA_DEVICE=tpu: expected one of auto, cpu, cuda, mps"),
+    ("LLAMA_DTYPE", "int4", "LLAMA_DTYPE=int4: expected one of auto, bf16, fp16, fp32"),
+])
+def test_bad_settings_name_the_variable(name, value, message):
+    with pytest.raises(SettingsError) as error:
+        Settings.from_env({name: value})
+    assert str(error.value) == message
+
+
+def test_every_setting_is_documented():
+    root = Path(__file__).resolve().parents[1]
+    read = set(re.findall(r'"(LLAMA_[A-Z_]+)"', (root / "app" / "settings.py").read_text()))
+    table = set(re.findall(r"^\| `(LLAMA_[A-Z_]+)`", (root / "chainlit.md").read_text(), re.MULTILINE))
+    example = set(re.findall(r"^(LLAMA_[A-Z_]+)=", (root / ".env.example").read_text(), re.MULTILINE))
+    assert len(read) == 29 and read == table == example
+
+
+def test_kv_cache_budget_setting():
+    assert Settings.from_env({}).kv_cache_mb == 1024
+    assert Settings.from_env({"LLAMA_KV_CACHE_MB": "0"}).kv_cache_mb == 0  # only the newest chat keeps its cache
+    assert Settings.from_env({"LLAMA_KV_CACHE_MB": " 300 "}).kv_cache_mb == 300
+    with pytest.raises(SettingsError, match="LLAMA_KV_CACHE_MB=-1: expected a whole number of at least 0"):
+        Settings.from_env({"LLAMA_KV_CACHE_MB": "-1"})
+
+
+def test_llama_quantize_setting():
+    from app.settings import Settings, SettingsError
+    settings = Settings.from_env({"LLAMA_QUANTIZE": "INT8"})
+    assert settings.quantize == "int8"
+    assert Settings.from_env({}).quantize == "off"
+    with pytest.raises(SettingsError, match="LLAMA_QUANTIZE=int4: expected one of off, int8"):
+        Settings.from_env({"LLAMA_QUANTIZE": "int4"})
+
+
+def test_batch_and_queue_settings():
+    assert (Settings.from_env({}).max_batch, Settings.from_env({}).max_waiting) == (8, 32)
+    settings = Settings.from_env({"LLAMA_MAX_BATCH": "4", "LLAMA_MAX_WAITING": "0"})
+    assert (settings.max_batch, settings.max_waiting) == (4, 0)
+    with pytest.raises(SettingsError, match="LLAMA_MAX_BATCH=0: expected a whole number of at least 1"):
+        Settings.from_env({"LLAMA_MAX_BATCH": "0"})
+
+
+def test_min_p_and_repetition_penalty_settings():
+    settings = Settings.from_env({"LLAMA_MIN_P": "0.05", "LLAMA_REPETITION_PENALTY": "1.15"})
+    assert (settings.min_p, settings.repetition_penalty) == (0.05, 1.15)
+    assert Settings.from_env({}).repetition_penalty is None  # the checkpoint's
+    with pytest.raises(SettingsError, match="LLAMA_REPETITION_PENALTY=0: expected a number between 0 and 10"):
+        Settings.from_env({"LLAMA_REPETITION_PENALTY": "0"})

@@ -1,0 +1,278 @@
+"""JSON replies by constrained decoding (model/structured.py) and the token bytes it reads from our tokenizers."""
+
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+from support.checkpoints import write_tiny_checkpoint
+from support.special_checkpoints import default_model
+
+from model.checkpoint import load_checkpoint
+from model.generation import generate
+from model.structured import JsonConstraint, SchemaError, compiled_format
+from model.tokenizer import HFTokenizer, Tokenizer, TokenizerError, meta_tokenizer_model
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "minLength": 1, "maxLength": 40},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "role": {"enum": ["admin", "user", "guest"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}},
+    "required": ["name", "age", "role", "tags"], "additionalProperties": False}
+# Every document of SMALL is short whatever the choices: random walks through its masks always end.
+SMALL = {"type": "object", "properties": {
+    "n": {"type": "integer", "minimum": -5, "maximum": 999},
+    "r": {"enum": ["red", "green"]},
+    "s": {"type": "string", "maxLength": 6},
+    "ok": {"type": "boolean"},
+    "xs": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
+    "required": ["n", "r", "ok"], "additionalProperties": False}
+SYSTEM = {"role": "system", "content": "Reply with one JSON object only."}
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_checkpoint(default_model())
+
+
+@pytest.fixture(scope="module")
+def llama3_tokenizer():
+    return Tokenizer(meta_tokenizer_model())
+
+
+def constrained_reply(checkpoint, question, schema=None, **options):
+    prompt = checkpoint.chat_format.encode_dialog([SYSTEM, {"role": "user", "content": question}])
+    constraint = JsonConstraint(checkpoint.tokenizer, schema, vocab_size=checkpoint.config.vocab_size,
+                                stop_ids=checkpoint.stop_ids)
+    reply = generate(checkpoint, prompt, constraint=constraint, **options)
+    return "".join(reply), reply, constraint
+
+
+# ---- token bytes ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("texts", [['{"a": [1, 2.5e-3]}', "naïve café 你好 👍🏽", "\n\t  x\r\n", "<|eot_id|> 1234567"]])
+def test_token_bytes_spell_the_text_of_encoded_ids(smollm2, llama3_tokenizer, texts):
+    for tokenizer in (smollm2.tokenizer, llama3_tokenizer):
+        pieces = tokenizer.token_bytes()
+        assert len(pieces) == tokenizer.vocab_size
+        for text in texts:
+            assert b"".join(pieces[i] for i in tokenizer.encode(text)) == text.encode()
+
+
+def test_token_bytes_of_known_ids(smollm2, llama3_tokenizer):
+    llama3 = llama3_tokenizer.token_bytes()
+    assert (llama3[2028], llama3[374], llama3[271]) == (b"This", b" is", b"\n\n")
+    assert llama3[128009] == b"<|eot_id|>" and llama3[128255] == b"<|reserved_special_token_245|>"
+    smol = smollm2.tokenizer.token_bytes()
+    assert smol[:3] == [b"<|endoftext|>", b"<|im_start|>", b"<|im_end|>"]
+    assert smol[smollm2.tokenizer.encode(" world")[0]] == b" world"
+
+
+def sentencepiece_folder(folder, decoder, vocab=None):
+    from tokenizers import Tokenizer as HFRust
+    from tokenizers import decoders, models
+    vocab = vocab or {"<unk>": 0, "<s>": 1, "</s>": 2, "<0x0A>": 3, "<0xC3>": 4, "\u2581a": 5, "b": 6}
+    rust = HFRust(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    rust.decoder = decoder(decoders)
+    rust.add_special_tokens(["<s>", "</s>"])
+    folder.mkdir()
+    rust.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return HFTokenizer(folder)
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary(tmp_path):
+    tokenizer = sentencepiece_folder(tmp_path / "sp", lambda d: d.Sequence(
+        [d.Replace("\u2581", " "), d.ByteFallback(), d.Fuse(), d.Strip(" ", 1, 0)]))
+    assert tokenizer.token_bytes() == [b"<unk>", b"<s>", b"</s>", b"\n", b"\xc3", b" a", b"b"]
+
+
+def test_token_bytes_of_an_unknown_decoder_is_a_clear_error(tmp_path):
+    tokenizer = sentencepiece_folder(tmp_path / "wp", lambda d: d.WordPiece())
+    with pytest.raises(TokenizerError, match=r"tokenizer.json: expected a ByteLevel.*found \['WordPiece'\]"):
+        tokenizer.token_bytes()
+    foreign = sentencepiece_folder(tmp_path / "bl", lambda d: d.ByteLevel(),
+                                   {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "\u20acx": 4})
+    with pytest.raises(TokenizerError, match="expected byte-level characters in the vocabulary, found '\u20ac'"):
+        foreign.token_bytes()
+
+
+# ---- the mask ---------------------------------------------------------------------------------------------
+
+def walk(constraint, tokenizer, rng, max_steps=400):
+    """Random allowed ids until a stop id is allowed and drawn; the text, and whether it stopped."""
+    stops = set(constraint.stop_ids)
+    ids = []
+    for _ in range(max_steps):
+        mask = constraint.mask()
+        allowed = mask.nonzero().flatten().tolist()
+        assert allowed, "the mask allows nothing"
+        stop_mask = mask[sorted(stops)]
+        assert stop_mask.all() if constraint.complete else not stop_mask.any()  # stop ids exactly when complete
+        token = rng.choice(allowed)
+        if constraint.complete and rng.random() < 0.5:
+            token = rng.choice(sorted(stops))
+        constraint.advance(token)
+        if token in stops:
+            return tokenizer.decode(ids), True
+        ids.append(token)
+    return tokenizer.decode(ids), False
+
+
+@pytest.mark.parametrize("which", ["smollm2", "llama3"])
+def test_random_allowed_tokens_always_give_documents_of_the_schema(smollm2, llama3_tokenizer, which):
+    tokenizer = smollm2.tokenizer if which == "smollm2" else llama3_tokenizer
+    rng = random.Random(0)
+    for _ in range(8):
+        text, stopped = walk(JsonConstraint(tokenizer, SMALL), tokenizer, rng)
+        assert stopped, f"a walk did not end: {text!r}"
+        jsonschema.validate(json.loads(text), SMALL)
+
+
+def test_random_walks_in_any_object_mode_stay_a_json_prefix(smollm2):
+    """Any-object documents can be endless, so each walk ends its own way: after 30 random ids, the
+    allowed id that closes most (a quote, then brackets) until a stop id is allowed."""
+    tokenizer = smollm2.tokenizer
+    pieces = tokenizer.token_bytes()
+    closing = [tokenizer.encode(s)[0] for s in ('"', "}", "]", "0", "null", ",")]
+    rng = random.Random(1)
+    for _ in range(6):
+        constraint, ids = JsonConstraint(tokenizer, None), []
+        while not constraint.complete:
+            allowed = constraint.mask().nonzero().flatten().tolist()
+            token = rng.choice(allowed) if len(ids) < 30 else next(
+                (t for t in closing if t in set(allowed)), rng.choice(allowed))
+            constraint.advance(token)
+            ids.append(token)
+            assert len(ids) < 600, tokenizer.decode(ids)
+        document = json.loads(b"".join(pieces[i] for i in ids).decode())
+        assert isinstance(document, dict)
+
+
+def test_a_token_the_mask_refuses_raises_and_changes_nothing(smollm2):
+    tokenizer = smollm2.tokenizer
+    constraint = JsonConstraint(tokenizer, PERSON)
+    for token in tokenizer.encode('{"name": "Ada", "age": 3'):
+        constraint.advance(token)
+    before = constraint.mask()
+    refused = (~before).nonzero().flatten().tolist()
+    for token in random.Random(2).sample(refused, 20) + [tokenizer.eos_id, -1, before.numel()]:
+        with pytest.raises(ValueError, match=f"token {token} does not continue the JSON reply"):
+            constraint.advance(token)
+    assert torch.equal(constraint.mask(), before)
+    for token in tokenizer.encode('6, "role": "guest", "tags": []}'):
+        constraint.advance(token)
+    assert constraint.complete and constraint.finished
+
+
+def test_stop_ids_only_once_complete_and_alone_once_finished(smollm2):
+    tokenizer = smollm2.tokenizer
+    constraint = JsonConstraint(tokenizer, {"type": "integer"}, stop_ids={2, 0})
+    assert not constraint.mask()[[0, 2]].any()
+    constraint.advance(tokenizer.encode("7")[0])
+    mask = constraint.mask()
+    assert constraint.complete and not constraint.finished  # 7 is whole, 75 would be too
+    assert mask[[0, 2]].all() and mask[tokenizer.encode("5")[0]]
+    constraint.advance(2)
+    assert constraint.finished and constraint.mask().nonzero().flatten().tolist() == [0, 2]
+
+    closed = JsonConstraint(tokenizer, None)
+    for token in tokenizer.encode('{"a": 1}'):
+        closed.advance(token)
+    assert closed.finished and closed.mask().nonzero().flatten().tolist() == sorted(tokenizer.stop_ids)
+
+
+def test_model_vocabulary_larger_than_the_tokenizer_never_allows_the_extra_ids(smollm2):
+    tokenizer = smollm2.tokenizer
+    constraint = JsonConstraint(tokenizer, {"type": "string"}, vocab_size=tokenizer.vocab_size + 64)
+    constraint.advance(tokenizer.encode('"')[0])
+    mask = constraint.mask()
+    assert mask.shape == (tokenizer.vocab_size + 64,) and mask.dtype == torch.bool
+    assert mask[:tokenizer.vocab_size].sum() > 10_000 and not mask[tokenizer.vocab_size:].any()
+    with pytest.raises(ValueError, match="vocab_size=100: expected at least the tokenizer's 49152 ids"):
+        JsonConstraint(tokenizer, None, vocab_size=100)
+
+
+def test_each_schema_compiles_once_and_each_reply_has_its_own_state(smollm2):
+    tokenizer = smollm2.tokenizer
+    schema = {"type": "object", "properties": {"cache_test": {"type": "integer"}}}
+    before = compiled_format.cache_info()
+    first = JsonConstraint(tokenizer, schema)
+    second = JsonConstraint(tokenizer, json.loads(json.dumps(schema)))  # equal, not the same object
+    after = compiled_format.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    start = second.mask()
+    first.advance(tokenizer.encode("{")[0])
+    assert torch.equal(second.mask(), start) and not torch.equal(first.mask(), start)
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "foo"}, r"response_format: the JSON schema is not supported \(Invalid type: foo\)"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}}, r"Pointer '/\$defs/x' does not exist"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, r"minLength \(5\) is greater than maxLength \(2\)"),
+    ({"type": "string", "format": "no-such-format"}, r"Unknown format: no-such-format"),
+    ([{"type": "object"}], r"response_format: expected a JSON schema object, found list"),
+    ({"type": "object", "default": {1, 2}}, r"response_format: the JSON schema is not JSON \(Object of type set"),
+])
+def test_a_bad_schema_is_a_value_error_that_says_what_is_wrong(smollm2, schema, message):
+    with pytest.raises(SchemaError, match=message) as caught:
+        JsonConstraint(smollm2.tokenizer, schema)
+    assert isinstance(caught.value, ValueError)
+
+
+# ---- replies of the default model -------------------------------------------------------------------------
+
+QUESTIONS = ["What is the capital of France? Answer in JSON.", "Hello! How are you today?",
+             "List three fruits with their colors as JSON.", "Describe the planet Mars in JSON with its name and diameter.",
+             "Give me a JSON object with a title and an author of a famous book."]
+
+
+def test_without_the_constraint_the_model_does_not_answer_json(smollm2):
+    """So the tests below see the constraint at work, not a model that writes JSON anyway."""
+    prompt = smollm2.chat_format.encode_dialog([SYSTEM, {"role": "user", "content": QUESTIONS[1]}])
+    text = "".join(generate(smollm2, prompt, max_new_tokens=40))
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+def test_json_mode_greedy_replies_parse(smollm2):
+    for question in QUESTIONS:
+        text, reply, constraint = constrained_reply(smollm2, question, max_new_tokens=256)
+        assert reply.finish_reason == "stop" and constraint.complete, (question, text)
+        assert isinstance(json.loads(text), dict), (question, text)
+
+
+def test_json_mode_sampled_replies_parse(smollm2):
+    finished = 0
+    for question in QUESTIONS[:3]:
+        for seed in (1, 2):
+            text, reply, _ = constrained_reply(smollm2, question, max_new_tokens=256, temperature=0.7, top_p=0.9,
+                                               seed=seed)
+            if reply.finish_reason == "stop":
+                finished += 1
+                assert isinstance(json.loads(text), dict), (question, seed, text)
+    assert finished >= 5  # a sampled reply may ramble to the token limit; one in six at most
+
+
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.7, "top_p": 0.9, "seed": 3}])
+def test_json_schema_replies_validate(smollm2, options):
+    for question in ("Invent a user of a web site.", "Describe a person named Ada, aged 36."):
+        text, reply, _ = constrained_reply(smollm2, question, PERSON, max_new_tokens=400, **options)
+        assert reply.finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_llama3_tokenizer_path_on_a_tiny_random_checkpoint(tmp_path):
+    checkpoint = load_checkpoint(write_tiny_checkpoint(tmp_path / "tiny"))
+    assert isinstance(checkpoint.tokenizer, Tokenizer)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "r": {"enum": ["red", "green"]}},
+              "required": ["ok", "r"], "additionalProperties": False}
+    prompt = checkpoint.chat_format.encode_dialog([{"role": "user", "content": "Say yes in JSON."}])
+    for options in ({}, {"temperature": 1.0, "seed": 5}):
+        constraint = JsonConstraint(checkpoint.tokenizer, schema, vocab_size=checkpoint.config.vocab_size,
+                                    stop_ids=checkpoint.stop_ids)
+        reply = generate(checkpoint, prompt, max_new_tokens=300, constraint=constraint, **options)
+        text = "".join(reply)
+        assert reply.finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)

@@ -44,9 +44,9 @@ def recorded():
     """Each prompt the engine starts a sequence with."""
     prompts, original = [], Sequence.start
 
-    def start(self, checkpoint, prompt, *args):
+    def start(self, checkpoint, prompt, *args, **kwargs):
         prompts.append(list(prompt))
-        return original(self, checkpoint, prompt, *args)
+        return original(self, checkpoint, prompt, *args, **kwargs)
 
     Sequence.start = start
     threads = torch.get_num_threads()

@@ -10,7 +10,8 @@ from support.checkpoints import write_tiny_checkpoint
 from support.special_checkpoints import default_model
 
 from model.checkpoint import load_checkpoint
-from model.generation import generate
+from model.generation import generate, sampling_defaults
+from model.sampling import SamplingParams
 from model.structured import JsonConstraint, SchemaError, compiled_format
 from model.tokenizer import HFTokenizer, Tokenizer, TokenizerError, meta_tokenizer_model
 
@@ -237,8 +238,12 @@ def test_without_the_constraint_the_model_does_not_answer_json(smollm2):
 
 
 def test_json_mode_greedy_replies_parse(smollm2):
+    # Greedy as an API client with temperature 0 gets it: the model's default repetition penalty still applies
+    # (without it, greedy decoding of the 135M model repeats a key until the token limit).
+    greedy = SamplingParams(repetition_penalty=sampling_defaults(smollm2).repetition_penalty)
+    assert greedy.repetition_penalty > 1
     for question in QUESTIONS:
-        text, reply, constraint = constrained_reply(smollm2, question, max_new_tokens=256)
+        text, reply, constraint = constrained_reply(smollm2, question, max_new_tokens=256, sampling=greedy)
         assert reply.finish_reason == "stop" and constraint.complete, (question, text)
         assert isinstance(json.loads(text), dict), (question, text)
 

@@ -7,6 +7,7 @@ computes every reply, or a remote server. What a session keeps in cl.user_sessio
     reply_settings   app.messages.ReplySettings from the settings panel
     request          the app.reply.Reply being answered, for the Stop button
     told_trimmed     whether the user was told that older messages were left out
+    told_near_full   whether the user was told that the context is nearly full
 
 With history on (the default), chats are stored in SQLite through Chainlit's data layer
 (app.history) and a chat resumed from the sidebar continues with the model remembering it. The
@@ -70,6 +71,9 @@ chainlit_app.router.routes.insert(0, Route("/health", health, methods=["GET"])) 
 
 TRIMMED_NOTE = ("*Older messages of this chat no longer fit the model's context, so they were left out; "
                 "the model now sees only the more recent ones.*")
+NEAR_FULL = 0.85  # share of the context, with room for the longest reply, past which trimming comes soon
+NEAR_FULL_NOTE = ("*This chat fills {used} of the model's context, and the next reply may take {reply:,} more: "
+                  "older turns will be left out soon, and the model will no longer see them.*")
 BUSY_NOTE = ("The server is busy: as many replies are running and waiting as it takes. Please send your "
              "message again in a moment.")
 STOPPED_WAIT_S = 2.0  # how long a stopped reply may take to hand back its last tokens and stats
@@ -286,7 +290,19 @@ async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> 
     if answer.content or done.finish_reason != "cancelled":
         await answer.send()
     conversation.add("assistant", done.text, id=answer.id, ids=done.token_ids)
-    await cl.Message(content=f"*{done.summary}*", author="stats").send()
+    limit = BACKEND.context_limit(conversation.model)
+    used = done.stats.prompt_tokens + done.stats.new_tokens  # the whole conversation as the model saw it
+    await cl.Message(content=f"*{done.summary} · {context_in_use(used, limit)}*", author="stats").send()
+    settings = cl.user_session.get("reply_settings") or ReplySettings()
+    longest = min(settings.over(BACKEND.reply_defaults(conversation.model)).max_new_tokens, limit)
+    if used + longest >= NEAR_FULL * limit and not cl.user_session.get("told_near_full"):
+        cl.user_session.set("told_near_full", True)
+        await cl.Message(content=NEAR_FULL_NOTE.format(used=context_in_use(used, limit), reply=longest)).send()
+
+
+def context_in_use(used: int, limit: int) -> str:
+    """How much of the model's context the conversation takes: "1,234 / 8,192 tokens"."""
+    return f"{used:,} / {limit:,} tokens"
 
 
 async def last_event(request):

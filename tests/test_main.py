@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 
 import pytest
@@ -236,6 +237,30 @@ def test_older_messages_are_left_out_with_one_note(main):
     assert len(notes) == 1
     assert chat.conversation().left_out > 0
     assert len(chat.stats()) == 8 and not chat.errors()
+
+
+def test_the_stats_line_shows_the_context_in_use_and_a_note_comes_before_it_runs_out(main):
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await main.update_settings({"max_new_tokens": 16, "temperature": 0, "seed": "", "system_prompt": ""})
+        for i in range(8):
+            await chat.send(f"Message {i}: " + "more words here " * 25)
+
+    run(scenario())
+    used = []
+    for line in chat.stats():
+        match = re.search(r" · ([\d,]+) / 512 tokens$", line)
+        assert match, line
+        used.append(int(match.group(1).replace(",", "")))
+    assert used[1] > used[0] > 100  # the whole conversation, growing
+    notes = [r for r in chat.replies() if "older turns will be left out soon" in r]
+    assert len(notes) == 1 and "512 tokens" in notes[0] and "may take 16 more" in notes[0]
+    # told after the first reply that, with room for the longest reply (16), took 85% of the context
+    first_full = next(i for i, n in enumerate(used) if n + 16 >= 0.85 * 512)
+    shown = [r for r in chat.replies() if r not in (main.TRIMMED_NOTE,)]
+    assert shown.index(notes[0]) == first_full + 1  # right after that reply
 
 
 def test_a_model_that_fails_to_load_is_reported_and_other_chats_go_on(main):

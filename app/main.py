@@ -5,6 +5,7 @@ computes every reply, or a remote server. What a session keeps in cl.user_sessio
 
     conversation     app.conversation.Conversation: messages (replies with their token ids), system prompt
     reply_settings   app.messages.ReplySettings from the settings panel
+    preset           the system-prompt preset the panel shows (app.presets); choosing another fills the prompt
     request          the app.reply.Reply being answered, for the Stop button
     told_trimmed     whether the user was told that older messages were left out
     told_near_full   whether the user was told that the context is nearly full
@@ -29,7 +30,7 @@ if str(ROOT) not in sys.path:  # `chainlit run app/main.py` imports this file by
 import chainlit as cl  # noqa: E402
 from chainlit.chat_context import chat_contexts  # noqa: E402
 from chainlit.config import config as chainlit_config  # noqa: E402
-from chainlit.input_widget import Slider, TextInput  # noqa: E402
+from chainlit.input_widget import Select, Slider, TextInput  # noqa: E402
 from chainlit.server import app as chainlit_app  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
@@ -38,12 +39,14 @@ from app import api, guard, history, users  # noqa: E402
 from app.backend import ServerBusy, open_backend  # noqa: E402
 from app.conversation import Conversation  # noqa: E402
 from app.messages import Done, Failed, Loading, Queued, ReplySettings, Text, Trimmed  # noqa: E402
+from app.presets import CUSTOM, preset_of, read_presets  # noqa: E402
 from app.settings import Settings, SettingsError  # noqa: E402
 
 log = logging.getLogger("app")
 
 try:
     SETTINGS = Settings.from_env()
+    PRESETS = read_presets(SETTINGS.presets)
     ALLOWED = guard.Allowed.from_settings(SETTINGS, chainlit_config.run.host, chainlit_config.run.port,
                                           "https" if chainlit_config.run.ssl_cert else "http")
     SIGN_IN = users.SignIn.from_settings(SETTINGS) if SETTINGS.auth == "password" else None
@@ -143,6 +146,7 @@ async def resume_chat(thread: dict):
     panel = await cl.ChatSettings(settings_widgets(stored.over(BACKEND.reply_defaults(conversation.model)),
                                                    system_prompt, BACKEND.context_limit(conversation.model))).send()
     cl.user_session.set("reply_settings", read_settings(panel)[0])
+    cl.user_session.set("preset", panel["preset"])
 
 
 @cl.set_chat_profiles
@@ -180,6 +184,7 @@ async def start_chat():
     values = await cl.ChatSettings(settings_widgets(BACKEND.reply_defaults(conversation.model),
                                                     conversation.system_prompt, limit)).send()
     cl.user_session.set("reply_settings", read_settings(values)[0])
+    cl.user_session.set("preset", values["preset"])
 
 
 @cl.on_settings_update
@@ -188,7 +193,16 @@ async def update_settings(values: dict):
     settings, problem = read_settings(values)
     cl.user_session.set("reply_settings", settings)
     conversation = current_conversation()
-    conversation.system_prompt = (values.get("system_prompt") or "").strip() or None
+    preset = values.get("preset")
+    if preset in PRESETS and preset != cl.user_session.get("preset", CUSTOM):  # just chosen: it fills the text
+        conversation.system_prompt = PRESETS[preset]
+        values["system_prompt"] = PRESETS[preset]
+        defaults = BACKEND.reply_defaults(conversation.model)
+        await cl.ChatSettings(settings_widgets(defaults, conversation.system_prompt,
+                                               BACKEND.context_limit(conversation.model), values)).send()
+    else:
+        conversation.system_prompt = (values.get("system_prompt") or "").strip() or None
+    cl.user_session.set("preset", preset)  # as the panel shows it
     if problem:
         await cl.Message(content=problem).send()
 
@@ -331,8 +345,10 @@ async def show_status(status: cl.Message | None, text: str) -> cl.Message:
 
 # ---- settings panel -----------------------------------------------------------------------------
 
-def settings_widgets(defaults: ReplySettings, system_prompt: str | None, limit: int) -> list:
-    return [
+def settings_widgets(defaults: ReplySettings, system_prompt: str | None, limit: int,
+                     values: dict | None = None) -> list:
+    """The settings panel: the defaults, or the values the user set (as the panel sends them)."""
+    widgets = [
         Slider(id="temperature", label="Temperature", initial=defaults.temperature, min=0, max=2, step=0.05,
                description="0 always picks the most likely token; higher is more varied."),
         Slider(id="top_k", label="Top-k", initial=defaults.top_k or 0, min=0, max=200, step=1,
@@ -348,9 +364,16 @@ def settings_widgets(defaults: ReplySettings, system_prompt: str | None, limit: 
                min=16, max=limit, step=16, description="The longest reply, in tokens."),
         TextInput(id="seed", label="Seed", initial="", placeholder="random",
                   description="A whole number makes sampling repeatable; blank is random."),
+        Select(id="preset", label="System prompt preset", values=[CUSTOM, *PRESETS],
+               initial_value=preset_of(PRESETS, system_prompt),
+               description="A named system prompt (from the presets folder); it fills the text below."),
         TextInput(id="system_prompt", label="System prompt", initial=system_prompt or "", multiline=True,
                   placeholder="The model's own default", description="Instructions the model sees first."),
     ]
+    for widget in widgets:  # keep what the user set, when the panel is sent again
+        if values and widget.id in values and widget.id not in ("preset", "system_prompt"):
+            widget.initial = values[widget.id]
+    return widgets
 
 
 def read_settings(values: dict) -> tuple[ReplySettings, str | None]:

@@ -19,6 +19,7 @@ from support.handlers import Chat
 pytestmark = pytest.mark.timeout(120)
 
 SYSTEM_PROMPT = "You are terse."
+PIRATE = "You are a pirate. Answer as one."
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,12 @@ def main(tmp_path_factory):
     broken.mkdir()
     (broken / "config.json").write_text("{}")
     (broken / "model.safetensors").write_bytes(b"this is not a safetensors file")
+    presets = tmp_path_factory.mktemp("presets")
+    (presets / "Terse.md").write_text(SYSTEM_PROMPT)
+    (presets / "Pirate.md").write_text(PIRATE)
     # no database: these sessions are mocks (tests/test_history.py has the real thing)
     with imported_app(checkpoint=weights / "tiny", weights_dir=weights, max_context=512, max_new_tokens=24,
-                      system_prompt=SYSTEM_PROMPT, threads=1, history="off") as main:
+                      system_prompt=SYSTEM_PROMPT, presets=presets, threads=1, history="off") as main:
         yield main
 
 
@@ -49,7 +53,7 @@ def test_chat_start_offers_settings_with_the_checkpoints_defaults(main):
     [call] = [c for c in chat.emitter.emit.await_args_list if c.args[0] == "chat_settings"]
     widgets = {w["id"]: w for w in call.args[1]}
     assert list(widgets) == ["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "seed",
-                             "system_prompt"]
+                             "preset", "system_prompt"]
     assert widgets["min_p"]["initial"] == 0 and widgets["repetition_penalty"]["initial"] == 1  # tiny's: off
     # tiny's generation_config.json sets nothing: Llama 3's defaults; LLAMA_MAX_NEW_TOKENS=24
     assert widgets["temperature"]["initial"] == 0.6 and widgets["top_p"]["initial"] == 0.9
@@ -57,6 +61,9 @@ def test_chat_start_offers_settings_with_the_checkpoints_defaults(main):
     assert widgets["max_new_tokens"]["max"] == 512  # LLAMA_MAX_CONTEXT
     assert widgets["seed"]["initial"] == "" and widgets["system_prompt"]["multiline"]
     assert widgets["system_prompt"]["initial"] == SYSTEM_PROMPT
+    # the presets folder's files by name, and the one that is the system prompt chosen
+    assert [i["value"] for i in widgets["preset"]["items"]] == ["Custom", "Pirate", "Terse"]
+    assert widgets["preset"]["initial"] == "Terse"
     assert chat.conversation().model == "tiny" and chat.conversation().system_prompt == SYSTEM_PROMPT
 
 
@@ -190,6 +197,38 @@ def test_settings_apply_to_the_next_reply(main):
     assert (panel.repetition_penalty, panel.min_p) == (1.3, 0.1)
     assert chat.conversation().system_prompt == "Be a pirate."
     assert chat.stats()[0].startswith("16 tokens") and "length limit" in chat.stats()[0]
+
+
+def test_choosing_a_preset_fills_the_system_prompt_and_typing_overrides_it(main):
+    chat = Chat(main)
+
+    def panels():
+        return [{w["id"]: w for w in c.args[1]} for c in chat.emitter.emit.await_args_list
+                if c.args[0] == "chat_settings"]
+
+    async def scenario():
+        await chat.start()
+        chat.enter()
+        await main.update_settings({"temperature": 0.3, "seed": "5", "preset": "Pirate",
+                                    "system_prompt": SYSTEM_PROMPT})
+        assert chat.conversation().system_prompt == PIRATE
+        # the panel is sent again, showing the preset's text and keeping the other values
+        panel = panels()[-1]
+        assert panel["system_prompt"]["initial"] == PIRATE and panel["preset"]["initial"] == "Pirate"
+        assert panel["temperature"]["initial"] == 0.3 and panel["seed"]["initial"] == "5"
+        sent = len(panels())
+        await main.update_settings({"preset": "Pirate", "system_prompt": "Talk like a cat."})
+        assert chat.conversation().system_prompt == "Talk like a cat." and len(panels()) == sent
+        await main.update_settings({"preset": "Pirate", "system_prompt": "Talk like a cow."})  # still shown
+        assert chat.conversation().system_prompt == "Talk like a cow."
+        await main.update_settings({"preset": "Custom", "system_prompt": "Talk like a dog."})
+        assert chat.conversation().system_prompt == "Talk like a dog."
+        await main.update_settings({"preset": "Terse", "system_prompt": "Talk like a dog."})
+        assert chat.conversation().system_prompt == SYSTEM_PROMPT
+
+    run(scenario())
+    from chainlit.user_session import user_sessions
+    assert user_sessions[chat.session.id]["preset"] == "Terse"
 
 
 def test_a_seed_that_is_not_a_number_is_explained(main):

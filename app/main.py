@@ -9,6 +9,8 @@ computes every reply, or a remote server. What a session keeps in cl.user_sessio
     request          the app.reply.Reply being answered, for the Stop button
     told_trimmed     whether the user was told that older messages were left out
     told_near_full   whether the user was told that the context is nearly full
+    actions          the Regenerate and Export buttons, under the last answer only
+    regenerated      how many times the last answer was sampled again (a set seed moves on by one each time)
 
 With history on (the default), chats are stored in SQLite through Chainlit's data layer
 (app.history) and a chat resumed from the sidebar continues with the model remembering it. The
@@ -23,6 +25,8 @@ import os
 import sys
 from pathlib import Path
 
+import msgspec
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `chainlit run app/main.py` imports this file by path
     sys.path.insert(0, str(ROOT))
@@ -35,7 +39,7 @@ from chainlit.server import app as chainlit_app  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
-from app import api, guard, history, users  # noqa: E402
+from app import api, export, guard, history, users  # noqa: E402
 from app.backend import ServerBusy, open_backend  # noqa: E402
 from app.conversation import Conversation  # noqa: E402
 from app.messages import Done, Failed, Loading, Queued, ReplySettings, Text, Trimmed  # noqa: E402
@@ -80,6 +84,9 @@ NEAR_FULL_NOTE = ("*This chat fills {used} of the model's context, and the next 
 BUSY_NOTE = ("The server is busy: as many replies are running and waiting as it takes. Please send your "
              "message again in a moment.")
 STOPPED_WAIT_S = 2.0  # how long a stopped reply may take to hand back its last tokens and stats
+EXPORT_COMMAND = "Export"
+COMMANDS = [{"id": EXPORT_COMMAND, "icon": "download", "description": "Download this chat as Markdown and JSON",
+             "button": False, "persistent": False}]
 STARTERS = [
     ("Capital of France", "What is the capital of France?"),
     ("Prime numbers in Python", "Write a Python function that checks whether a number is prime."),
@@ -136,6 +143,7 @@ async def resume_chat(thread: dict):
         thread.get("steps") or [], model=profile if profile in BACKEND.profiles else BACKEND.default,
         system_prompt=system_prompt)
     cl.user_session.set("conversation", conversation)
+    await cl.context.emitter.set_commands(COMMANDS)
     log.info("resumed chat %s with %d messages", thread.get("id"), len(conversation.messages))
     try:
         await BACKEND.load(conversation.model)
@@ -171,6 +179,7 @@ async def start_chat():
     conversation = Conversation(model=profile if profile in BACKEND.profiles else BACKEND.default,
                                 system_prompt=SETTINGS.system_prompt)
     cl.user_session.set("conversation", conversation)
+    await cl.context.emitter.set_commands(COMMANDS)
     if not BACKEND.is_loaded(conversation.model):
         note = await cl.Message(content=f"Loading **{conversation.model}**…").send()
         try:
@@ -210,12 +219,62 @@ async def update_settings(values: dict):
 @cl.on_message
 async def on_message(message: cl.Message):
     conversation = current_conversation()
+    if message.command == EXPORT_COMMAND or message.content.strip().lower() == "/export":
+        await send_export(conversation)
+        return
     conversation.truncate(message.id)  # an edited message: answer again from there
     if not message.content.strip():
         await cl.Message(content="Please type a message.").send()
         return
     conversation.add("user", message.content, id=message.id)
+    cl.user_session.set("regenerated", 0)
     await reply(conversation)
+
+
+@cl.action_callback("regenerate")
+async def regenerate(action: cl.Action):
+    """Sample the last answer again, with another seed: the old one goes, from the page and the history."""
+    conversation = current_conversation()
+    last = conversation.messages[-1] if conversation.messages else None
+    if cl.user_session.get("request") is not None:
+        await cl.Message(content="Please wait until this reply is done (or stop it) to regenerate.").send()
+        return
+    if last is None or last.role != "assistant" or last.id != action.payload.get("answer"):
+        await cl.Message(content="Only the last answer can be regenerated.").send()
+        return
+    conversation.messages.pop()  # the prompt up to the user's turn is a prefix the engine has cached
+    await action.remove()
+    for shown in (last.id, action.forId):  # the answer and its statistics line
+        if shown:
+            await cl.Message(content="", id=shown).remove()
+    regenerated = (cl.user_session.get("regenerated") or 0) + 1
+    cl.user_session.set("regenerated", regenerated)
+    settings = cl.user_session.get("reply_settings") or ReplySettings()
+    settings = msgspec.structs.replace(settings, seed=None if settings.seed is None else settings.seed + regenerated)
+    emitter = cl.context.emitter
+    await emitter.task_start()  # the Stop button, as for a message (an action has no task of its own)
+    try:
+        async with cl.Step(name="on_message", type="run"):  # as a message's reply is, so it gets a copy button
+            await reply(conversation, settings)
+    finally:
+        await emitter.task_end()
+
+
+@cl.action_callback("export")
+async def export_chat(action: cl.Action):
+    await send_export(current_conversation())
+
+
+async def send_export(conversation: Conversation) -> None:
+    """The chat as two files to download: Markdown, and JSON in the OpenAI messages shape."""
+    if not conversation.messages:
+        await cl.Message(content="There is nothing to export yet.").send()
+        return
+    elements = [cl.File(name=name, content=content, display="inline",
+                        mime="application/json" if name.endswith(".json") else "text/markdown")
+                for name, content in export.files(conversation).items()]
+    await cl.Message(content="This chat as Markdown and as JSON (OpenAI's messages):", elements=elements,
+                     author="export").send()
 
 
 @cl.on_stop
@@ -244,10 +303,10 @@ def current_conversation() -> Conversation:
     return conversation
 
 
-async def reply(conversation: Conversation) -> None:
+async def reply(conversation: Conversation, settings: ReplySettings | None = None) -> None:
     """Stream the answer to the conversation's last message, then a line of statistics."""
     try:
-        request = BACKEND.stream(conversation, cl.user_session.get("reply_settings") or ReplySettings())
+        request = BACKEND.stream(conversation, settings or cl.user_session.get("reply_settings") or ReplySettings())
     except ServerBusy:
         conversation.messages.pop()  # not answered: leave it out of the history
         await cl.ErrorMessage(content=BUSY_NOTE).send()
@@ -306,7 +365,15 @@ async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> 
     conversation.add("assistant", done.text, id=answer.id, ids=done.token_ids)
     limit = BACKEND.context_limit(conversation.model)
     used = done.stats.prompt_tokens + done.stats.new_tokens  # the whole conversation as the model saw it
-    await cl.Message(content=f"*{done.summary} · {context_in_use(used, limit)}*", author="stats").send()
+    for action in cl.user_session.get("actions") or []:  # only the last answer has them
+        await action.remove()
+    actions = [cl.Action(name="regenerate", payload={"answer": answer.id}, label="Regenerate", icon="refresh-cw",
+                         tooltip="Write this answer again (another sample)"),
+               cl.Action(name="export", payload={}, label="Export", icon="download",
+                         tooltip="Download this chat as Markdown and JSON")]
+    cl.user_session.set("actions", actions)
+    await cl.Message(content=f"*{done.summary} · {context_in_use(used, limit)}*", author="stats",
+                     actions=actions).send()
     settings = cl.user_session.get("reply_settings") or ReplySettings()
     longest = min(settings.over(BACKEND.reply_defaults(conversation.model)).max_new_tokens, limit)
     if used + longest >= NEAR_FULL * limit and not cl.user_session.get("told_near_full"):

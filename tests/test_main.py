@@ -178,6 +178,74 @@ def test_editing_a_message_answers_again_from_there(main):
     assert messages[0].id == first.id
 
 
+def test_regenerate_replaces_the_last_answer_with_another_sample(main):
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await main.update_settings({"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 16, "seed": "3",
+                                    "system_prompt": ""})
+        await chat.send("Hello")
+        [regenerate] = chat.actions("regenerate")
+        await main.regenerate(regenerate)
+        return regenerate
+
+    old = run(scenario())
+    first, second = chat.replies()
+    messages = chat.conversation().messages
+    assert [(m.role, m.content) for m in messages] == [("user", "Hello"), ("assistant", second)]
+    assert second != first  # seed 4, not 3
+    assert messages[1].ids and messages[1].id == chat.answers()[1]["id"]
+    # the old answer and its stats line are gone from the page (and the history), and so is its button
+    assert chat.removed() == [old.payload["answer"], old.forId] == [chat.answers()[0]["id"], chat.sent()[1]["id"]]
+    assert old.id in chat.removed("remove_action")
+    assert len(chat.stats()) == 2 and len(chat.actions("regenerate")) == 2
+    # run as a message is: the Stop button shows meanwhile
+    assert chat.emitter.task_start.await_count == 1 and chat.emitter.task_end.await_count == 1
+
+
+def test_only_the_last_answer_can_be_regenerated(main):
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await chat.send("Hello")
+        await chat.send("Again")
+        first, second = chat.actions("regenerate")
+        assert first.id in chat.removed("remove_action") and second.id not in chat.removed("remove_action")
+        before = list(chat.conversation().messages)
+        await main.regenerate(first)  # a click that raced the next answer
+        assert chat.conversation().messages == before
+
+    run(scenario())
+    assert chat.replies()[-1] == "Only the last answer can be regenerated."
+
+
+def test_export_sends_the_chat_as_markdown_and_openai_json(main):
+    import json
+
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await chat.send("Hello")
+        [export] = chat.actions("export")
+        await main.export_chat(export)
+        await chat.send("/export")  # the command does the same
+
+    run(scenario())
+    files = list(chat.session.files.values())
+    assert [f["name"] for f in files] == ["hello.md", "hello.json"] * 2
+    answer = chat.conversation().messages[1].content
+    assert json.loads(files[1]["content"]) == [{"role": "system", "content": SYSTEM_PROMPT},
+                                               {"role": "user", "content": "Hello"},
+                                               {"role": "assistant", "content": answer}]
+    text = files[0]["content"].decode()
+    assert text.startswith("# Hello\n") and "## User\n\nHello\n" in text and answer in text
+    assert files[0]["mime"] == "text/markdown" and files[1]["mime"] == "application/json"
+    assert len(chat.conversation().messages) == 2  # "/export" is no message to the model
+
+
 def test_settings_apply_to_the_next_reply(main):
     chat = Chat(main)
 

@@ -42,6 +42,7 @@ from starlette.routing import Route  # noqa: E402
 from app import api, export, guard, history, users  # noqa: E402
 from app.backend import ServerBusy, open_backend  # noqa: E402
 from app.conversation import Conversation  # noqa: E402
+from app.display import ShownStream, shown  # noqa: E402
 from app.messages import Done, Failed, Loading, Queued, ReplySettings, Text, Trimmed  # noqa: E402
 from app.presets import CUSTOM, preset_of, read_presets  # noqa: E402
 from app.settings import Settings, SettingsError  # noqa: E402
@@ -84,6 +85,7 @@ NEAR_FULL_NOTE = ("*This chat fills {used} of the model's context, and the next 
 BUSY_NOTE = ("The server is busy: as many replies are running and waiting as it takes. Please send your "
              "message again in a moment.")
 STOPPED_WAIT_S = 2.0  # how long a stopped reply may take to hand back its last tokens and stats
+SESSION_STATE = {"request": None, "actions": [], "regenerated": 0}  # a resumed chat starts with these
 EXPORT_COMMAND = "Export"
 COMMANDS = [{"id": EXPORT_COMMAND, "icon": "download", "description": "Download this chat as Markdown and JSON",
              "button": False, "persistent": False}]
@@ -143,6 +145,8 @@ async def resume_chat(thread: dict):
         thread.get("steps") or [], model=profile if profile in BACKEND.profiles else BACKEND.default,
         system_prompt=system_prompt)
     cl.user_session.set("conversation", conversation)
+    for key, value in SESSION_STATE.items():  # what Chainlit restored of these is the stored chat's text of them
+        cl.user_session.set(key, value)
     await cl.context.emitter.set_commands(COMMANDS)
     log.info("resumed chat %s with %d messages", thread.get("id"), len(conversation.messages))
     try:
@@ -244,9 +248,9 @@ async def regenerate(action: cl.Action):
         return
     conversation.messages.pop()  # the prompt up to the user's turn is a prefix the engine has cached
     await action.remove()
-    for shown in (last.id, action.forId):  # the answer and its statistics line
-        if shown:
-            await cl.Message(content="", id=shown).remove()
+    for message_id in (last.id, action.forId):  # the answer and its statistics line
+        if message_id:
+            await cl.Message(content="", id=message_id).remove()
     regenerated = (cl.user_session.get("regenerated") or 0) + 1
     cl.user_session.set("regenerated", regenerated)
     settings = cl.user_session.get("reply_settings") or ReplySettings()
@@ -313,6 +317,7 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
         return
     cl.user_session.set("request", request)
     answer = cl.Message(content="", metadata={"kind": history.REPLY})  # what a resumed chat remembers
+    display = ShownStream()  # LaTeX is on: a dollar that is money is escaped (app.display)
     status: cl.Message | None = None  # "waiting" or "loading", removed when the answer starts
     try:
         async for event in request:
@@ -320,7 +325,9 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
                 if status is not None:
                     await status.remove()
                     status = None
-                await answer.stream_token(event.text)
+                piece, whole = display.feed(event.text)
+                if piece or whole:
+                    await answer.stream_token(piece, is_sequence=whole)
             elif isinstance(event, Queued):
                 status = await show_status(status, "The model is answering other chats; yours is "
                                                    f"{'next' if event.position == 1 else f'number {event.position}'}"
@@ -360,7 +367,8 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
 
 async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> None:
     """Finalize the streamed answer, add it to the history, and show the statistics line."""
-    if answer.content or done.finish_reason != "cancelled":
+    if answer.content or done.text or done.finish_reason != "cancelled":
+        answer.content = shown(done.text)
         await answer.send()
     conversation.add("assistant", done.text, id=answer.id, ids=done.token_ids)
     limit = BACKEND.context_limit(conversation.model)

@@ -45,7 +45,10 @@ from app.conversation import Conversation  # noqa: E402
 from app.display import ShownStream, shown  # noqa: E402
 from app.messages import Done, Failed, Loading, Queued, ReplySettings, Text, Trimmed  # noqa: E402
 from app.presets import CUSTOM, preset_of, read_presets  # noqa: E402
+from app.prompt import prompt_budget  # noqa: E402
 from app.settings import Settings, SettingsError  # noqa: E402
+from model.checkpoint import CheckpointError  # noqa: E402
+from model.summary import summarize  # noqa: E402
 
 log = logging.getLogger("app")
 
@@ -79,9 +82,9 @@ chainlit_app.router.routes.insert(0, Route("/health", health, methods=["GET"])) 
 
 TRIMMED_NOTE = ("*Older messages of this chat no longer fit the model's context, so they were left out; "
                 "the model now sees only the more recent ones.*")
-NEAR_FULL = 0.85  # share of the context, with room for the longest reply, past which trimming comes soon
-NEAR_FULL_NOTE = ("*This chat fills {used} of the model's context, and the next reply may take {reply:,} more: "
-                  "older turns will be left out soon, and the model will no longer see them.*")
+NEAR_FULL = 0.85  # share of the prompt's room (the context less the reply's) past which trimming comes soon
+NEAR_FULL_NOTE = ("*This chat fills {used} of the model's context, and the next reply needs room too: older turns "
+                  "will be left out soon, and the model will no longer see them.*")
 BUSY_NOTE = ("The server is busy: as many replies are running and waiting as it takes. Please send your "
              "message again in a moment.")
 STOPPED_WAIT_S = 2.0  # how long a stopped reply may take to hand back its last tokens and stats
@@ -89,6 +92,7 @@ SESSION_STATE = {"request": None, "actions": [], "regenerated": 0}  # a resumed 
 EXPORT_COMMAND = "Export"
 COMMANDS = [{"id": EXPORT_COMMAND, "icon": "download", "description": "Download this chat as Markdown and JSON",
              "button": False, "persistent": False}]
+DESCRIPTIONS: dict[str, str] = {}  # model name -> describe(name)
 STARTERS = [
     ("Capital of France", "What is the capital of France?"),
     ("Prime numbers in Python", "Write a Python function that checks whether a number is prime."),
@@ -163,10 +167,29 @@ async def resume_chat(thread: dict):
 
 @cl.set_chat_profiles
 async def chat_profiles(user=None, language=None):
+    """The models to choose from: each one's size, format and dtype, and where it is. Chosen, it loads."""
     await BACKEND.start()
     return [cl.ChatProfile(name=name, default=name == BACKEND.default,
-                           markdown_description=f"`{path}`" + (" (default)" if name == BACKEND.default else ""))
+                           markdown_description=f"{describe(name)}  \n`{path}`"
+                                                + (" (default)" if name == BACKEND.default else ""))
             for name, path in BACKEND.profiles.items()]
+
+
+def describe(name: str) -> str:
+    """A model in a few words, from its checkpoint folder (read once): "135M parameters · 538 MB · safetensors ·
+    bf16"; a remote server's model: where it is served."""
+    if name not in DESCRIPTIONS:
+        path = BACKEND.profiles.get(name, "")
+        if "://" in path:
+            DESCRIPTIONS[name] = f"served by {path}"
+        else:
+            try:
+                summary = summarize(path)
+                DESCRIPTIONS[name] = summary.describe() + (" · int8 when loaded" if SETTINGS.quantize == "int8"
+                                                          and summary.dtype != "int8" else "")
+            except (CheckpointError, OSError) as e:
+                DESCRIPTIONS[name] = f"not readable: {e}"
+    return DESCRIPTIONS[name]
 
 
 @cl.set_starters
@@ -184,15 +207,16 @@ async def start_chat():
                                 system_prompt=SETTINGS.system_prompt)
     cl.user_session.set("conversation", conversation)
     await cl.context.emitter.set_commands(COMMANDS)
-    if not BACKEND.is_loaded(conversation.model):
-        note = await cl.Message(content=f"Loading **{conversation.model}**…").send()
+    if not BACKEND.is_loaded(conversation.model):  # its first use: say what loads, then how long it took
+        note = await cl.Message(content=loading_note(conversation.model)).send()
         try:
-            await BACKEND.load(conversation.model)
+            info = await BACKEND.load(conversation.model)
         except Exception as e:
             await note.remove()
             await cl.ErrorMessage(content=f"The model {conversation.model} could not be loaded: {e}").send()
             return
-        await note.remove()
+        note.content = f"Loaded **{conversation.model}** in {info.load_seconds:.1f} s."
+        await note.update()
     limit = BACKEND.context_limit(conversation.model)
     values = await cl.ChatSettings(settings_widgets(BACKEND.reply_defaults(conversation.model),
                                                     conversation.system_prompt, limit)).send()
@@ -333,7 +357,7 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
                                                    f"{'next' if event.position == 1 else f'number {event.position}'}"
                                                    " in line…")
             elif isinstance(event, Loading):
-                status = await show_status(status, f"Loading **{event.model}**…")
+                status = await show_status(status, loading_note(event.model))
             elif isinstance(event, Trimmed):
                 conversation.left_out = event.left_out  # later prompts start there too, and reuse the cache
                 if not cl.user_session.get("told_trimmed"):
@@ -383,10 +407,10 @@ async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> 
     await cl.Message(content=f"*{done.summary} · {context_in_use(used, limit)}*", author="stats",
                      actions=actions).send()
     settings = cl.user_session.get("reply_settings") or ReplySettings()
-    longest = min(settings.over(BACKEND.reply_defaults(conversation.model)).max_new_tokens, limit)
-    if used + longest >= NEAR_FULL * limit and not cl.user_session.get("told_near_full"):
+    room = prompt_budget(limit, settings.over(BACKEND.reply_defaults(conversation.model)).max_new_tokens)
+    if used >= NEAR_FULL * room and not cl.user_session.get("told_near_full"):
         cl.user_session.set("told_near_full", True)
-        await cl.Message(content=NEAR_FULL_NOTE.format(used=context_in_use(used, limit), reply=longest)).send()
+        await cl.Message(content=NEAR_FULL_NOTE.format(used=context_in_use(used, limit))).send()
 
 
 def context_in_use(used: int, limit: int) -> str:
@@ -408,6 +432,10 @@ async def last_event(request):
     except asyncio.TimeoutError:
         return None
     return last
+
+
+def loading_note(model: str) -> str:
+    return f"Loading **{model}** ({describe(model)})…"
 
 
 async def show_status(status: cl.Message | None, text: str) -> cl.Message:

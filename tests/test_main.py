@@ -70,6 +70,11 @@ def test_chat_start_offers_settings_with_the_checkpoints_defaults(main):
 def test_profiles_are_the_checkpoints_in_the_weights_folder_and_starters_exist(main):
     profiles = run(main.chat_profiles(None))
     assert [(p.name, p.default) for p in profiles] == [("tiny", True), ("broken", False)]
+    # each told by its size, format and dtype, read from the folder without loading it
+    tiny = profiles[0].markdown_description
+    assert re.match(r"\d+M parameters · \d+ MB · safetensors · fp32  \n`/.*/tiny` \(default\)$", tiny), tiny
+    assert profiles[1].markdown_description.startswith("not readable: ") and "safetensors header" in \
+        profiles[1].markdown_description
     starters = run(main.starters(None))
     assert "What is the capital of France?" in [s.message for s in starters]
 
@@ -363,9 +368,9 @@ def test_the_stats_line_shows_the_context_in_use_and_a_note_comes_before_it_runs
         used.append(int(match.group(1).replace(",", "")))
     assert used[1] > used[0] > 100  # the whole conversation, growing
     notes = [r for r in chat.replies() if "older turns will be left out soon" in r]
-    assert len(notes) == 1 and "512 tokens" in notes[0] and "may take 16 more" in notes[0]
-    # told after the first reply that, with room for the longest reply (16), took 85% of the context
-    first_full = next(i for i, n in enumerate(used) if n + 16 >= 0.85 * 512)
+    assert len(notes) == 1 and "/ 512 tokens" in notes[0]
+    # told after the first reply that took 85% of the prompt's room (the context less 16 for the reply)
+    first_full = next(i for i, n in enumerate(used) if n >= 0.85 * (512 - 16))
     shown = [r for r in chat.replies() if r not in (main.TRIMMED_NOTE,)]
     assert shown.index(notes[0]) == first_full + 1  # right after that reply
 
@@ -433,6 +438,18 @@ def test_a_chat_waits_for_a_place_in_the_batch_and_is_told(tmp_path):
     assert notes[0]["id"] in removed  # gone once the answer started
     assert len(first.replies()) == 1 and len(second.replies()) == 2  # the note, then the answer
     assert len(first.stats()) == len(second.stats()) == 1
+
+
+def test_a_model_loading_for_the_first_time_is_told_with_its_load_time(tmp_path):
+    write_tiny_checkpoint(tmp_path / "tiny")
+    with imported_app(checkpoint=tmp_path / "tiny", weights_dir=tmp_path, threads=1, history="off") as main:
+        chat = Chat(main)
+        run(chat.start())
+    [note] = chat.sent()
+    assert re.fullmatch(r"Loading \*\*tiny\*\* \(\d+M parameters · \d+ MB · safetensors · fp32\)…", note["output"])
+    [loaded] = [c.args[0] for c in chat.emitter.update_step.await_args_list if c.args[0]["id"] == note["id"]]
+    seconds = float(re.fullmatch(r"Loaded \*\*tiny\*\* in (\d+\.\d) s\.", loaded["output"]).group(1))
+    assert 0 < seconds < 90
 
 
 def test_chat_end_cancels_a_reply_nobody_reads(main):

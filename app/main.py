@@ -404,13 +404,20 @@ async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> 
                cl.Action(name="export", payload={}, label="Export", icon="download",
                          tooltip="Download this chat as Markdown and JSON")]
     cl.user_session.set("actions", actions)
-    await cl.Message(content=f"*{done.summary} · {context_in_use(used, limit)}*", author="stats",
-                     actions=actions).send()
+    await below(cl.Message(content=f"*{done.summary} · {context_in_use(used, limit)}*", author="stats",
+                           actions=actions))
     settings = cl.user_session.get("reply_settings") or ReplySettings()
     room = prompt_budget(limit, settings.over(BACKEND.reply_defaults(conversation.model)).max_new_tokens)
     if used >= NEAR_FULL * room and not cl.user_session.get("told_near_full"):
         cl.user_session.set("told_near_full", True)
-        await cl.Message(content=NEAR_FULL_NOTE.format(used=context_in_use(used, limit))).send()
+        await below(cl.Message(content=NEAR_FULL_NOTE.format(used=context_in_use(used, limit))))
+
+
+async def below(message: cl.Message) -> None:
+    """Send a line that follows an answer outside the answer's run step: the page gives its copy button to the
+    last message of a run, which must be the answer, not this."""
+    message.parent_id = None
+    await message.send()
 
 
 def context_in_use(used: int, limit: int) -> str:

@@ -226,6 +226,7 @@ def test_presets_context_copy_regenerate_and_export(page, server):
         open_settings(tab)
         concise = (ROOT / "presets" / "Concise.md").read_text().strip()
         assert tab.input_value("#system_prompt") == concise
+        tab.locator("#system_prompt").scroll_into_view_if_needed()
         shot(tab, "09-preset")
         save_settings(tab)
 
@@ -240,7 +241,10 @@ def test_presets_context_copy_regenerate_and_export(page, server):
         step = tab.locator('.step[data-step-type="assistant_message"]').filter(has_text="Paris").first
         step.hover()
         step.locator("button:has(svg.lucide-copy)").first.click()
-        copied = tab.evaluate("navigator.clipboard.readText()")
+        step.locator("button:has(svg.lucide-check)").first.wait_for()  # the button says it copied
+        deadline, copied = time.monotonic() + 5, ""
+        while not copied and time.monotonic() < deadline:  # the page writes the clipboard asynchronously
+            copied = tab.evaluate("navigator.clipboard.readText()")
         assert copied.strip() == answer.strip()
         shot(tab, "11-copied")
 
@@ -277,7 +281,10 @@ def test_presets_context_copy_regenerate_and_export(page, server):
             link.click()
         exported = json.loads(Path(download.value.path()).read_text())
         assert [m["role"] for m in exported] == ["system", "user", "assistant", "user", "assistant"]
-        assert exported[0]["content"] == concise and exported[-1]["content"].strip() == regenerated.strip()
+        assert exported[0]["content"] == concise and exported[1]["content"] == "What is the capital of France?"
+        # the Markdown source of the regenerated answer (the page shows a list's numbers apart from its text)
+        source = re.sub(r"^\s*(\d+\.|[-*])\s+", "", exported[-1]["content"], flags=re.MULTILINE)
+        assert source.split() == regenerated.split()
     finally:
         tab.context.close()
     assert "Traceback" not in server.log()

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import sqlite3
 import time
 from pathlib import Path
 
@@ -195,6 +196,19 @@ def test_chat_follow_up_stop_and_settings(page, server):
     assert "Traceback" not in server.log()
 
 
+def stored_replies(server) -> list[str]:
+    """The model's replies in the history database, oldest first."""
+    with sqlite3.connect(server.log_path.parent / "history.db") as db:
+        return [output for output, in db.execute(
+            "SELECT output FROM steps WHERE type = 'assistant_message' AND metadata LIKE '%\"reply\"%' "
+            'ORDER BY "createdAt"')]
+
+
+def words(replies: list[str]) -> list[list[str]]:
+    """Each reply's words as the page shows them (a list's numbers apart from its text)."""
+    return [re.sub(r"^\s*(\d+\.|[-*])\s+", "", reply, flags=re.MULTILINE).split() for reply in replies]
+
+
 def new_tab(page, server):
     context = page.context.browser.new_context(viewport={"width": 1100, "height": 800},
                                                permissions=["clipboard-read", "clipboard-write"])
@@ -270,6 +284,13 @@ def test_presets_context_copy_regenerate_and_export(page, server):
         assert regenerated and regenerated != first
         assert tab.locator("button", has_text="Regenerate").count() == 1  # under the last answer only
         shot(tab, "12-regenerated")
+        # ... and in the history: the old answer's step is gone, the new one stored
+        deadline = time.monotonic() + 10
+        while (words(stored_replies(server)[-1:]) != [regenerated.split()] or
+               [first.split()] == words(stored_replies(server)[-2:-1])) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert words(stored_replies(server)[-1:]) == [regenerated.split()]
+        assert first.split() not in words(stored_replies(server))
 
         # Export: the chat as Markdown and as OpenAI-shaped JSON, to download.
         tab.locator("button", has_text="Export").last.click()
@@ -283,8 +304,7 @@ def test_presets_context_copy_regenerate_and_export(page, server):
         assert [m["role"] for m in exported] == ["system", "user", "assistant", "user", "assistant"]
         assert exported[0]["content"] == concise and exported[1]["content"] == "What is the capital of France?"
         # the Markdown source of the regenerated answer (the page shows a list's numbers apart from its text)
-        source = re.sub(r"^\s*(\d+\.|[-*])\s+", "", exported[-1]["content"], flags=re.MULTILINE)
-        assert source.split() == regenerated.split()
+        assert words([exported[-1]["content"]]) == [regenerated.split()]
     finally:
         tab.context.close()
     assert "Traceback" not in server.log()

@@ -325,10 +325,13 @@ def test_a_model_is_chosen_loaded_and_its_math_rendered(page, server):
         shot(tab, "15-model-loaded")
 
         # LaTeX: math is rendered, amounts of money and code are shown as written.
-        answer, stats, _ = ask(tab, "Show me the prices.")
+        answer, stats, _ = ask(tab, "Is it $5 or $10?")
+        question = tab.locator('.step[data-step-type="user_message"]').last
+        assert question.locator(".katex").count() == 0 and "Is it $5 or $10?" in question.inner_text()
         assert "Tickets cost $5 and $10." in answer and "$x$" in answer
         reply = tab.locator(ANSWERS).last
         assert reply.locator(".katex").count() == 1  # $\pi r^2$ only
+        assert reply.locator(".katex math msup").is_visible()  # drawn by the browser, offline too
         assert "$x$" in reply.locator("pre, code").first.inner_text()
         assert re.search(r"[\d,]+ / 8,192 tokens", stats)
         shot(tab, "16-latex")

@@ -236,11 +236,14 @@ def test_export_sends_the_chat_as_markdown_and_openai_json(main):
         await chat.send("Hello")
         [export] = chat.actions("export")
         await main.export_chat(export)
-        await chat.send("/export")  # the command does the same
+        await chat.send("/export")  # typed, it does the same
+        import chainlit as cl
+        chat.enter()
+        await main.on_message(cl.Message(content="this chat please", type="user_message", command="Export"))
 
     run(scenario())
     files = list(chat.session.files.values())
-    assert [f["name"] for f in files] == ["hello.md", "hello.json"] * 2
+    assert [f["name"] for f in files] == ["hello.md", "hello.json"] * 3
     answer = chat.conversation().messages[1].content
     assert json.loads(files[1]["content"]) == [{"role": "system", "content": SYSTEM_PROMPT},
                                                {"role": "user", "content": "Hello"},

@@ -76,7 +76,7 @@ class Engine:
         self.checkpoints: dict[str, Checkpoint] = {}
         self.infos: dict[str, ModelInfo] = {}
         self._loading: set[str] = set()
-        self._loaded: queue.Queue[tuple[str, Checkpoint | Exception]] = queue.Queue()
+        self._loaded: queue.Queue[tuple[str, Checkpoint | Exception, float]] = queue.Queue()  # name, model, seconds
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self.scheduler = Scheduler(config.max_batch, PREFILL_CHUNK)
         self.prefix_cache = PrefixCache(config.kv_cache_mb * 2**20)
@@ -138,11 +138,12 @@ class Engine:
         started = time.perf_counter()
         try:
             checkpoint = self.loader(name, self.profiles[name])
-            log.info("loaded %s in %.1f s", name, time.perf_counter() - started)
-            self._loaded.put((name, checkpoint))
+            seconds = time.perf_counter() - started
+            log.info("loaded %s in %.1f s", name, seconds)
+            self._loaded.put((name, checkpoint, seconds))
         except Exception as e:  # CheckpointError, and whatever a broken file raises
             log.exception("loading %s failed", name)
-            self._loaded.put((name, e))
+            self._loaded.put((name, e, time.perf_counter() - started))
 
     def _load(self, name: str, path: Path) -> Checkpoint:
         c = self.config
@@ -327,7 +328,7 @@ class Engine:
     def _take_loaded(self) -> None:
         while True:
             try:
-                name, result = self._loaded.get_nowait()
+                name, result, seconds = self._loaded.get_nowait()
             except queue.Empty:
                 return
             self._loading.discard(name)
@@ -340,7 +341,7 @@ class Engine:
                     self._fail(request_id, message, "load")
                 continue
             self.checkpoints[name] = result
-            self.infos[name] = model_info(name, result, self.config)
+            self.infos[name] = model_info(name, result, self.config, seconds)
             self.emit(ModelReady(self.infos[name]))
             for request_id in waiting:
                 if not self.requests[request_id][0].finished:  # else cancelled while its model loaded
@@ -364,14 +365,15 @@ class Engine:
             self._stats = stats
 
 
-def model_info(name: str, checkpoint: Checkpoint, config: EngineConfig) -> ModelInfo:
+def model_info(name: str, checkpoint: Checkpoint, config: EngineConfig, load_seconds: float = 0.0) -> ModelInfo:
     """The model's context limit, and the settings a reply gets when the caller sets none: the
     server's (LLAMA_* variables) over the checkpoint's generation_config.json."""
     s = sampling_defaults(checkpoint)
     own = ReplySettings(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=s.temperature, top_k=s.top_k,
                         top_p=s.top_p, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
                         frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty)
-    return ModelInfo(name, min(config.max_context, checkpoint.config.max_seq_len), config.defaults.over(own))
+    return ModelInfo(name, min(config.max_context, checkpoint.config.max_seq_len), config.defaults.over(own),
+                     load_seconds)
 
 
 def find_profiles(checkpoint: Path, weights_dir: Path | None) -> dict[str, Path]:

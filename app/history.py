@@ -23,6 +23,7 @@ from pathlib import Path
 from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
 
 from .conversation import Conversation
+from .display import plain
 from .settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,8 @@ def conversation_from_steps(steps: Iterable[dict], *, model: str | None, system_
 
     Only the user's messages and the model's replies (steps marked as replies) count; notes, errors
     and statistics lines do not. As in a live chat, a message that failed (an error followed it and
-    no reply) is left out, and a reply stopped before its first token is an empty reply.
+    no reply) is left out, and a reply stopped before its first token is an empty reply. A reply is
+    taken as the model wrote it, without the escapes the page needed (app.display).
     """
     conversation = Conversation(model=model, system_prompt=system_prompt)
     asked = None  # the user's message that waits for its reply
@@ -160,7 +162,7 @@ def conversation_from_steps(steps: Iterable[dict], *, model: str | None, system_
                 asked = conversation.add("user", step["output"], id=step.get("id"))
         elif step.get("type") == "assistant_message":
             if is_reply(step) and asked is not None:
-                conversation.add("assistant", step.get("output") or "", id=step.get("id"))
+                conversation.add("assistant", plain(step.get("output") or ""), id=step.get("id"))
                 asked = None
             elif step.get("isError") and asked is not None:
                 conversation.messages.remove(asked)

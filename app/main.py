@@ -5,8 +5,12 @@ computes every reply, or a remote server. What a session keeps in cl.user_sessio
 
     conversation     app.conversation.Conversation: messages (replies with their token ids), system prompt
     reply_settings   app.messages.ReplySettings from the settings panel
+    preset           the system-prompt preset the panel shows (app.presets); choosing another fills the prompt
     request          the app.reply.Reply being answered, for the Stop button
     told_trimmed     whether the user was told that older messages were left out
+    told_near_full   whether the user was told that the context is nearly full
+    actions          the Regenerate and Export buttons, under the last answer only
+    regenerated      how many times the last answer was sampled again (a set seed moves on by one each time)
 
 With history on (the default), chats are stored in SQLite through Chainlit's data layer
 (app.history) and a chat resumed from the sidebar continues with the model remembering it. The
@@ -21,6 +25,8 @@ import os
 import sys
 from pathlib import Path
 
+import msgspec
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `chainlit run app/main.py` imports this file by path
     sys.path.insert(0, str(ROOT))
@@ -28,21 +34,27 @@ if str(ROOT) not in sys.path:  # `chainlit run app/main.py` imports this file by
 import chainlit as cl  # noqa: E402
 from chainlit.chat_context import chat_contexts  # noqa: E402
 from chainlit.config import config as chainlit_config  # noqa: E402
-from chainlit.input_widget import Slider, TextInput  # noqa: E402
+from chainlit.input_widget import Select, Slider, TextInput  # noqa: E402
 from chainlit.server import app as chainlit_app  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
-from app import api, guard, history, users  # noqa: E402
+from app import api, export, guard, history, users  # noqa: E402
 from app.backend import ServerBusy, open_backend  # noqa: E402
 from app.conversation import Conversation  # noqa: E402
+from app.display import ShownStream, shown  # noqa: E402
 from app.messages import Done, Failed, Loading, Queued, ReplySettings, Text, Trimmed  # noqa: E402
+from app.presets import CUSTOM, preset_of, read_presets  # noqa: E402
+from app.prompt import prompt_budget  # noqa: E402
 from app.settings import Settings, SettingsError  # noqa: E402
+from model.checkpoint import CheckpointError  # noqa: E402
+from model.summary import summarize  # noqa: E402
 
 log = logging.getLogger("app")
 
 try:
     SETTINGS = Settings.from_env()
+    PRESETS = read_presets(SETTINGS.presets)
     ALLOWED = guard.Allowed.from_settings(SETTINGS, chainlit_config.run.host, chainlit_config.run.port,
                                           "https" if chainlit_config.run.ssl_cert else "http")
     SIGN_IN = users.SignIn.from_settings(SETTINGS) if SETTINGS.auth == "password" else None
@@ -70,9 +82,17 @@ chainlit_app.router.routes.insert(0, Route("/health", health, methods=["GET"])) 
 
 TRIMMED_NOTE = ("*Older messages of this chat no longer fit the model's context, so they were left out; "
                 "the model now sees only the more recent ones.*")
+NEAR_FULL = 0.85  # share of the prompt's room (the context less the reply's) past which trimming comes soon
+NEAR_FULL_NOTE = ("*This chat fills {used} of the model's context, and the next reply needs room too: older turns "
+                  "will be left out soon, and the model will no longer see them.*")
 BUSY_NOTE = ("The server is busy: as many replies are running and waiting as it takes. Please send your "
              "message again in a moment.")
 STOPPED_WAIT_S = 2.0  # how long a stopped reply may take to hand back its last tokens and stats
+SESSION_STATE = {"request": None, "actions": [], "regenerated": 0}  # a resumed chat starts with these
+EXPORT_COMMAND = "Export"
+COMMANDS = [{"id": EXPORT_COMMAND, "icon": "download", "description": "Download this chat as Markdown and JSON",
+             "button": False, "persistent": False}]
+DESCRIPTIONS: dict[str, str] = {}  # model name -> describe(name)
 STARTERS = [
     ("Capital of France", "What is the capital of France?"),
     ("Prime numbers in Python", "Write a Python function that checks whether a number is prime."),
@@ -129,6 +149,9 @@ async def resume_chat(thread: dict):
         thread.get("steps") or [], model=profile if profile in BACKEND.profiles else BACKEND.default,
         system_prompt=system_prompt)
     cl.user_session.set("conversation", conversation)
+    for key, value in SESSION_STATE.items():  # what Chainlit restored of these is the stored chat's text of them
+        cl.user_session.set(key, value)
+    await cl.context.emitter.set_commands(COMMANDS)
     log.info("resumed chat %s with %d messages", thread.get("id"), len(conversation.messages))
     try:
         await BACKEND.load(conversation.model)
@@ -139,14 +162,34 @@ async def resume_chat(thread: dict):
     panel = await cl.ChatSettings(settings_widgets(stored.over(BACKEND.reply_defaults(conversation.model)),
                                                    system_prompt, BACKEND.context_limit(conversation.model))).send()
     cl.user_session.set("reply_settings", read_settings(panel)[0])
+    cl.user_session.set("preset", panel["preset"])
 
 
 @cl.set_chat_profiles
 async def chat_profiles(user=None, language=None):
+    """The models to choose from: each one's size, format and dtype, and where it is. Chosen, it loads."""
     await BACKEND.start()
     return [cl.ChatProfile(name=name, default=name == BACKEND.default,
-                           markdown_description=f"`{path}`" + (" (default)" if name == BACKEND.default else ""))
+                           markdown_description=f"{describe(name)}  \n`{path}`"
+                                                + (" (default)" if name == BACKEND.default else ""))
             for name, path in BACKEND.profiles.items()]
+
+
+def describe(name: str) -> str:
+    """A model in a few words, from its checkpoint folder (read once): "135M parameters · 538 MB · safetensors ·
+    bf16"; a remote server's model: where it is served."""
+    if name not in DESCRIPTIONS:
+        path = BACKEND.profiles.get(name, "")
+        if "://" in path:
+            DESCRIPTIONS[name] = f"served by {path}"
+        else:
+            try:
+                summary = summarize(path)
+                DESCRIPTIONS[name] = summary.describe() + (" · int8 when loaded" if SETTINGS.quantize == "int8"
+                                                          and summary.dtype != "int8" else "")
+            except (CheckpointError, OSError) as e:
+                DESCRIPTIONS[name] = f"not readable: {e}"
+    return DESCRIPTIONS[name]
 
 
 @cl.set_starters
@@ -163,19 +206,22 @@ async def start_chat():
     conversation = Conversation(model=profile if profile in BACKEND.profiles else BACKEND.default,
                                 system_prompt=SETTINGS.system_prompt)
     cl.user_session.set("conversation", conversation)
-    if not BACKEND.is_loaded(conversation.model):
-        note = await cl.Message(content=f"Loading **{conversation.model}**…").send()
+    await cl.context.emitter.set_commands(COMMANDS)
+    if not BACKEND.is_loaded(conversation.model):  # its first use: say what loads, then how long it took
+        note = await cl.Message(content=loading_note(conversation.model)).send()
         try:
-            await BACKEND.load(conversation.model)
+            info = await BACKEND.load(conversation.model)
         except Exception as e:
             await note.remove()
             await cl.ErrorMessage(content=f"The model {conversation.model} could not be loaded: {e}").send()
             return
-        await note.remove()
+        note.content = f"Loaded **{conversation.model}** in {info.load_seconds:.1f} s."
+        await note.update()
     limit = BACKEND.context_limit(conversation.model)
     values = await cl.ChatSettings(settings_widgets(BACKEND.reply_defaults(conversation.model),
                                                     conversation.system_prompt, limit)).send()
     cl.user_session.set("reply_settings", read_settings(values)[0])
+    cl.user_session.set("preset", values["preset"])
 
 
 @cl.on_settings_update
@@ -184,7 +230,16 @@ async def update_settings(values: dict):
     settings, problem = read_settings(values)
     cl.user_session.set("reply_settings", settings)
     conversation = current_conversation()
-    conversation.system_prompt = (values.get("system_prompt") or "").strip() or None
+    preset = values.get("preset")
+    if preset in PRESETS and preset != cl.user_session.get("preset", CUSTOM):  # just chosen: it fills the text
+        conversation.system_prompt = PRESETS[preset]
+        values["system_prompt"] = PRESETS[preset]
+        defaults = BACKEND.reply_defaults(conversation.model)
+        await cl.ChatSettings(settings_widgets(defaults, conversation.system_prompt,
+                                               BACKEND.context_limit(conversation.model), values)).send()
+    else:
+        conversation.system_prompt = (values.get("system_prompt") or "").strip() or None
+    cl.user_session.set("preset", preset)  # as the panel shows it
     if problem:
         await cl.Message(content=problem).send()
 
@@ -192,12 +247,62 @@ async def update_settings(values: dict):
 @cl.on_message
 async def on_message(message: cl.Message):
     conversation = current_conversation()
+    if message.command == EXPORT_COMMAND or message.content.strip().lower() == "/export":
+        await send_export(conversation)
+        return
     conversation.truncate(message.id)  # an edited message: answer again from there
     if not message.content.strip():
         await cl.Message(content="Please type a message.").send()
         return
     conversation.add("user", message.content, id=message.id)
+    cl.user_session.set("regenerated", 0)
     await reply(conversation)
+
+
+@cl.action_callback("regenerate")
+async def regenerate(action: cl.Action):
+    """Sample the last answer again, with another seed: the old one goes, from the page and the history."""
+    conversation = current_conversation()
+    last = conversation.messages[-1] if conversation.messages else None
+    if cl.user_session.get("request") is not None:
+        await cl.Message(content="Please wait until this reply is done (or stop it) to regenerate.").send()
+        return
+    if last is None or last.role != "assistant" or last.id != action.payload.get("answer"):
+        await cl.Message(content="Only the last answer can be regenerated.").send()
+        return
+    conversation.messages.pop()  # the prompt up to the user's turn is a prefix the engine has cached
+    await action.remove()
+    for message_id in (last.id, action.forId):  # the answer and its statistics line
+        if message_id:
+            await cl.Message(content="", id=message_id).remove()
+    regenerated = (cl.user_session.get("regenerated") or 0) + 1
+    cl.user_session.set("regenerated", regenerated)
+    settings = cl.user_session.get("reply_settings") or ReplySettings()
+    settings = msgspec.structs.replace(settings, seed=None if settings.seed is None else settings.seed + regenerated)
+    emitter = cl.context.emitter
+    await emitter.task_start()  # the Stop button, as for a message (an action has no task of its own)
+    try:
+        async with cl.Step(name="on_message", type="run"):  # as a message's reply is, so it gets a copy button
+            await reply(conversation, settings)
+    finally:
+        await emitter.task_end()
+
+
+@cl.action_callback("export")
+async def export_chat(action: cl.Action):
+    await send_export(current_conversation())
+
+
+async def send_export(conversation: Conversation) -> None:
+    """The chat as two files to download: Markdown, and JSON in the OpenAI messages shape."""
+    if not conversation.messages:
+        await cl.Message(content="There is nothing to export yet.").send()
+        return
+    elements = [cl.File(name=name, content=content, display="inline",
+                        mime="application/json" if name.endswith(".json") else "text/markdown")
+                for name, content in export.files(conversation).items()]
+    await cl.Message(content="This chat as Markdown and as JSON (OpenAI's messages):", elements=elements,
+                     author="export").send()
 
 
 @cl.on_stop
@@ -226,16 +331,17 @@ def current_conversation() -> Conversation:
     return conversation
 
 
-async def reply(conversation: Conversation) -> None:
+async def reply(conversation: Conversation, settings: ReplySettings | None = None) -> None:
     """Stream the answer to the conversation's last message, then a line of statistics."""
     try:
-        request = BACKEND.stream(conversation, cl.user_session.get("reply_settings") or ReplySettings())
+        request = BACKEND.stream(conversation, settings or cl.user_session.get("reply_settings") or ReplySettings())
     except ServerBusy:
         conversation.messages.pop()  # not answered: leave it out of the history
         await cl.ErrorMessage(content=BUSY_NOTE).send()
         return
     cl.user_session.set("request", request)
     answer = cl.Message(content="", metadata={"kind": history.REPLY})  # what a resumed chat remembers
+    display = ShownStream()  # LaTeX is on: a dollar that is money is escaped (app.display)
     status: cl.Message | None = None  # "waiting" or "loading", removed when the answer starts
     try:
         async for event in request:
@@ -243,13 +349,15 @@ async def reply(conversation: Conversation) -> None:
                 if status is not None:
                     await status.remove()
                     status = None
-                await answer.stream_token(event.text)
+                piece, whole = display.feed(event.text)
+                if piece or whole:
+                    await answer.stream_token(piece, is_sequence=whole)
             elif isinstance(event, Queued):
                 status = await show_status(status, "The model is answering other chats; yours is "
                                                    f"{'next' if event.position == 1 else f'number {event.position}'}"
                                                    " in line…")
             elif isinstance(event, Loading):
-                status = await show_status(status, f"Loading **{event.model}**…")
+                status = await show_status(status, loading_note(event.model))
             elif isinstance(event, Trimmed):
                 conversation.left_out = event.left_out  # later prompts start there too, and reuse the cache
                 if not cl.user_session.get("told_trimmed"):
@@ -283,10 +391,38 @@ async def reply(conversation: Conversation) -> None:
 
 async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> None:
     """Finalize the streamed answer, add it to the history, and show the statistics line."""
-    if answer.content or done.finish_reason != "cancelled":
+    if answer.content or done.text or done.finish_reason != "cancelled":
+        answer.content = shown(done.text)
         await answer.send()
     conversation.add("assistant", done.text, id=answer.id, ids=done.token_ids)
-    await cl.Message(content=f"*{done.summary}*", author="stats").send()
+    limit = BACKEND.context_limit(conversation.model)
+    used = done.stats.prompt_tokens + done.stats.new_tokens  # the whole conversation as the model saw it
+    for action in cl.user_session.get("actions") or []:  # only the last answer has them
+        await action.remove()
+    actions = [cl.Action(name="regenerate", payload={"answer": answer.id}, label="Regenerate", icon="refresh-cw",
+                         tooltip="Write this answer again (another sample)"),
+               cl.Action(name="export", payload={}, label="Export", icon="download",
+                         tooltip="Download this chat as Markdown and JSON")]
+    cl.user_session.set("actions", actions)
+    await below(cl.Message(content=f"*{done.summary} · {context_in_use(used, limit)}*", author="stats",
+                           actions=actions))
+    settings = cl.user_session.get("reply_settings") or ReplySettings()
+    room = prompt_budget(limit, settings.over(BACKEND.reply_defaults(conversation.model)).max_new_tokens)
+    if used >= NEAR_FULL * room and not cl.user_session.get("told_near_full"):
+        cl.user_session.set("told_near_full", True)
+        await below(cl.Message(content=NEAR_FULL_NOTE.format(used=context_in_use(used, limit))))
+
+
+async def below(message: cl.Message) -> None:
+    """Send a line that follows an answer outside the answer's run step: the page gives its copy button to the
+    last message of a run, which must be the answer, not this."""
+    message.parent_id = None
+    await message.send()
+
+
+def context_in_use(used: int, limit: int) -> str:
+    """How much of the model's context the conversation takes: "1,234 / 8,192 tokens"."""
+    return f"{used:,} / {limit:,} tokens"
 
 
 async def last_event(request):
@@ -305,6 +441,10 @@ async def last_event(request):
     return last
 
 
+def loading_note(model: str) -> str:
+    return f"Loading **{model}** ({describe(model)})…"
+
+
 async def show_status(status: cl.Message | None, text: str) -> cl.Message:
     if status is None:
         return await cl.Message(content=text).send()
@@ -315,8 +455,10 @@ async def show_status(status: cl.Message | None, text: str) -> cl.Message:
 
 # ---- settings panel -----------------------------------------------------------------------------
 
-def settings_widgets(defaults: ReplySettings, system_prompt: str | None, limit: int) -> list:
-    return [
+def settings_widgets(defaults: ReplySettings, system_prompt: str | None, limit: int,
+                     values: dict | None = None) -> list:
+    """The settings panel: the defaults, or the values the user set (as the panel sends them)."""
+    widgets = [
         Slider(id="temperature", label="Temperature", initial=defaults.temperature, min=0, max=2, step=0.05,
                description="0 always picks the most likely token; higher is more varied."),
         Slider(id="top_k", label="Top-k", initial=defaults.top_k or 0, min=0, max=200, step=1,
@@ -332,9 +474,16 @@ def settings_widgets(defaults: ReplySettings, system_prompt: str | None, limit: 
                min=16, max=limit, step=16, description="The longest reply, in tokens."),
         TextInput(id="seed", label="Seed", initial="", placeholder="random",
                   description="A whole number makes sampling repeatable; blank is random."),
+        Select(id="preset", label="System prompt preset", values=[CUSTOM, *PRESETS],
+               initial_value=preset_of(PRESETS, system_prompt),
+               description="A named system prompt (from the presets folder); it fills the text below."),
         TextInput(id="system_prompt", label="System prompt", initial=system_prompt or "", multiline=True,
                   placeholder="The model's own default", description="Instructions the model sees first."),
     ]
+    for widget in widgets:  # keep what the user set, when the panel is sent again
+        if values and widget.id in values and widget.id not in ("preset", "system_prompt"):
+            widget.initial = values[widget.id]
+    return widgets
 
 
 def read_settings(values: dict) -> tuple[ReplySettings, str | None]:

@@ -187,6 +187,7 @@ class ModelInfo(msgspec.Struct):
     name: str
     context_limit: int  # prompt + reply, in tokens
     defaults: ReplySettings  # every field set: what a reply gets when the caller sets nothing
+    load_seconds: float = 0.0  # how long loading it took (preparing it on first start included); 0: not known
 
 
 class Started(msgspec.Struct, tag=True):

@@ -19,6 +19,11 @@ def dialog(messages: list[ChatMessage]) -> list[dict]:
             for m in messages]
 
 
+def prompt_budget(limit: int, max_new_tokens: int) -> int:
+    """The tokens a prompt may take: the context, less room for the reply (at most half of it)."""
+    return limit - min(max_new_tokens, limit // 2)
+
+
 def fit_prompt(chat_format, messages: list[ChatMessage], left_out: int, limit: int, max_new_tokens: int,
                **tool_options) -> tuple[list[int], int]:
     """The prompt's ids, and how many leading non-system messages it leaves out (at least left_out).
@@ -31,7 +36,7 @@ def fit_prompt(chat_format, messages: list[ChatMessage], left_out: int, limit: i
     """
     n_system = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
     system, chat = messages[:n_system], messages[n_system:]
-    budget = limit - min(max_new_tokens, limit // 2)
+    budget = prompt_budget(limit, max_new_tokens)
     last = len(chat) - 1
     starts = [i for i, m in enumerate(chat) if left_out <= i < last and m.role == "user"] + [last]
     encoded: dict[int, list[int]] = {}

@@ -30,6 +30,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 QUANTIZE = ("off", "int8")
 DEFAULT_HISTORY_DB = PROJECT_ROOT / "data" / "history.db"
+DEFAULT_PRESETS = PROJECT_ROOT / "presets"  # system-prompt presets (app.presets)
 AUTH_MODES = ("none", "password")
 SWITCH = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 
@@ -48,6 +49,7 @@ class Settings:
     quantize: str = "off"  # "int8": linear weights stored as int8 (faster decode)
     max_context: int = DEFAULT_MAX_CONTEXT
     system_prompt: str | None = None
+    presets: Path = DEFAULT_PRESETS  # a folder of named system prompts, NAME.md each
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float | None = None
     top_k: int | None = None
@@ -88,6 +90,7 @@ class Settings:
             quantize=env.choice("LLAMA_QUANTIZE", QUANTIZE) or "off",
             max_context=env.integer("LLAMA_MAX_CONTEXT", low=16) or DEFAULT_MAX_CONTEXT,
             system_prompt=env.text("LLAMA_SYSTEM_PROMPT"),
+            presets=env.path("LLAMA_PRESETS") or DEFAULT_PRESETS,
             max_new_tokens=env.integer("LLAMA_MAX_NEW_TOKENS", low=1) or DEFAULT_MAX_NEW_TOKENS,
             temperature=env.number("LLAMA_TEMPERATURE", low=0.0, high=100.0),
             top_k=env.integer("LLAMA_TOP_K", low=0),

@@ -10,20 +10,26 @@ LLAMA_SKIP_BROWSER=1 says to skip it.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import sqlite3
 import time
 from pathlib import Path
 
 import pytest
 from support.browser import CHROMIUM, CHROMIUM_ARGS, browser_or_reason
 from support.servers import DEFAULT_MODEL, ROOT, ChainlitServer, server_env
+from support.special_checkpoints import write_scripted_checkpoint
 
 SHOTS = ROOT / "test-output" / "e2e"
 SCREENSHOT = ROOT / "docs" / "screenshot.png"
 
 ANSWERS = '.step[data-step-type="assistant_message"]:not(:has(img[alt="Avatar for stats"])) .message-content'
 STATS = '.step:has(img[alt="Avatar for stats"]) .message-content'
+# what the second model ("scripted") answers to anything: money, math, and a dollar in code
+SCRIPTED_SAYS = "Tickets cost $5 and $10. Area: $\\pi r^2$.\n```\n$x$\n```"
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,8 +46,11 @@ def server(tmp_path_factory):
         prepare_default(DEFAULT_MODEL.parent)
     # One torch thread: on 2 cores the browser and the test need the other one.
     folder = tmp_path_factory.mktemp("chainlit")
+    weights = folder / "weights"  # a second model to choose, loaded when chosen
+    write_scripted_checkpoint(weights / "scripted", SCRIPTED_SAYS)
     # greedy and no repetition penalty: the same answers on every run, the ones this test pins
-    env = server_env(checkpoint=DEFAULT_MODEL, temperature=0, repetition_penalty=1, dtype="fp32", threads=1,
+    env = server_env(checkpoint=DEFAULT_MODEL, weights_dir=weights, temperature=0, repetition_penalty=1,
+                     dtype="fp32", threads=1,
                      history_db=folder / "history.db")  # history on, as by default, in a database of its own
     server = ChainlitServer(env, log=folder / "chainlit.log")
     try:
@@ -184,6 +193,150 @@ def test_chat_follow_up_stop_and_settings(page, server):
                            timeout=60_000)
     assert "Eiffel" not in page.inner_text("body") and answer_texts(page)[0]
     shot(page, "07-edited")
+    assert "Traceback" not in server.log()
+
+
+def stored_replies(server) -> list[str]:
+    """The model's replies in the history database, oldest first."""
+    with sqlite3.connect(server.log_path.parent / "history.db") as db:
+        return [output for output, in db.execute(
+            "SELECT output FROM steps WHERE type = 'assistant_message' AND metadata LIKE '%\"reply\"%' "
+            'ORDER BY "createdAt"')]
+
+
+def words(replies: list[str]) -> list[list[str]]:
+    """Each reply's words as the page shows them (a list's numbers apart from its text)."""
+    return [re.sub(r"^\s*(\d+\.|[-*])\s+", "", reply, flags=re.MULTILINE).split() for reply in replies]
+
+
+def new_tab(page, server):
+    context = page.context.browser.new_context(viewport={"width": 1100, "height": 800},
+                                               permissions=["clipboard-read", "clipboard-write"])
+    tab = context.new_page()
+    tab.set_default_timeout(60_000)
+    tab.goto(server.url)
+    tab.wait_for_selector("#chat-input")
+    return tab
+
+
+def open_settings(tab):
+    tab.click("#chat-settings-open-modal")
+    tab.wait_for_selector("#chat-settings")
+
+
+def save_settings(tab):
+    tab.click("#confirm")
+    tab.wait_for_selector("#chat-settings", state="detached")
+
+
+def test_presets_context_copy_regenerate_and_export(page, server):
+    tab = new_tab(page, server)
+    try:
+        # A system-prompt preset, chosen in the settings panel, fills the system prompt.
+        open_settings(tab)
+        tab.click("#preset")
+        tab.get_by_role("option", name="Concise").click()
+        save_settings(tab)
+        open_settings(tab)
+        concise = (ROOT / "presets" / "Concise.md").read_text().strip()
+        assert tab.input_value("#system_prompt") == concise
+        tab.locator("#system_prompt").scroll_into_view_if_needed()
+        shot(tab, "09-preset")
+        save_settings(tab)
+
+        # The stats line tells how much of the context the chat takes.
+        answer, stats, _ = ask(tab, "What is the capital of France?")
+        assert "Paris" in answer
+        used = int(re.search(r"([\d,]+) / 8,192 tokens", stats).group(1).replace(",", ""))
+        assert 30 < used < 200, stats  # the system prompt, the question and the answer
+        shot(tab, "10-context")
+
+        # Copy: the button under the answer puts the answer on the clipboard.
+        step = tab.locator('.step[data-step-type="assistant_message"]').filter(has_text="Paris").first
+        step.hover()
+        step.locator("button:has(svg.lucide-copy)").first.click()
+        step.locator("button:has(svg.lucide-check)").first.wait_for()  # the button says it copied
+        deadline, copied = time.monotonic() + 5, ""
+        while not copied and time.monotonic() < deadline:  # the page writes the clipboard asynchronously
+            copied = tab.evaluate("navigator.clipboard.readText()")
+        assert copied.strip() == answer.strip()
+        shot(tab, "11-copied")
+
+        # Regenerate: another sample replaces the last answer (temperature up, replies of 16 tokens).
+        open_settings(tab)
+        temperature = tab.locator('#temperature [role="slider"]')
+        temperature.focus()
+        for _ in range(20):  # 0 -> 1.0
+            temperature.press("ArrowRight")
+        max_tokens = tab.locator('#max_new_tokens [role="slider"]')
+        max_tokens.focus()
+        max_tokens.press("Home")
+        save_settings(tab)
+        first, _, _ = ask(tab, "Give me three ideas for a relaxing weekend at home.")
+        answers, stats = len(answer_texts(tab)), len(stats_lines(tab))
+        tab.locator(STATS).last.locator("..").locator("button", has_text="Regenerate").click()
+        tab.wait_for_function(f"""() => {{
+            const answers = [...document.querySelectorAll('{ANSWERS}')];
+            return answers.length === {answers} && answers[{answers - 1}].innerText !== {json.dumps(first)}
+                && document.querySelectorAll('{STATS}').length === {stats}
+                && !document.querySelector('#stop-button'); }}""")
+        regenerated = answer_texts(tab)[-1]
+        assert regenerated and regenerated != first
+        assert tab.locator("button", has_text="Regenerate").count() == 1  # under the last answer only
+        shot(tab, "12-regenerated")
+        # ... and in the history: the old answer's step is gone, the new one stored
+        deadline = time.monotonic() + 10
+        while (words(stored_replies(server)[-1:]) != [regenerated.split()] or
+               [first.split()] == words(stored_replies(server)[-2:-1])) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert words(stored_replies(server)[-1:]) == [regenerated.split()]
+        assert first.split() not in words(stored_replies(server))
+
+        # Export: the chat as Markdown and as OpenAI-shaped JSON, to download.
+        tab.locator("button", has_text="Export").last.click()
+        link = tab.locator("a", has_text=".json").last
+        link.wait_for()
+        assert tab.locator("a", has_text=".md").count() >= 1
+        shot(tab, "13-export")
+        with tab.expect_download() as download:
+            link.click()
+        exported = json.loads(Path(download.value.path()).read_text())
+        assert [m["role"] for m in exported] == ["system", "user", "assistant", "user", "assistant"]
+        assert exported[0]["content"] == concise and exported[1]["content"] == "What is the capital of France?"
+        # the Markdown source of the regenerated answer (the page shows a list's numbers apart from its text)
+        assert words([exported[-1]["content"]]) == [regenerated.split()]
+    finally:
+        tab.context.close()
+    assert "Traceback" not in server.log()
+
+
+def test_a_model_is_chosen_loaded_and_its_math_rendered(page, server):
+    tab = new_tab(page, server)
+    try:
+        # The model choice tells each model's size, format and dtype; the chosen one loads, and says how long it took.
+        tab.click("#chat-profiles")
+        option = tab.get_by_role("option", name="scripted")
+        option.hover()
+        tab.wait_for_timeout(500)
+        shot(tab, "14-models")
+        assert re.search(r"\d+M parameters · \d+ MB · safetensors · fp32", tab.inner_text("body"))
+        option.click()
+        tab.wait_for_function("() => document.body.innerText.match(/Loaded scripted in \\d+\\.\\d s/)")
+        shot(tab, "15-model-loaded")
+
+        # LaTeX: math is rendered, amounts of money and code are shown as written.
+        answer, stats, _ = ask(tab, "Is it $5 or $10?")
+        question = tab.locator('.step[data-step-type="user_message"]').last
+        assert question.locator(".katex").count() == 0 and "Is it $5 or $10?" in question.inner_text()
+        assert "Tickets cost $5 and $10." in answer and "$x$" in answer
+        reply = tab.locator(ANSWERS).last
+        assert reply.locator(".katex").count() == 1  # $\pi r^2$ only
+        assert reply.locator(".katex math msup").is_visible()  # drawn by the browser, offline too
+        assert "$x$" in reply.locator("pre, code").first.inner_text()
+        assert re.search(r"[\d,]+ / 8,192 tokens", stats)
+        shot(tab, "16-latex")
+    finally:
+        tab.context.close()
     assert "Traceback" not in server.log()
 
 

@@ -107,6 +107,7 @@ def test_config_holds_the_gguf_hyper_parameters(converted):
         "rope_scaling": None, "max_position_embeddings": 8192, "vocab_size": 49152,
         "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
         "torch_dtype": "float32", "hidden_act": "silu"}
+    assert config["gguf_file"].endswith(".gguf")  # imported from one (model/summary.py)
     generation = json.loads((converted / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": True,
                           "temperature": 0.2, "top_p": 0.9, "min_p": gguf_module.SMOLLM_MIN_P,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from support.handlers import Chat
 pytestmark = pytest.mark.timeout(120)
 
 SYSTEM_PROMPT = "You are terse."
+PIRATE = "You are a pirate. Answer as one."
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +31,12 @@ def main(tmp_path_factory):
     broken.mkdir()
     (broken / "config.json").write_text("{}")
     (broken / "model.safetensors").write_bytes(b"this is not a safetensors file")
+    presets = tmp_path_factory.mktemp("presets")
+    (presets / "Terse.md").write_text(SYSTEM_PROMPT)
+    (presets / "Pirate.md").write_text(PIRATE)
     # no database: these sessions are mocks (tests/test_history.py has the real thing)
     with imported_app(checkpoint=weights / "tiny", weights_dir=weights, max_context=512, max_new_tokens=24,
-                      system_prompt=SYSTEM_PROMPT, threads=1, history="off") as main:
+                      system_prompt=SYSTEM_PROMPT, presets=presets, threads=1, history="off") as main:
         yield main
 
 
@@ -48,7 +53,7 @@ def test_chat_start_offers_settings_with_the_checkpoints_defaults(main):
     [call] = [c for c in chat.emitter.emit.await_args_list if c.args[0] == "chat_settings"]
     widgets = {w["id"]: w for w in call.args[1]}
     assert list(widgets) == ["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "seed",
-                             "system_prompt"]
+                             "preset", "system_prompt"]
     assert widgets["min_p"]["initial"] == 0 and widgets["repetition_penalty"]["initial"] == 1  # tiny's: off
     # tiny's generation_config.json sets nothing: Llama 3's defaults; LLAMA_MAX_NEW_TOKENS=24
     assert widgets["temperature"]["initial"] == 0.6 and widgets["top_p"]["initial"] == 0.9
@@ -56,12 +61,20 @@ def test_chat_start_offers_settings_with_the_checkpoints_defaults(main):
     assert widgets["max_new_tokens"]["max"] == 512  # LLAMA_MAX_CONTEXT
     assert widgets["seed"]["initial"] == "" and widgets["system_prompt"]["multiline"]
     assert widgets["system_prompt"]["initial"] == SYSTEM_PROMPT
+    # the presets folder's files by name, and the one that is the system prompt chosen
+    assert [i["value"] for i in widgets["preset"]["items"]] == ["Custom", "Pirate", "Terse"]
+    assert widgets["preset"]["initial"] == "Terse"
     assert chat.conversation().model == "tiny" and chat.conversation().system_prompt == SYSTEM_PROMPT
 
 
 def test_profiles_are_the_checkpoints_in_the_weights_folder_and_starters_exist(main):
     profiles = run(main.chat_profiles(None))
     assert [(p.name, p.default) for p in profiles] == [("tiny", True), ("broken", False)]
+    # each told by its size, format and dtype, read from the folder without loading it
+    tiny = profiles[0].markdown_description
+    assert re.match(r"\d+M parameters · \d+ MB · safetensors · fp32  \n`/.*/tiny` \(default\)$", tiny), tiny
+    assert profiles[1].markdown_description.startswith("not readable: ") and "safetensors header" in \
+        profiles[1].markdown_description
     starters = run(main.starters(None))
     assert "What is the capital of France?" in [s.message for s in starters]
 
@@ -170,6 +183,77 @@ def test_editing_a_message_answers_again_from_there(main):
     assert messages[0].id == first.id
 
 
+def test_regenerate_replaces_the_last_answer_with_another_sample(main):
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await main.update_settings({"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 16, "seed": "3",
+                                    "system_prompt": ""})
+        await chat.send("Hello")
+        [regenerate] = chat.actions("regenerate")
+        await main.regenerate(regenerate)
+        return regenerate
+
+    old = run(scenario())
+    first, second = chat.replies()
+    messages = chat.conversation().messages
+    assert [(m.role, m.content) for m in messages] == [("user", "Hello"), ("assistant", second)]
+    assert second != first  # seed 4, not 3
+    assert messages[1].ids and messages[1].id == chat.answers()[1]["id"]
+    # the old answer and its stats line are gone from the page (and the history), and so is its button
+    assert chat.removed() == [old.payload["answer"], old.forId] == [chat.answers()[0]["id"], chat.sent()[1]["id"]]
+    assert old.id in chat.removed("remove_action")
+    assert len(chat.stats()) == 2 and len(chat.actions("regenerate")) == 2
+    # run as a message is: the Stop button shows meanwhile
+    assert chat.emitter.task_start.await_count == 1 and chat.emitter.task_end.await_count == 1
+
+
+def test_only_the_last_answer_can_be_regenerated(main):
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await chat.send("Hello")
+        await chat.send("Again")
+        first, second = chat.actions("regenerate")
+        assert first.id in chat.removed("remove_action") and second.id not in chat.removed("remove_action")
+        before = list(chat.conversation().messages)
+        await main.regenerate(first)  # a click that raced the next answer
+        assert chat.conversation().messages == before
+
+    run(scenario())
+    assert chat.replies()[-1] == "Only the last answer can be regenerated."
+
+
+def test_export_sends_the_chat_as_markdown_and_openai_json(main):
+    import json
+
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await chat.send("Hello")
+        [export] = chat.actions("export")
+        await main.export_chat(export)
+        await chat.send("/export")  # typed, it does the same
+        import chainlit as cl
+        chat.enter()
+        await main.on_message(cl.Message(content="this chat please", type="user_message", command="Export"))
+
+    run(scenario())
+    files = list(chat.session.files.values())
+    assert [f["name"] for f in files] == ["hello.md", "hello.json"] * 3
+    answer = chat.conversation().messages[1].content
+    assert json.loads(files[1]["content"]) == [{"role": "system", "content": SYSTEM_PROMPT},
+                                               {"role": "user", "content": "Hello"},
+                                               {"role": "assistant", "content": answer}]
+    text = files[0]["content"].decode()
+    assert text.startswith("# Hello\n") and "## User\n\nHello\n" in text and answer in text
+    assert files[0]["mime"] == "text/markdown" and files[1]["mime"] == "application/json"
+    assert len(chat.conversation().messages) == 2  # "/export" is no message to the model
+
+
 def test_settings_apply_to_the_next_reply(main):
     chat = Chat(main)
 
@@ -189,6 +273,38 @@ def test_settings_apply_to_the_next_reply(main):
     assert (panel.repetition_penalty, panel.min_p) == (1.3, 0.1)
     assert chat.conversation().system_prompt == "Be a pirate."
     assert chat.stats()[0].startswith("16 tokens") and "length limit" in chat.stats()[0]
+
+
+def test_choosing_a_preset_fills_the_system_prompt_and_typing_overrides_it(main):
+    chat = Chat(main)
+
+    def panels():
+        return [{w["id"]: w for w in c.args[1]} for c in chat.emitter.emit.await_args_list
+                if c.args[0] == "chat_settings"]
+
+    async def scenario():
+        await chat.start()
+        chat.enter()
+        await main.update_settings({"temperature": 0.3, "seed": "5", "preset": "Pirate",
+                                    "system_prompt": SYSTEM_PROMPT})
+        assert chat.conversation().system_prompt == PIRATE
+        # the panel is sent again, showing the preset's text and keeping the other values
+        panel = panels()[-1]
+        assert panel["system_prompt"]["initial"] == PIRATE and panel["preset"]["initial"] == "Pirate"
+        assert panel["temperature"]["initial"] == 0.3 and panel["seed"]["initial"] == "5"
+        sent = len(panels())
+        await main.update_settings({"preset": "Pirate", "system_prompt": "Talk like a cat."})
+        assert chat.conversation().system_prompt == "Talk like a cat." and len(panels()) == sent
+        await main.update_settings({"preset": "Pirate", "system_prompt": "Talk like a cow."})  # still shown
+        assert chat.conversation().system_prompt == "Talk like a cow."
+        await main.update_settings({"preset": "Custom", "system_prompt": "Talk like a dog."})
+        assert chat.conversation().system_prompt == "Talk like a dog."
+        await main.update_settings({"preset": "Terse", "system_prompt": "Talk like a dog."})
+        assert chat.conversation().system_prompt == SYSTEM_PROMPT
+
+    run(scenario())
+    from chainlit.user_session import user_sessions
+    assert user_sessions[chat.session.id]["preset"] == "Terse"
 
 
 def test_a_seed_that_is_not_a_number_is_explained(main):
@@ -236,6 +352,30 @@ def test_older_messages_are_left_out_with_one_note(main):
     assert len(notes) == 1
     assert chat.conversation().left_out > 0
     assert len(chat.stats()) == 8 and not chat.errors()
+
+
+def test_the_stats_line_shows_the_context_in_use_and_a_note_comes_before_it_runs_out(main):
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await main.update_settings({"max_new_tokens": 16, "temperature": 0, "seed": "", "system_prompt": ""})
+        for i in range(8):
+            await chat.send(f"Message {i}: " + "more words here " * 25)
+
+    run(scenario())
+    used = []
+    for line in chat.stats():
+        match = re.search(r" · ([\d,]+) / 512 tokens$", line)
+        assert match, line
+        used.append(int(match.group(1).replace(",", "")))
+    assert used[1] > used[0] > 100  # the whole conversation, growing
+    notes = [r for r in chat.replies() if "older turns will be left out soon" in r]
+    assert len(notes) == 1 and "/ 512 tokens" in notes[0]
+    # told after the first reply that took 85% of the prompt's room (the context less 16 for the reply)
+    first_full = next(i for i, n in enumerate(used) if n >= 0.85 * (512 - 16))
+    shown = [r for r in chat.replies() if r not in (main.TRIMMED_NOTE,)]
+    assert shown.index(notes[0]) == first_full + 1  # right after that reply
 
 
 def test_a_model_that_fails_to_load_is_reported_and_other_chats_go_on(main):
@@ -301,6 +441,18 @@ def test_a_chat_waits_for_a_place_in_the_batch_and_is_told(tmp_path):
     assert notes[0]["id"] in removed  # gone once the answer started
     assert len(first.replies()) == 1 and len(second.replies()) == 2  # the note, then the answer
     assert len(first.stats()) == len(second.stats()) == 1
+
+
+def test_a_model_loading_for_the_first_time_is_told_with_its_load_time(tmp_path):
+    write_tiny_checkpoint(tmp_path / "tiny")
+    with imported_app(checkpoint=tmp_path / "tiny", weights_dir=tmp_path, threads=1, history="off") as main:
+        chat = Chat(main)
+        run(chat.start())
+    [note] = chat.sent()
+    assert re.fullmatch(r"Loading \*\*tiny\*\* \(\d+M parameters · \d+ MB · safetensors · fp32\)…", note["output"])
+    [loaded] = [c.args[0] for c in chat.emitter.update_step.await_args_list if c.args[0]["id"] == note["id"]]
+    seconds = float(re.fullmatch(r"Loaded \*\*tiny\*\* in (\d+\.\d) s\.", loaded["output"]).group(1))
+    assert 0 < seconds < 90
 
 
 def test_chat_end_cancels_a_reply_nobody_reads(main):

@@ -95,6 +95,7 @@ def hf_config(reader: GGUFReader, path: Path) -> dict:
         "pad_token_id": metadata(reader, path, "tokenizer.ggml.padding_token_id", None),
         "torch_dtype": "float32",  # set from the weights in write_folder
         "use_cache": True,
+        "gguf_file": path.name,  # where it came from (model/summary.py tells it by this)
     }
 
 

@@ -21,6 +21,12 @@ class Session:
         self.client_type = "webapp"
         self.to_clear = False
         self.current_task = None
+        self.files: dict[str, dict] = {}  # what elements sent (e.g. an exported chat), by their key
+
+    async def persist_file(self, name: str, mime: str, path=None, content=None) -> dict:
+        key = str(uuid.uuid4())
+        self.files[key] = {"name": name, "mime": mime, "content": content}
+        return {"id": key}
 
 
 def mock_emitter():
@@ -58,14 +64,31 @@ class Chat:
         """Final state of each message sent (send_step), in order."""
         return [call.args[0] for call in self.emitter.send_step.await_args_list]
 
+    def answers(self) -> list[dict]:
+        """The assistant's messages (answers and notes), not statistics lines, errors or steps."""
+        return [s for s in self.sent()
+                if s["type"] == "assistant_message" and s["name"] not in ("stats",) and not s["isError"]]
+
     def replies(self) -> list[str]:
-        return [s["output"] for s in self.sent() if s["name"] not in ("stats",) and not s["isError"]]
+        return [s["output"] for s in self.answers()]
 
     def stats(self) -> list[str]:
         return [s["output"].strip("*") for s in self.sent() if s["name"] == "stats"]  # italic markdown
 
     def errors(self) -> list[str]:
         return [s["output"] for s in self.sent() if s["isError"]]
+
+    def actions(self, name: str) -> list:
+        """The actions (buttons) of this name sent so far, as Chainlit hands them to their callback."""
+        import chainlit as cl
+        return [cl.Action(**c.args[1]) for c in self.emitter.emit.await_args_list
+                if c.args[0] == "action" and c.args[1]["name"] == name]
+
+    def removed(self, event: str = "delete_step") -> list[str]:
+        """Ids of the messages (delete_step) or actions (remove_action) taken off the page."""
+        if event == "delete_step":
+            return [c.args[0]["id"] for c in self.emitter.delete_step.await_args_list]
+        return [c.args[1]["id"] for c in self.emitter.emit.await_args_list if c.args[0] == event]
 
     def conversation(self):
         from chainlit.user_session import user_sessions

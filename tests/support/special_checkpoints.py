@@ -66,7 +66,34 @@ def distinct_pieces(text: str, ranks: dict[bytes, int], avoid: set[int], tries: 
             start = end
         else:
             return ids
-    raise ValueError(f"{text!r}: found no spelling with distinct tokens in {tries} tries")
+    found = spell_exhaustively(pieces, avoid, len(data))  # a text with many repeats: search them all
+    if found is None:
+        raise ValueError(f"{text!r}: has no spelling with distinct tokens")
+    return found
+
+
+def spell_exhaustively(pieces: list[list[tuple[int, int]]], avoid: set[int], length: int,
+                       budget: int = 1_000_000) -> list[int] | None:
+    """Depth-first over the spellings, longest pieces first: ids used once each, or None if there are none."""
+    ids: list[int] = []
+    steps = 0
+
+    def spell(start: int) -> bool:
+        nonlocal steps
+        steps += 1
+        if start == length:
+            return True
+        if steps > budget:
+            raise ValueError(f"no spelling with distinct tokens found in {budget} steps")
+        for end, token in sorted(pieces[start], reverse=True):
+            if token not in avoid and token not in ids:
+                ids.append(token)
+                if spell(end):
+                    return True
+                ids.pop()
+        return False
+
+    return ids if spell(0) else None
 
 
 def write_scripted_checkpoint(folder: Path, text: str, hidden_size: int = 64) -> Path:

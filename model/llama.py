@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LlamaConfig
+from .decode_step import decode_layers
 from .kv_cache import KVCache
 from .linear import Embedding, Linear, project
 from .rope import apply_rope, rope_tables
@@ -148,18 +149,24 @@ class Llama(nn.Module):
             x = x[:, -1:, :]
         return self.output(self.norm(x))
 
-    def decode(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, caches: list[KVCache], fused: bool = True) -> torch.Tensor:
         """One new token for each of several sequences: tokens (b,), sequence i at position
         caches[i].length (its keys/values written there) -> logits (b, vocab).
 
         The weight matrices are read once for all b rows; attention runs per sequence, each over
         its own cache. The caller appends the tokens to each cache's `tokens` afterwards.
+        Where it applies (model/decode_step.py), the layers run as one C++ op; fused=False, or
+        where it does not, they run as the blocks' decode methods below, the reference.
         """
-        positions = torch.tensor([cache.length for cache in caches], device=tokens.device)
-        self.ensure_rope(int(positions.max()) + 1)
-        x = self.tok_embeddings(tokens[:, None]).to(self.compute_dtype)  # (b, 1, dim)
-        cos = self.rope_cos[positions].to(x.dtype)[:, None, None]  # (b, 1, 1, head_dim)
-        sin = self.rope_sin[positions].to(x.dtype)[:, None, None]
-        for i, layer in enumerate(self.layers):
-            x = layer.decode(x, cos, sin, caches, i)
-        return self.output(self.norm(x))[:, 0]
+        positions = [cache.length for cache in caches]
+        self.ensure_rope(max(positions) + 1)
+        x = self.tok_embeddings(tokens).to(self.compute_dtype)  # (b, dim)
+        cos = self.rope_cos[positions].to(x.dtype)  # (b, head_dim)
+        sin = self.rope_sin[positions].to(x.dtype)
+        out = decode_layers(self, x, cos, sin, caches) if fused else None  # (b, dim), or None
+        if out is None:
+            x, cos, sin = x[:, None], cos[:, None, None], sin[:, None, None]  # (b, 1, dim), (b, 1, 1, head_dim)
+            for i, layer in enumerate(self.layers):
+                x = layer.decode(x, cos, sin, caches, i)
+            out = x[:, 0]
+        return self.output(self.norm(out))

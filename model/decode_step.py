@@ -10,6 +10,8 @@ CPU when the kernel is built (LLAMA_KERNELS=0 turns it off), for weight matrices
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .kernels import kernels
@@ -23,22 +25,36 @@ LAYER_MATRICES = ("attention.wq", "attention.wk", "attention.wv", "attention.wo"
 KERNEL_WEIGHTS = (torch.bfloat16, torch.int8)  # the kinds of weight matrix the op streams
 
 
-def layer_weights(model, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor],
-                                                       list[torch.Tensor]] | None:
-    """The op's norms (in `dtype`, the activations'), weights and scales for `model`, or None where its
-    matrices are not all of one kind the op takes. Gathered on each call (a few hundred attribute
-    reads, ~0.1 ms), so weights swapped after loading are always the ones used."""
-    norms, weights, scales = [], [], []
-    for block in model.layers:
-        norms += [norm.weight.to(dtype) for norm in (block.attention_norm, block.ffn_norm)]
-        for name in LAYER_MATRICES:
-            linear = block.get_submodule(name)
-            weights.append(linear.weight)
-            scales.append(linear.scale)
-    kind = weights[0].dtype
-    if kind not in KERNEL_WEIGHTS or any(w.dtype != kind for w in weights):
-        return None
-    return norms, weights, [s.float() for s in scales] if kind == torch.int8 else []
+class LayerWeights:
+    """The op's norms, weights and scales of one model: gathered once (a few hundred module attribute
+    reads, about a millisecond), then checked on each step against the modules' own tensors by
+    identity (plain dict reads, tens of microseconds), so weights swapped after loading are the ones used."""
+
+    def __init__(self, model):
+        self.norms = [norm for block in model.layers for norm in (block.attention_norm, block.ffn_norm)]
+        self.linears = [block.get_submodule(name) for block in model.layers for name in LAYER_MATRICES]
+        self.found = None  # (the modules' tensors, the op's norms, weights and scales), per activation dtype
+        self.dtype = None
+
+    def current(self, dtype: torch.dtype) -> tuple[list, list, list] | None:
+        """(norms in `dtype`, weights, scales) for the op, or None where the matrices are not all of one
+        kind it takes."""
+        tensors = ([n._parameters["weight"] for n in self.norms] + [m._parameters["weight"] for m in self.linears]
+                   + [m._buffers["scale"] for m in self.linears])
+        if self.found is None or self.dtype != dtype or any(a is not b for a, b in zip(tensors, self.found[0])):
+            self.found, self.dtype = (tensors, self.gather(dtype)), dtype
+        return self.found[1]
+
+    def gather(self, dtype: torch.dtype):
+        weights = [m.weight for m in self.linears]
+        kind = weights[0].dtype
+        if kind not in KERNEL_WEIGHTS or any(w.dtype != kind for w in weights):
+            return None
+        scales = [m.scale.float() for m in self.linears] if kind == torch.int8 else []
+        return [n.weight.to(dtype) for n in self.norms], weights, scales
+
+
+_layer_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its LayerWeights
 
 
 def decode_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[KVCache],
@@ -51,7 +67,9 @@ def decode_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     if (ops is None or x.device.type != "cpu" or not 1 <= x.shape[0] <= MAX_KERNEL_ROWS
             or x.dtype not in (torch.float32, torch.bfloat16) or torch.compiler.is_compiling()):
         return None
-    found = layer_weights(model, x.dtype)
+    if model not in _layer_weights:
+        _layer_weights[model] = LayerWeights(model)
+    found = _layer_weights[model].current(x.dtype)
     if found is None:
         return None
     for cache in caches:

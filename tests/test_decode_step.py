@@ -194,35 +194,73 @@ PROMPTS = [
 ]
 
 
-def test_the_default_model_decodes_the_same_greedy_tokens(monkeypatch):
-    """bf16, 64 tokens on 20 prompts, in batches of up to 8 sequences of different lengths."""
+def default_model_steps(monkeypatch, activations, forced: bool):
+    """Greedy decode of 64 tokens on the 20 prompts, in batches of up to 8 sequences of different lengths,
+    by the fused op and by the reference: (fused tokens, reference tokens), each (20, 64), and per
+    step of each prompt (fused logits, reference logits). forced: both paths are fed the reference's
+    tokens (teacher forcing), so each step compares the same inputs; else each follows its own."""
+    monkeypatch.setattr(model.checkpoint, "has_native_bf16", lambda: activations == torch.bfloat16)
     ckpt = load_checkpoint(default_model(), dtype=torch.bfloat16)
     net = ckpt.model
+    assert net.compute_dtype == activations
     counting = CountingOps(model.decode_step.kernels())
     monkeypatch.setattr(model.decode_step, "kernels", lambda: counting)
     prompts = [ckpt.chat_format.encode_dialog([{"role": "user", "content": text}]) for text in PROMPTS]
-    replies = {}
-    for fused in (True, False):
-        replies[fused] = []
+    tokens = {True: [], False: []}
+    logits = []
+    with torch.inference_mode():
         for first in range(0, len(prompts), 8):
             batch = prompts[first:first + 8]
-            caches, tokens = [], []
-            with torch.inference_mode():
-                for ids in batch:
+            caches = {True: [], False: []}
+            current = []  # the prefill's greedy tokens (prefill is not fused: the same for both paths)
+            for ids in batch:
+                for fused in (True, False):
                     cache = KVCache(ckpt.config, len(ids) + 64, dtype=net.compute_dtype)
-                    logits = net(torch.tensor([ids]), 0, cache, last_only=True)[0, -1]
+                    last = net(torch.tensor([ids]), 0, cache, last_only=True)[0, -1]
                     cache.tokens = list(ids)
-                    caches.append(cache)
-                    tokens.append(int(logits.argmax()))
-                generated = [tokens]
-                for _ in range(63):
-                    logits = net.decode(torch.tensor(tokens), caches, fused=fused)
-                    for cache, token in zip(caches, tokens):
+                    caches[fused].append(cache)
+                current.append(int(last.argmax()))
+            current = {True: current, False: current}
+            generated = {True: [current[True]], False: [current[False]]}
+            for _ in range(63):
+                step = {fused: net.decode(torch.tensor(current[fused]), caches[fused], fused=fused)
+                        for fused in (True, False)}
+                logits.append((step[True].float(), step[False].float()))
+                for fused in (True, False):
+                    for cache, token in zip(caches[fused], current[fused]):
                         cache.tokens.append(token)
-                    tokens = logits.argmax(-1).tolist()
-                    generated.append(tokens)
-            replies[fused] += [list(reply) for reply in zip(*generated)]  # (sequences, 64)
+                    current[fused] = step[False if forced else fused].argmax(-1).tolist()
+                    generated[fused].append(current[fused])
+            for fused in (True, False):
+                tokens[fused] += [list(reply) for reply in zip(*generated[fused])]  # (sequences, 64)
     assert counting.calls == 3 * 63
-    for prompt, fused, reference in zip(PROMPTS, replies[True], replies[False]):
-        assert len(fused) == 64
-        assert fused == reference, f"{prompt!r}: {ckpt.tokenizer.decode(fused)!r} != {ckpt.tokenizer.decode(reference)!r}"
+    return tokens[True], tokens[False], logits
+
+
+def test_the_default_model_with_fp32_activations_decodes_the_same_greedy_tokens(monkeypatch):
+    fused, reference, logits = default_model_steps(monkeypatch, torch.float32, forced=False)
+    for prompt, ours, theirs in zip(PROMPTS, fused, reference):
+        assert len(ours) == 64
+        assert ours == theirs, f"{prompt!r}: the fused op's tokens part from the reference's"
+    for ours, theirs in logits:
+        torch.testing.assert_close(ours, theirs, atol=1e-5 * float(theirs.abs().max()), rtol=0)
+
+
+def test_the_default_model_with_bf16_activations_picks_the_reference_tokens_but_for_ties(monkeypatch):
+    """In bf16 the greedy token is often a tie or nearly (logits of 10 to 40 in steps of 2^-4 to 2^-2),
+    and one bf16 rounding that goes the other way can break it either way: the reference itself, run
+    in batches of 1 instead of 8, parts from its own tokens within 64 on 14 of these 20 prompts.
+    So both paths are fed the reference's tokens, and at every step where the reference's best logit
+    leads the next by more than two bf16 steps, the fused op must pick the same token."""
+    _, _, logits = default_model_steps(monkeypatch, torch.bfloat16, forced=True)
+    decided = agree = 0
+    for ours, theirs in logits:
+        top = theirs.topk(2, dim=-1).values  # (b, 2)
+        step = 2.0 ** (torch.frexp(top[:, 0].abs()).exponent - 8)  # a bf16 step at the best logit's size
+        clear = (top[:, 0] - top[:, 1]) > 2 * step
+        same = ours.argmax(-1) == theirs.argmax(-1)
+        assert same[clear].all(), "the fused op picked another token where the reference's choice was clear"
+        decided += int(clear.sum())
+        agree += int(same.sum())
+    assert decided > 0.8 * 20 * 63  # most steps are clear choices: the comparison above is not empty
+    assert agree > 0.95 * 20 * 63

@@ -112,6 +112,8 @@ class Llama(nn.Module):
         # Activations, norms and the KV cache use compute_dtype; matrices may be stored narrower
         # (bf16 or int8 weights with fp32 compute on CPUs without native bf16).
         self.compute_dtype = torch.float32
+        # Whether decode runs the layers as one C++ op where it applies (model/decode_step.py).
+        self.fused_decode = True
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
@@ -149,20 +151,22 @@ class Llama(nn.Module):
             x = x[:, -1:, :]
         return self.output(self.norm(x))
 
-    def decode(self, tokens: torch.Tensor, caches: list[KVCache], fused: bool = True) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, caches: list[KVCache], fused: bool | None = None) -> torch.Tensor:
         """One new token for each of several sequences: tokens (b,), sequence i at position
         caches[i].length (its keys/values written there) -> logits (b, vocab).
 
         The weight matrices are read once for all b rows; attention runs per sequence, each over
         its own cache. The caller appends the tokens to each cache's `tokens` afterwards.
-        Where it applies (model/decode_step.py), the layers run as one C++ op; fused=False, or
-        where it does not, they run as the blocks' decode methods below, the reference.
+        Where it applies (model/decode_step.py), the layers run as one C++ op; with fused=False
+        (default: self.fused_decode), or where it does not, they run as the blocks' decode methods
+        below, the reference.
         """
         positions = [cache.length for cache in caches]
         self.ensure_rope(max(positions) + 1)
         x = self.tok_embeddings(tokens).to(self.compute_dtype)  # (b, dim)
         cos = self.rope_cos[positions].to(x.dtype)  # (b, head_dim)
         sin = self.rope_sin[positions].to(x.dtype)
+        fused = self.fused_decode if fused is None else fused
         out = decode_layers(self, x, cos, sin, caches) if fused else None  # (b, dim), or None
         if out is None:
             x, cos, sin = x[:, None], cos[:, None, None], sin[:, None, None]  # (b, 1, dim), (b, 1, 1, head_dim)

@@ -50,7 +50,7 @@ from model.config import LlamaConfig  # noqa: E402
 class Runner:
     name: str
     system: str  # "ours", "transformers" or "llama.cpp"
-    options: dict = field(default_factory=dict)  # ours: load_checkpoint keywords (dtype by name)
+    options: dict = field(default_factory=dict)  # ours: load_checkpoint keywords (dtype by name; fused=False: op by op)
     baseline: str | None = None  # the row this one's ratios are taken against
     warmup_tokens: int = 0  # an untimed generation after the cold one (e.g. to compile the decode step)
 
@@ -59,6 +59,7 @@ class Runner:
 # more line here (or `--variant` on the command line).
 RUNNERS = [
     Runner("ours bf16", "ours", {"dtype": "bfloat16"}, baseline="transformers bf16"),
+    Runner("ours bf16 op by op", "ours", {"dtype": "bfloat16", "fused": False}, baseline="transformers bf16"),
     Runner("ours fp32", "ours", {"dtype": "float32"}, baseline="transformers fp32"),
     Runner("ours int8", "ours", {"dtype": "bfloat16", "quantize": "int8"}, baseline="transformers bf16"),
     Runner("ours bf16 compiled", "ours", {"dtype": "bfloat16", "compile": True}, baseline="transformers bf16",
@@ -99,8 +100,10 @@ def work_ours(spec: dict, prompt: list[int]) -> dict:
 
     options = dict(spec["options"])
     dtype = DTYPES[options.pop("dtype")]
+    fused = options.pop("fused", True)  # False: decode runs the reference, op by op (Llama.fused_decode)
     start = time.perf_counter()
     ckpt = model.load_checkpoint(spec["folder"], dtype=dtype, **options)
+    ckpt.model.fused_decode = fused
     load_s, after_load = time.perf_counter() - start, memory_mb()
 
     def run(n):

@@ -1,7 +1,9 @@
-"""The decode kernel: csrc/matvec.cpp built with the system compiler once, cached, and loaded.
+"""The decode kernel: csrc/matvec.cpp and csrc/decode_step.cpp built with the system compiler once,
+cached, and loaded.
 
 Decode multiplies every weight matrix by a few rows, so it runs at the speed weights stream from
-memory; the kernel's ops stream 16-bit or 8-bit weights directly (see the C++ file). The
+memory; the kernel's ops stream 16-bit or 8-bit weights directly (see matvec.cpp), and
+decode_layers runs a whole decode step's layers in one call (see decode_step.cpp). The
 instruction set is picked when the file is compiled, by `-march`: `native` (the default) gives
 the AVX-512 or AVX2 code on CPUs that have it and plain loops elsewhere. `LLAMA_KERNEL_MARCH`
 overrides it (e.g. `znver3` to run the AVX2 code on an AVX-512 machine, `x86-64` for the plain
@@ -28,7 +30,7 @@ import torch
 from .cpu import cache_dir, cpu_tag
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCE = CSRC / "matvec.cpp"  # includes the dot_*.h beside it
+SOURCES = [CSRC / "matvec.cpp", CSRC / "decode_step.cpp"]  # matvec.cpp includes the dot_*.h beside it
 FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fvisibility=hidden"]  # and -march=...; hidden: no calls through the PLT
 
 
@@ -38,7 +40,8 @@ class KernelBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class Kernels:
-    """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws) and matvec_int8(x, ws, scales)."""
+    """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws), matvec_int8(x, ws, scales)
+    and decode_layers(...) (model/decode_step.py calls it)."""
 
     march: str
     name: str  # the library's and the ops' namespace: one per -march, so builds load side by side
@@ -124,6 +127,7 @@ def _build(march: str) -> Kernels:
     # Shapes of the outputs, so torch.compile can trace through the ops: x (..., K) -> (..., sum N_i).
     torch.library.register_fake(f"{name}::matvec_bf16")(lambda x, ws: _fake_output(x, ws))
     torch.library.register_fake(f"{name}::matvec_int8")(lambda x, ws, scales: _fake_output(x, ws))
+    torch.library.register_fake(f"{name}::decode_layers")(lambda x, *rest: torch.empty_like(x))
     return Kernels(march=march, name=name, ops=ops, path=ops.path(), folder=folder)
 
 
@@ -135,11 +139,11 @@ def _compile(name: str, march: str, folder: Path) -> None:
     scratch = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     scratch.mkdir(parents=True, exist_ok=True)
     try:
-        load(name=name, sources=[str(SOURCE)], extra_cflags=[*FLAGS, f"-march={march}"],
+        load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=[*FLAGS, f"-march={march}"],
              build_directory=str(scratch), is_python_module=False, verbose=False)  # builds and loads
     except Exception as e:  # no compiler, an -march it does not know, or an unsupported platform
         shutil.rmtree(scratch, ignore_errors=True)
-        raise KernelBuildError(f"building {SOURCE} with -march={march} failed: {_first_error(str(e))}") from None
+        raise KernelBuildError(f"building {CSRC} with -march={march} failed: {_first_error(str(e))}") from None
     try:
         scratch.rename(folder)
     except OSError:  # another process finished the same build first: keep its folder

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LlamaConfig
+from .decode_step import decode_layers
 from .kv_cache import KVCache
 from .linear import Embedding, Linear, project
 from .rope import apply_rope, rope_tables
@@ -111,6 +112,8 @@ class Llama(nn.Module):
         # Activations, norms and the KV cache use compute_dtype; matrices may be stored narrower
         # (bf16 or int8 weights with fp32 compute on CPUs without native bf16).
         self.compute_dtype = torch.float32
+        # Whether decode runs the layers as one C++ op where it applies (model/decode_step.py).
+        self.fused_decode = True
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
@@ -148,18 +151,26 @@ class Llama(nn.Module):
             x = x[:, -1:, :]
         return self.output(self.norm(x))
 
-    def decode(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, caches: list[KVCache], fused: bool | None = None) -> torch.Tensor:
         """One new token for each of several sequences: tokens (b,), sequence i at position
         caches[i].length (its keys/values written there) -> logits (b, vocab).
 
         The weight matrices are read once for all b rows; attention runs per sequence, each over
         its own cache. The caller appends the tokens to each cache's `tokens` afterwards.
+        Where it applies (model/decode_step.py), the layers run as one C++ op; with fused=False
+        (default: self.fused_decode), or where it does not, they run as the blocks' decode methods
+        below, the reference.
         """
-        positions = torch.tensor([cache.length for cache in caches], device=tokens.device)
-        self.ensure_rope(int(positions.max()) + 1)
-        x = self.tok_embeddings(tokens[:, None]).to(self.compute_dtype)  # (b, 1, dim)
-        cos = self.rope_cos[positions].to(x.dtype)[:, None, None]  # (b, 1, 1, head_dim)
-        sin = self.rope_sin[positions].to(x.dtype)[:, None, None]
-        for i, layer in enumerate(self.layers):
-            x = layer.decode(x, cos, sin, caches, i)
-        return self.output(self.norm(x))[:, 0]
+        positions = [cache.length for cache in caches]
+        self.ensure_rope(max(positions) + 1)
+        x = self.tok_embeddings(tokens).to(self.compute_dtype)  # (b, dim)
+        cos = self.rope_cos[positions].to(x.dtype)  # (b, head_dim)
+        sin = self.rope_sin[positions].to(x.dtype)
+        fused = self.fused_decode if fused is None else fused
+        out = decode_layers(self, x, cos, sin, caches) if fused else None  # (b, dim), or None
+        if out is None:
+            x, cos, sin = x[:, None], cos[:, None, None], sin[:, None, None]  # (b, 1, dim), (b, 1, 1, head_dim)
+            for i, layer in enumerate(self.layers):
+                x = layer.decode(x, cos, sin, caches, i)
+            out = x[:, 0]
+        return self.output(self.norm(out))

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "dot_portable.h"
+#include "matvec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include "dot_avx512.h"
@@ -230,6 +231,14 @@ at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList sc
 std::string path() { return kPath; }
 
 }  // namespace
+
+at::Tensor llama::matvec(const at::Tensor& x, at::TensorList ws, at::TensorList scales) {
+  TORCH_CHECK(!ws.empty(), "matvec: no weight matrices");
+  if (ws[0].scalar_type() == at::kChar) return matvec_int8(x, ws, scales);
+  TORCH_CHECK(scales.empty(), "matvec: ", scales.size(), " scale tensors for ", ws[0].scalar_type(),
+              " weights; expected none");
+  return matvec_bf16(x, ws);
+}
 
 // The op namespace is the build's name, so builds for different instruction sets load side by side.
 #define DEFINE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)

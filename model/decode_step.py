@@ -1,0 +1,83 @@
+"""The fast decode step: every layer of one decode step in one C++ op (csrc/decode_step.cpp).
+
+Run op by op, a layer of a small model's decode step is about 25 small ATen ops that together take
+as long as reading the layer's weights. `decode_layers` hands the whole stack of layers to one op
+instead, which computes the same maths (Block.decode in model/llama.py, the reference it is tested
+against) in plain loops between the decode kernel's matrix products. Llama.decode takes it on the
+CPU when the kernel is built (LLAMA_KERNELS=0 turns it off), for weight matrices the kernel streams
+(all bf16, or all int8 with group scales) and activations in fp32 or bf16; otherwise the reference.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .kernels import kernels
+from .kv_cache import KVCache
+from .linear import MAX_KERNEL_ROWS
+
+# Each layer's matrices in the order the op takes them (csrc/decode_step.cpp's Matrix): q|k|v and
+# w1|w3 side by side, so each group is one call of the decode kernel.
+LAYER_MATRICES = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                  "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
+KERNEL_WEIGHTS = (torch.bfloat16, torch.int8)  # the kinds of weight matrix the op streams
+
+
+class LayerWeights:
+    """The op's norms, weights and scales of one model: gathered once (a few hundred module attribute
+    reads, about a millisecond), then checked on each step against the modules' own tensors by
+    identity (plain dict reads, tens of microseconds), so weights swapped after loading are the ones used."""
+
+    def __init__(self, model):
+        self.norms = [norm for block in model.layers for norm in (block.attention_norm, block.ffn_norm)]
+        self.linears = [block.get_submodule(name) for block in model.layers for name in LAYER_MATRICES]
+        self.found = None  # (the modules' tensors, the op's norms, weights and scales), per activation dtype
+        self.dtype = None
+
+    def current(self, dtype: torch.dtype) -> tuple[list, list, list] | None:
+        """(norms in `dtype`, weights, scales) for the op, or None where the matrices are not all of one
+        kind it takes."""
+        tensors = ([n._parameters["weight"] for n in self.norms] + [m._parameters["weight"] for m in self.linears]
+                   + [m._buffers["scale"] for m in self.linears])
+        if self.found is None or self.dtype != dtype or any(a is not b for a, b in zip(tensors, self.found[0])):
+            self.found, self.dtype = (tensors, self.gather(dtype)), dtype
+        return self.found[1]
+
+    def gather(self, dtype: torch.dtype):
+        weights = [m.weight for m in self.linears]
+        kind = weights[0].dtype
+        if kind not in KERNEL_WEIGHTS or any(w.dtype != kind for w in weights):
+            return None
+        scales = [m.scale.float() for m in self.linears] if kind == torch.int8 else []
+        return [n.weight.to(dtype) for n in self.norms], weights, scales
+
+
+_layer_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its LayerWeights
+
+
+def decode_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[KVCache],
+                  ops=None) -> torch.Tensor | None:
+    """x (b, dim) through every layer of `model` in one op, sequence i's key and value written to
+    caches[i] at its length; cos, sin (b, head_dim) in x's dtype. None where the op does not apply
+    (no kernel, not on the CPU, weights it does not take, more sequences than it takes): the caller
+    runs the reference. `ops`: the build to use (default: the one linears() uses)."""
+    if torch.compiler.is_compiling():  # torch.compile traces the reference, not this op
+        return None
+    ops = ops or kernels()
+    if (ops is None or x.device.type != "cpu" or not 1 <= x.shape[0] <= MAX_KERNEL_ROWS
+            or x.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    if model not in _layer_weights:
+        _layer_weights[model] = LayerWeights(model)
+    found = _layer_weights[model].current(x.dtype)
+    if found is None:
+        return None
+    for cache in caches:
+        if cache.length >= cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions; asked to write up to {cache.length + 1}")
+    norms, weights, scales = found
+    config = model.config
+    return ops.decode_layers(x, norms, weights, scales, cos, sin, [c.k for c in caches], [c.v for c in caches],
+                             [c.length for c in caches], config.n_heads, config.norm_eps)

@@ -1,7 +1,7 @@
 """The decode kernel: csrc/matvec.cpp built with the system compiler once, cached, and loaded.
 
 Decode multiplies every weight matrix by a few rows, so it runs at the speed weights stream from
-memory; the kernel's ops stream 16-bit or 8-bit weights directly (see the C++ file). The
+memory; the kernel's ops stream 16-bit, 8-bit or 4-bit weights directly (see the C++ file). The
 instruction set is picked when the file is compiled, by `-march`: `native` (the default) gives
 the AVX-512 or AVX2 code on CPUs that have it and plain loops elsewhere. `LLAMA_KERNEL_MARCH`
 overrides it (e.g. `znver3` to run the AVX2 code on an AVX-512 machine, `x86-64` for the plain
@@ -38,7 +38,8 @@ class KernelBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class Kernels:
-    """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws) and matvec_int8(x, ws, scales)."""
+    """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws), matvec_int8(x, ws, scales)
+    and matvec_int4(x, ws, scales, offsets)."""
 
     march: str
     name: str  # the library's and the ops' namespace: one per -march, so builds load side by side
@@ -124,6 +125,7 @@ def _build(march: str) -> Kernels:
     # Shapes of the outputs, so torch.compile can trace through the ops: x (..., K) -> (..., sum N_i).
     torch.library.register_fake(f"{name}::matvec_bf16")(lambda x, ws: _fake_output(x, ws))
     torch.library.register_fake(f"{name}::matvec_int8")(lambda x, ws, scales: _fake_output(x, ws))
+    torch.library.register_fake(f"{name}::matvec_int4")(lambda x, ws, scales, offsets: _fake_output(x, ws))
     return Kernels(march=march, name=name, ops=ops, path=ops.path(), folder=folder)
 
 

@@ -99,4 +99,28 @@ void dot_q8(const int8_t* w, const int16_t* x, int64_t x_stride, const float* sc
   FOR_EACH_ROW(m) out[m] = _mm512_reduce_add_ps(total[m]);
 }
 
+// int4 w (portable::dot_q4's blocks), fp32 x: each block's 16 bytes widened to 16 int32 lanes, whose
+// low nibbles are the block's first 16 weights and high nibbles its last 16; both halves become
+// fp32 weights (q * scale + offset, one multiply-add) once for all M rows.
+template <int M, bool Offsets>
+void dot_q4(const uint8_t* w, const float* x, int64_t x_stride, const uint16_t* scale, const uint16_t* offset,
+            int64_t len, float* out) {
+  __m512 lo_acc[M], hi_acc[M];
+  FOR_EACH_ROW(m) lo_acc[m] = hi_acc[m] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  for (int64_t k = 0, b = 0; k < len; k += portable::kQ4Block, b++) {
+    prefetch_ahead(w + k / 2);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
+    const float s = _cvtsh_ss(scale[b]);
+    const __m512 sv = _mm512_set1_ps(s), ov = _mm512_set1_ps(Offsets ? _cvtsh_ss(offset[b]) : -8.f * s);
+    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble)), sv, ov);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), sv, ov);
+    FOR_EACH_ROW(m) {
+      lo_acc[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + m * x_stride + k), lo_acc[m]);
+      hi_acc[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + m * x_stride + k + 16), hi_acc[m]);
+    }
+  }
+  FOR_EACH_ROW(m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[m], hi_acc[m]));
+}
+
 }  // namespace avx512

@@ -268,14 +268,15 @@ def test_int8_weights_need_the_quantization_entry(q8_0_copy):
     del config["quantization"]
     (q8_0_copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r'config.json: the weights hold int8 tensors with scales, so expected '
-                                              r'"quantization": \{"method": "int8", "group_size": N\}, found None'):
+                                              r'"quantization": \{"method": "int8", "group_size": N\} or '
+                                              r'\{"method": "int4", "group_size": 32\}, found None'):
         load_checkpoint(q8_0_copy)
 
 
 def test_int8_scales_must_fit_the_group_size(q8_0_copy):
     config = json.loads((q8_0_copy / "config.json").read_text())
     (q8_0_copy / "config.json").write_text(json.dumps(config | {"quantization": {"method": "int8", "group_size": 16}}))
-    with pytest.raises(CheckpointError, match=r"copy/model.safetensors: int8 weights: model.layers.0.self_attn.k_proj"
-                                              r".weight: \(32, 64\) with scale \(32, 2\), expected scale \(32, 4\) "
+    with pytest.raises(CheckpointError, match=r"copy/model.safetensors: quantized weights: model.layers.0.self_attn.k_proj"
+                                              r".weight: \(32, 64\) with scale \(32, 2\), expected \(32, 4\) "
                                               r"for group_size 16, "):
         load_checkpoint(q8_0_copy)

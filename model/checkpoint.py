@@ -38,7 +38,7 @@ from .chat_format import load_chat_format
 from .config import DEFAULT_MAX_CONTEXT, ConfigError, LlamaConfig
 from .cpu import has_native_bf16
 from .kernels import decode_path, kernels
-from .linear import QUANTIZE, quantize_model
+from .linear import OUTPUT_HEAD, QUANTIZE, quantize_model
 from .llama import Llama
 from .quantize import INT4_GROUP, can_quantize_int4, quantize_int4, quantize_int8
 from .rope import permute_qk_rows
@@ -338,9 +338,9 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
 
     dtype: how weight matrices are stored (default: bf16 where that is fast, else fp32); the
     activations run in it too where the hardware computes natively in it, else in fp32.
-    quantize: "int8" stores the linear layers as int8 with one scale per 64 weights of a row; "int4" as
-    int4 with one scale and offset per 32 (the embedding table stays in `dtype`; the tied output head
-    gets its own quantized copy). Weights quantized in the file stay as they are with the file's
+    quantize: "int8" stores the linear layers as int8 with one scale per 64 weights of a row; "int4" the
+    layers' matrices as int4 with one scale and offset per 32 and the output head as int8 (OUTPUT_HEAD).
+    The embedding table stays in `dtype`; a tied output head gets its own quantized copy. Weights quantized in the file stay as they are with the file's
     scales and offsets, whatever `dtype` and `quantize`.
     compile: run single-token decode steps through torch.compile (compiled on the first reply).
     """
@@ -392,7 +392,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
         model.output.scale, model.output.offset = model.tok_embeddings.scale, model.tok_embeddings.offset
     model.compute_dtype = compute
     if quantize is not None:
-        quantize_model(model, quantize)  # what is left: the output head
+        quantize_model(model, OUTPUT_HEAD[quantize])  # what is left: the output head
     if compile:
         model.decode = torch.compile(model.decode, dynamic=True)
     model.setup_rope(min(config.max_seq_len, DEFAULT_MAX_CONTEXT))

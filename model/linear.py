@@ -19,6 +19,9 @@ from .quantize import can_quantize_int4, dequantize, quantize_int4, quantize_int
 MAX_KERNEL_ROWS = 8  # rows of x (tokens in one decode step) the decode kernel takes; more go to F.linear
 DEQUANTIZE_BLOCK_BYTES = 8 << 20  # a quantized matrix is widened for F.linear this many bytes of rows at a time
 QUANTIZE = ("int8", "int4")  # what quantize_model and load_checkpoint(quantize=...) take
+# How the output head is stored under each: int4 keeps it int8. On the default model an int4 head alone put
+# perplexity 5.5% above bf16's, an int8 one 0.1% (docs/benchmarks.md); llama.cpp's Q4 files keep it at 6 bits too.
+OUTPUT_HEAD = {"int8": "int8", "int4": "int8"}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,

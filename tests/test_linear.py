@@ -181,8 +181,9 @@ def test_int4_scales_and_offsets_are_buffers_that_move_and_are_saved(folder):
         assert torch.equal(state[f"layers.0.attention.wq.{buffer}"], getattr(wq, buffer))
         assert getattr(wq, buffer).shape == (wq.out_features, wq.in_features // 32)
         assert getattr(wq, buffer).dtype == torch.float16
-    assert {"output.weight", "output.scale", "output.offset"} <= set(state)  # the tied head's own int4 copy
-    assert state["output.weight"].dtype == torch.uint8 and ckpt.model.tok_embeddings.weight.dtype == torch.float32
+    assert {"output.weight", "output.scale"} <= set(state) and "output.offset" not in state
+    assert state["output.weight"].dtype == torch.int8  # the tied head's own copy, int8 (OUTPUT_HEAD)
+    assert ckpt.model.tok_embeddings.weight.dtype == torch.float32
     moved = ckpt.model.layers[0].attention.to("meta")
     assert moved.wq.offset.device.type == "meta" and moved.wq.weight.device.type == "meta"
     layer = ckpt.model.layers[1].feed_forward.w2
@@ -226,7 +227,7 @@ def test_int4_model_is_the_float_model_with_its_dequantized_weights(folder):
         full.model.output.weight = torch.nn.Parameter(full.model.output.weight.clone())  # untied, as int4's
         for name, module in int4.model.named_modules():
             if isinstance(module, Linear):
-                assert module.weight.dtype == torch.uint8, name
+                assert module.weight.dtype == (torch.int8 if name == "output" else torch.uint8), name
                 full.model.get_submodule(name).weight.copy_(dequantize(module.weight, module.scale, module.offset))
         torch.testing.assert_close(full.model(ids), b, rtol=1e-4, atol=1e-4 * a.abs().max().item())
 

@@ -102,7 +102,7 @@ void dot_q8(const int8_t* w, const int16_t* x, int64_t x_stride, const float* sc
 
 // int4 w (portable::dot_q4's blocks), fp32 x. A block's 16 bytes widened to 16 int32 lanes hold its
 // first 16 weights in their low nibbles and its last 16 in their high nibbles; both halves become fp32
-// weights (q * scale + offset, one multiply-add) once for all M rows. Scales and offsets are widened to
+// weights (q * scale + offset) once for all M rows. Scales and offsets are widened to
 // fp32 kQ4Chunk blocks at a time (16 per instruction), so a block broadcasts them from L1.
 constexpr int64_t kQ4Chunk = 64;
 
@@ -114,14 +114,25 @@ inline void widen_fp16(const uint16_t* from, float* to, int64_t n) {
   }
 }
 
+// The fp16 values of a chunk of blocks as far ahead as the weights are prefetched (their bytes are an
+// eighth of the weights'): without it each row began with a wait for its scales and offsets from memory.
+inline void prefetch_blocks(const uint16_t* p) {
+  constexpr int64_t kAhead = kPrefetchBytes / 8, kBytes = kQ4Chunk * 2;
+  for (int64_t i = 0; i < kBytes; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + kAhead + i);
+}
+
 // One block (weights k..k+31) into the accumulators lo (its first 16 weights) and hi (its last 16).
+// The block's 16 possible weights q * s + o (q = 0..15) are one multiply-add into a register, and each
+// lane of bytes picks its weight from it with vpermps, which reads only the index's low 4 bits: the low
+// nibble as it is, the high one after a shift (no mask, no int -> float conversion).
 template <int M>
 inline void q4_block(const uint8_t* w, const float* x, int64_t x_stride, int64_t k, float s, float o,
                      __m512 (&lo_acc)[M], __m512 (&hi_acc)[M]) {
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
-  const __m512 sv = _mm512_set1_ps(s), ov = _mm512_set1_ps(o);
-  const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))), sv, ov);
-  const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), sv, ov);
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 table = _mm512_fmadd_ps(levels, _mm512_set1_ps(s), _mm512_set1_ps(o));
+  const __m512 lo = _mm512_permutexvar_ps(bytes, table);
+  const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
   FOR_EACH_ROW(m) {
     lo_acc[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + m * x_stride + k), lo_acc[m]);
     hi_acc[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + m * x_stride + k + 16), hi_acc[m]);
@@ -140,13 +151,15 @@ void dot_q4(const uint8_t* w, const float* x, int64_t x_stride, const uint16_t* 
   const int64_t blocks = len / portable::kQ4Block;
   for (int64_t c = 0; c < blocks; c += kQ4Chunk) {
     const int64_t n = std::min(kQ4Chunk, blocks - c);
+    prefetch_blocks(scale + c);  // the rows after this one: scales and offsets are streams of their own
+    if (Offsets) prefetch_blocks(offset + c);
     widen_fp16(scale + c, s, n);
     if (Offsets) widen_fp16(offset + c, o, n);
     else for (int64_t b = 0; b < n; b++) o[b] = -8.f * s[b];
     int64_t b = 0;
     for (; b + 2 <= n; b += 2) {
       const int64_t k = (c + b) * portable::kQ4Block;
-      prefetch_ahead(w + k / 2);
+      if (b % 4 == 0) prefetch_ahead(w + k / 2);  // one cache line: 4 blocks
       q4_block<M>(w, x, x_stride, k, s[b], o[b], lo0, hi0);
       if (kTwoPairs) q4_block<M>(w, x, x_stride, k + portable::kQ4Block, s[b + 1], o[b + 1], lo1, hi1);
       else q4_block<M>(w, x, x_stride, k + portable::kQ4Block, s[b + 1], o[b + 1], lo0, hi0);

@@ -88,7 +88,11 @@ void dot_q4(const uint8_t* w, const float* x, int64_t x_stride, const uint16_t* 
   FOR_EACH_ROW(m) for (int a = 0; a < A; a++) acc[m][a] = _mm256_setzero_ps();
   const __m256i nibble = _mm256_set1_epi32(0x0F);
   for (int64_t k = 0, b = 0; k < len; k += portable::kQ4Block, b++) {
-    prefetch_ahead(w + k / 2);
+    if (b % 4 == 0) prefetch_ahead(w + k / 2);  // one cache line: 4 blocks
+    if (b % 32 == 0) {  // a cache line of fp16 values
+      prefetch_block_values(scale + b);
+      if (Offsets) prefetch_block_values(offset + b);
+    }
     const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2)));
     const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2 + 8)));
     const float s = _cvtsh_ss(scale[b]);

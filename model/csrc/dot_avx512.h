@@ -114,13 +114,6 @@ inline void widen_fp16(const uint16_t* from, float* to, int64_t n) {
   }
 }
 
-// The fp16 values of a chunk of blocks as far ahead as the weights are prefetched (their bytes are an
-// eighth of the weights'): without it each row began with a wait for its scales and offsets from memory.
-inline void prefetch_blocks(const uint16_t* p) {
-  constexpr int64_t kAhead = kPrefetchBytes / 8, kBytes = kQ4Chunk * 2;
-  for (int64_t i = 0; i < kBytes; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + kAhead + i);
-}
-
 // One block (weights k..k+31) into the accumulators lo (its first 16 weights) and hi (its last 16).
 // The block's 16 possible weights q * s + o (q = 0..15) are one multiply-add into a register, and each
 // lane of bytes picks its weight from it with vpermps, which reads only the index's low 4 bits: the low
@@ -151,8 +144,10 @@ void dot_q4(const uint8_t* w, const float* x, int64_t x_stride, const uint16_t* 
   const int64_t blocks = len / portable::kQ4Block;
   for (int64_t c = 0; c < blocks; c += kQ4Chunk) {
     const int64_t n = std::min(kQ4Chunk, blocks - c);
-    prefetch_blocks(scale + c);  // the rows after this one: scales and offsets are streams of their own
-    if (Offsets) prefetch_blocks(offset + c);
+    for (int64_t b = 0; b < n; b += 32) {  // one cache line of fp16 values each
+      prefetch_block_values(scale + c + b);
+      if (Offsets) prefetch_block_values(offset + c + b);
+    }
     widen_fp16(scale + c, s, n);
     if (Offsets) widen_fp16(offset + c, o, n);
     else for (int64_t b = 0; b < n; b++) o[b] = -8.f * s[b];

@@ -25,6 +25,15 @@ inline void prefetch_ahead(const void* p) {
 #endif
 }
 
+// int4 scales and offsets (fp16, one per 32 weights: an eighth of the weights' bytes) are streams of
+// their own, asked for as far ahead as the weights: without it each row of the int4 kernel began with a
+// wait for its scales and offsets from memory (22 -> 31-34 GB/s of int4 weights on 1B matrices).
+inline void prefetch_block_values(const uint16_t* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes / 8);
+#endif
+}
+
 namespace portable {
 
 inline float fp16_to_float(uint16_t fp16) { return c10::detail::fp16_ieee_to_fp32_value(fp16); }
@@ -94,6 +103,10 @@ void dot_q4(const uint8_t* w, const float* x, int64_t x_stride, const uint16_t* 
   for (int64_t k = 0, b = 0; k < len; k += kQ4Block, b++) {
     const uint8_t* bytes = w + k / 2;
     prefetch_ahead(bytes);
+    if (b % 32 == 0) {  // a cache line of fp16 values
+      prefetch_block_values(scale + b);
+      if (Offsets) prefetch_block_values(offset + b);
+    }
     const float s = fp16_to_float(scale[b]), o = Offsets ? fp16_to_float(offset[b]) : -8.f * s;
     float wf[kQ4Block];
     for (int j = 0; j < kQ4Block / 2; j++) {

@@ -167,4 +167,77 @@ void dot_q4(const uint8_t* w, const float* x, int64_t x_stride, const uint16_t* 
   }
 }
 
+#if defined(__AVX512VNNI__)
+// int4 w, int16 x (each row rounded with one scale, as for int8 weights): the nibbles widened to int16
+// and multiplied by x in pairs, added into int32 (vpdpwssd, 32 products an instruction), each block's
+// integer sum then scaled in fp32. Two blocks A, B share one register: their 32 bytes widen to
+// [A's 16 bytes, B's 16 bytes], whose low nibbles are A's and B's first 16 weights and high nibbles
+// their last 16, so x comes in that order (q4_x_order); lanes 0-7 of the sums are A's, 8-15 B's.
+// The offsets' part, sum over blocks of offset * (sum of x over the block), is a dot product of the
+// offsets with x's block sums (xsum, divided by x's scale as the integer sums are), 16 blocks a step.
+// A last odd block of K goes alone, in order, 256 bits wide.
+constexpr int64_t kQ4Pair = 2 * portable::kQ4Block;
+
+// Where weight j of a row (0 <= j < k_dim) sits in the int16 x that dot_q4_vnni reads.
+inline int64_t q4_x_order(int64_t j, int64_t k_dim) {
+  const int64_t pair = j / kQ4Pair * kQ4Pair, i = j - pair;
+  if (pair + kQ4Pair > k_dim) return j;  // the last odd block: in order
+  const int64_t half = i % 32 / 16, block = i / 32;  // half 0: first 16 weights of its block
+  return pair + half * 32 + block * 16 + i % 16;
+}
+
+template <int M, bool Offsets>
+void dot_q4_vnni(const uint8_t* w, const int16_t* x, int64_t x_stride, const float* xsum, int64_t xsum_stride,
+                 const uint16_t* scale, const uint16_t* offset, int64_t len, float* out) {
+  __m512 total[M];
+  FOR_EACH_ROW(m) total[m] = _mm512_setzero_ps();
+  alignas(64) float s[kQ4Chunk], o[kQ4Chunk];
+  const int64_t blocks = len / portable::kQ4Block;
+  for (int64_t c = 0; c < blocks; c += kQ4Chunk) {
+    const int64_t n = std::min(kQ4Chunk, blocks - c);
+    for (int64_t b = 0; b < n; b += 32) {  // one cache line of fp16 values each
+      prefetch_block_values(scale + c + b);
+      if (Offsets) prefetch_block_values(offset + c + b);
+    }
+    widen_fp16(scale + c, s, n);
+    if (Offsets) widen_fp16(offset + c, o, n);
+    for (int64_t b = 0; b < n; b += 16) {
+      const __mmask16 lanes = n - b >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - b)) - 1);
+      const __m512 ov = Offsets ? _mm512_maskz_loadu_ps(lanes, o + b)
+                                : _mm512_mul_ps(_mm512_set1_ps(-8.f), _mm512_maskz_loadu_ps(lanes, s + b));
+      FOR_EACH_ROW(m) total[m] = _mm512_fmadd_ps(ov, _mm512_maskz_loadu_ps(lanes, xsum + m * xsum_stride + c + b),
+                                                 total[m]);
+    }
+    int64_t b = 0;
+    for (; b + 2 <= n; b += 2) {
+      const int64_t k = (c + b) * portable::kQ4Block;
+      if (b % 4 == 0) prefetch_ahead(w + k / 2);  // one cache line: 4 blocks
+      const __m512i t = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k / 2)));
+      const __m512i lo = _mm512_and_si512(t, _mm512_set1_epi16(0x0F)), hi = _mm512_srli_epi16(t, 4);
+      const __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[b]), _mm512_set1_ps(s[b + 1]));
+      FOR_EACH_ROW(m) {
+        const int16_t* xm = x + m * x_stride + k;
+        __m512i acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xm));
+        acc = _mm512_dpwssd_epi32(acc, hi, _mm512_loadu_si512(xm + 32));
+        total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sv, total[m]);
+      }
+    }
+    if (b < n) {
+      const int64_t k = (c + b) * portable::kQ4Block;
+      const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
+      const __m256i lo = _mm256_and_si256(t, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(t, 4);
+      const __m512 sv = _mm512_set1_ps(s[b]);
+      FOR_EACH_ROW(m) {
+        const int16_t* xm = x + m * x_stride + k;
+        __m256i acc = _mm256_dpwssd_epi32(_mm256_setzero_si256(), lo,
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm)));
+        acc = _mm256_dpwssd_epi32(acc, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 16)));
+        total[m] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(acc)), sv, total[m]);
+      }
+    }
+  }
+  FOR_EACH_ROW(m) out[m] = _mm512_reduce_add_ps(total[m]);
+}
+#endif
+
 }  // namespace avx512

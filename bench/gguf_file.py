@@ -22,7 +22,7 @@ from common import CACHE
 from model.config import LlamaConfig, RopeFreqFactors
 from model.rope import permute_qk_rows
 
-GGUF_TYPES = ("bf16", "f16", "q8_0")  # the ones the benchmark compares
+GGUF_TYPES = ("bf16", "f16", "q8_0", "q4_0")  # the ones the benchmark compares (every matrix in that type)
 
 GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -238,10 +238,8 @@ const uint16_t* block_values(const char* what, size_t i, const at::Tensor& t, in
 }
 
 // int4 weights (model/quantize.py's layout): w uint8 (N, K / 2), scale and offset fp16 (N, K / 32) per
-// matrix, offset None for Q4_0's symmetric blocks. With AVX-512 VNNI, x is rounded to int16 per row (as
-// for int8 weights) and each block's products are summed as integers (avx512::dot_q4_vnni: 1.1-1.3x the
-// fp32 path's GB/s on 1B matrices); elsewhere x is widened to fp32 and each block of weights becomes fp32
-// in registers, so the result is that of the dequantized matrix, up to fp32 rounding.
+// matrix, offset None for Q4_0's symmetric blocks. x is widened to fp32 (each block of weights becomes
+// fp32 in registers, so the result is that of the dequantized matrix, up to fp32 rounding).
 at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList scales,
                        const c10::List<std::optional<at::Tensor>>& offsets) {
   const int64_t rows = check("matvec_int4", x, ws, at::kByte, 2);
@@ -261,40 +259,8 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
   }
   const at::Tensor xf = x.to(at::kFloat);  // no copy when x is fp32
   const float* xp = xf.data_ptr<float>();
-  at::Tensor y;
-#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
-  // x rounded to int16 with one scale per row (as for int8 weights) in dot_q4_vnni's order, and its sums
-  // over each block divided by that scale.
-  std::vector<int16_t> xq(rows * k_dim);
-  std::vector<float> xsum(rows * blocks);
-  float x_scale[kMaxRows];
-  for (int64_t m = 0; m < rows; m++) {
-    const float* xm = xp + m * k_dim;
-    float x_max = 0.f;
-    for (int64_t k = 0; k < k_dim; k++) x_max = std::max(x_max, std::abs(xm[k]));
-    x_scale[m] = x_max > 0.f ? x_max / 32767.f : 1.f;
-    for (int64_t k = 0; k < k_dim; k++)
-      xq[m * k_dim + avx512::q4_x_order(k, k_dim)] = static_cast<int16_t>(std::nearbyint(xm[k] / x_scale[m]));
-    for (int64_t b = 0; b < blocks; b++) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < portable::kQ4Block; j++) sum += xm[b * portable::kQ4Block + j];
-      xsum[m * blocks + b] = sum / x_scale[m];
-    }
-  }
-  with_rows(rows, [&](auto m_rows) {
-    constexpr int M = decltype(m_rows)::value;
-    y = rows_to<M>(x, ws, 1, 2, avx512::kQ4Pair, x_scale,
-                   [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
-      const uint8_t* row = w[i] + r * (k_dim / 2) + k0 / 2;
-      const int64_t first = r * blocks + k0 / portable::kQ4Block;  // the piece's first block
-      const int16_t* xk = xq.data() + k0;
-      const float* sums = xsum.data() + k0 / portable::kQ4Block;
-      if (o[i]) avx512::dot_q4_vnni<M, true>(row, xk, k_dim, sums, blocks, s[i] + first, o[i] + first, len, out);
-      else avx512::dot_q4_vnni<M, false>(row, xk, k_dim, sums, blocks, s[i] + first, nullptr, len, out);
-    });
-  });
-#else
   const float ones[kMaxRows] = {1, 1, 1, 1, 1, 1, 1, 1};
+  at::Tensor y;
   with_rows(rows, [&](auto m_rows) {
     constexpr int M = decltype(m_rows)::value;
     y = rows_to<M>(x, ws, 1, 4, portable::kQ4Block, ones,
@@ -305,7 +271,6 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
       else isa::dot_q4<M, false>(row, xp + k0, k_dim, s[i] + first, nullptr, len, out);
     });
   });
-#endif
   return y;
 }
 

@@ -49,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     quantized = p.add_mutually_exclusive_group()
     quantized.add_argument("--int8", action="store_true", help="store linear weights as int8 (faster decode)")
     quantized.add_argument("--int4", action="store_true",
-                           help="store linear weights as int4, a scale and offset per 32 (fastest decode)")
+                           help="store linear weights as int4, a scale and offset per 32 "
+                                "(fastest decode, slower prefill)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first reply)")
     return p.parse_args(argv)
 

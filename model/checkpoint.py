@@ -340,8 +340,9 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
     activations run in it too where the hardware computes natively in it, else in fp32.
     quantize: "int8" stores the linear layers as int8 with one scale per 64 weights of a row; "int4" the
     layers' matrices as int4 with one scale and offset per 32 and the output head as int8 (OUTPUT_HEAD).
-    The embedding table stays in `dtype`; a tied output head gets its own quantized copy. Weights quantized in the file stay as they are with the file's
-    scales and offsets, whatever `dtype` and `quantize`.
+    The embedding table stays in `dtype`; a tied output head gets its own quantized copy. Weights
+    quantized in the file stay as they are, with the file's scales and offsets, whatever `dtype` and
+    `quantize`.
     compile: run single-token decode steps through torch.compile (compiled on the first reply).
     """
     if quantize is not None and quantize not in QUANTIZE:

@@ -178,7 +178,8 @@ def test_q4_keeps_nibbles_and_f16_scales_as_they_are(imported, kind):
             blocks = tensor.data.reshape(tensor.shape[1], -1, 2 * len(header) + 16)
             if heads:
                 blocks = permute_qk_rows(blocks, heads, to="half")
-            assert np.array_equal(f.get_tensor(name + ".weight"), blocks[:, :, 2 * len(header):].reshape(len(blocks), -1))
+            nibbles = blocks[:, :, 2 * len(header):].reshape(len(blocks), -1)
+            assert np.array_equal(f.get_tensor(name + ".weight"), nibbles)
             for i, part in enumerate(header):
                 assert np.array_equal(f.get_tensor(f"{name}.{part}"),
                                       blocks[:, :, 2 * i:2 * i + 2].copy().view(np.float16)[..., 0])
@@ -321,7 +322,7 @@ def test_a_folder_with_no_llama_gguf(tmp_path, capsys):
     assert line == f"error: {tmp_path / 'models'}: imported no Llama GGUF (found no GGUF file)"
 
 
-# ---- loading int8 checkpoints: what must hold ------------------------------------------------------
+# ---- loading quantized checkpoints: what must hold -----------------------------------------------
 
 @pytest.fixture
 def q8_0_copy(imported, tmp_path) -> Path:
@@ -342,7 +343,18 @@ def test_int8_weights_need_the_quantization_entry(q8_0_copy):
 def test_int8_scales_must_fit_the_group_size(q8_0_copy):
     config = json.loads((q8_0_copy / "config.json").read_text())
     (q8_0_copy / "config.json").write_text(json.dumps(config | {"quantization": {"method": "int8", "group_size": 16}}))
-    with pytest.raises(CheckpointError, match=r"copy/model.safetensors: quantized weights: model.layers.0.self_attn.k_proj"
+    with pytest.raises(CheckpointError, match=r"copy/model.safetensors: quantized weights: "
+                                              r"model.layers.0.self_attn.k_proj"
                                               r".weight: \(32, 64\) with scale \(32, 2\), expected \(32, 4\) "
                                               r"for group_size 16, "):
         load_checkpoint(q8_0_copy)
+
+
+def test_int4_weights_need_the_int4_quantization_entry(imported, tmp_path):
+    _, folder, _ = imported("q4_1")
+    copy = Path(shutil.copytree(folder, tmp_path / "copy"))
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(config | {"quantization": {"method": "int8", "group_size": 32}}))
+    with pytest.raises(CheckpointError, match=r"config.json: the weights hold int4 \(uint8\) tensors, so expected "
+                                              r".*found \{'method': 'int8', 'group_size': 32\}"):
+        load_checkpoint(copy)

@@ -137,7 +137,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dequantize: bool
     """Convert a Llama GGUF into a model folder at `out_dir` (replacing any there); returns it.
 
     dequantize: tensor types other than F32/F16/BF16 become float32 (else only Q8_0, Q4_0 and Q4_1 are
-    accepted, kept as int8 and int4). Raises ConversionError for a bad file or a full disk, and leaves `out_dir`'s parent as it was.
+    accepted, kept as int8 and int4). Raises ConversionError for a bad file or a full disk, and leaves
+    `out_dir`'s parent as it was.
     """
     gguf_path = Path(gguf_path)
     log(f"reading {gguf_path}")

@@ -28,7 +28,7 @@ DEFAULT_MAX_BATCH = 8  # replies computed together
 DEFAULT_MAX_WAITING = 32  # replies waiting for a place in the batch; past it the server says it is busy
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
-QUANTIZE = ("off", "int8")
+QUANTIZE = ("off", "int8", "int4")
 DEFAULT_HISTORY_DB = PROJECT_ROOT / "data" / "history.db"
 DEFAULT_PRESETS = PROJECT_ROOT / "presets"  # system-prompt presets (app.presets)
 AUTH_MODES = ("none", "password")
@@ -46,7 +46,7 @@ class Settings:
     tokenizer: Path | None = None
     device: str = "auto"
     dtype: str = "auto"
-    quantize: str = "off"  # "int8": linear weights stored as int8 (faster decode)
+    quantize: str = "off"  # "int8" / "int4": linear weights stored as int8 / int4 (faster decode)
     max_context: int = DEFAULT_MAX_CONTEXT
     system_prompt: str | None = None
     presets: Path = DEFAULT_PRESETS  # a folder of named system prompts, NAME.md each

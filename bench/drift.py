@@ -18,9 +18,8 @@ import statistics
 import sys
 import time
 
-from common import RESULTS, ROOT, machine, random_checkpoint
-
 import torch  # noqa: E402
+from common import RESULTS, ROOT, machine, random_checkpoint
 
 sys.path.insert(0, str(ROOT / "tests"))
 

@@ -22,7 +22,7 @@ from common import CACHE
 from model.config import LlamaConfig, RopeFreqFactors
 from model.rope import permute_qk_rows
 
-GGUF_TYPES = ("bf16", "f16", "q8_0")  # the ones the benchmark compares
+GGUF_TYPES = ("bf16", "f16", "q8_0", "q4_0")  # the ones the benchmark compares (every matrix in that type)
 
 GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -74,9 +74,13 @@ def write_gguf(folder: Path, path: Path, kind: str, add_vocab: Callable | None =
     from safetensors import safe_open
 
     qtype = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16,
-             "f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
+             "f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+             "q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
+             "q5_0": gguf.GGMLQuantizationType.Q5_0}[kind]
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                 "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
+                 "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                 "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+                 "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0}[kind]
     c = LlamaConfig.from_hf_config(folder / "config.json")
     w = gguf.GGUFWriter(path, "llama", use_temp_file=True)
     w.add_name(name)

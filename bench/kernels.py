@@ -5,8 +5,8 @@ and F.linear, for M = 1, 2, 4, 8 rows of x and each build of the kernel (native,
 
 The calls are the ones a decode step makes: q|k|v in one call, wo, gate|up in one call, w2, and the
 output head. Each is timed over enough copies of its weights (at least --footprint MB, as the layers
-of a model are) that they stream from memory, not from the caches; GB/s = weight bytes (int8: with
-their scales) / seconds per call, best of --repeats passes over the copies. The probe is x.sum() over
+of a model are) that they stream from memory, not from the caches; GB/s = weight bytes (int8, int4:
+with their scales and offsets) / seconds per call, best of --repeats passes over the copies. The probe is x.sum() over
 --footprint MB of fp32, its passes taken in turn with the op's, so that each figure has a probe
 measured at the same moments (this VM's bandwidth moved between 30 and 90 GB/s from one minute to
 the next); a figure's percentage is of its own probe, and the "probe" column is the highest of the
@@ -15,7 +15,10 @@ load" is the cores they used during the row.
 
 Columns, per build: "bf16" = bf16 weights with bf16 x (vdpbf16ps, native AVX-512 BF16 builds only:
 other CPUs run fp32 activations), "bf16/fp32" = bf16 weights with fp32 x, "int8" = int8 weights with
-fp32 x. F.linear is bf16 x bf16 weights (oneDNN), the path without the kernel. Results: a table on
+fp32 x, "int4" = int4 weights (model/quantize.py: 4 bits, fp16 scale and offset per 32) with fp32 x;
+"int4 x" = how many times faster the first build's int4 call is than its bf16 call (bf16 x where the
+build has vdpbf16ps, else fp32 x), by time. F.linear is bf16 x bf16 weights (oneDNN), the path without
+the kernel. Results: a table on
 stdout and bench/results/kernels.json.
 """
 
@@ -33,7 +36,7 @@ from common import RESULTS, cpu_busy_s, machine, wait_for_idle
 
 from model.config import LlamaConfig  # noqa: E402
 from model.kernels import KernelBuildError, build  # noqa: E402
-from model.quantize import quantize_int8  # noqa: E402
+from model.quantize import quantize_int4, quantize_int8  # noqa: E402
 
 
 def decode_calls(config: LlamaConfig) -> dict[str, tuple[list[int], int]]:
@@ -102,9 +105,10 @@ def main() -> int:
           + ", ".join(f"{m} = {b.path}" for m, b in builds.items()), flush=True)
     probe_x = torch.ones(int(args.footprint * 1e6 / 4))  # fp32, as many bytes as the weights of a row
     columns = ["F.linear"] + [f"{march} {op}" for march, b in builds.items()
-                              for op in (["bf16"] if b.path == "AVX-512 BF16" else []) + ["bf16/fp32", "int8"]]
-    print("| model | call | N x K | M | probe GB/s | " + " | ".join(columns) + " | other load |")
-    print("|---|---|---|---|---|" + "---|" * len(columns) + "---|")
+                              for op in (["bf16"] if b.path == "AVX-512 BF16" else []) + ["bf16/fp32", "int8", "int4"]]
+    first = next(iter(builds), None)
+    print("| model | call | N x K | M | probe GB/s | " + " | ".join(columns) + " | int4 x | other load |")
+    print("|---|---|---|---|---|" + "---|" * len(columns) + "---|---|")
     results = []
     for model in args.models.split(","):
         config = LlamaConfig.preset(model)
@@ -117,6 +121,7 @@ def main() -> int:
             n_copies = max(1, round(args.footprint * 1e6 / nbytes))
             bf16 = [one] + [[w.clone() for w in one] for _ in range(n_copies - 1)]
             int8 = [[quantize_int8(w) for w in ws] for ws in bf16]
+            int4 = [[quantize_int4(w) for w in ws] for ws in bf16]
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k, generator=g)
                 xb = x.bfloat16()
@@ -132,16 +137,22 @@ def main() -> int:
                     runs[f"{march} bf16/fp32"] = (lambda ws, ops=ops: ops.matvec_bf16(x, ws), bf16)
                     runs[f"{march} int8"] = (
                         lambda qs, ops=ops: ops.matvec_int8(x, [q for q, _ in qs], [s for _, s in qs]), int8)
+                    runs[f"{march} int4"] = (lambda qs, ops=ops: ops.matvec_int4(
+                        x, [q for q, _, _ in qs], [s for _, s, _ in qs], [o for _, _, o in qs]), int4)
                 for column, (run, copies) in runs.items():
                     row[column], row[f"{column} probe"] = measure(run, copies, args.repeats, probe_x)
                 row["probe_gbps"] = max(row[f"{c} probe"] for c in columns)
+                if first is not None:  # by time: GB/s over the bytes each reads
+                    bf16_column = f"{first} bf16" if f"{first} bf16" in row else f"{first} bf16/fp32"
+                    row["int4_speedup"] = (row[f"{first} int4"] / sum(t.nbytes for t in flat(int4[0]))) / (
+                        row[bf16_column] / nbytes)
                 row["other_load_cores"] = max(0.0, (cpu_busy_s() - busy) - (own_cpu_s() - ours)) / (
                     time.perf_counter() - start)
                 results.append(row)
                 cells = " | ".join(f"{row[c]:.1f} ({100 * row[c] / row[f'{c} probe']:.0f}%)" for c in columns)
                 print(f"| {model} | {call} | {sum(ns)} x {k} | {m} | {row['probe_gbps']:.1f} | {cells} | "
-                      f"{row['other_load_cores']:.2f} |", flush=True)
-            del bf16, int8
+                      f"{row.get('int4_speedup', float('nan')):.2f} | {row['other_load_cores']:.2f} |", flush=True)
+            del bf16, int8, int4
     print("\n(percent: of the probe measured in turn with that figure)")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "kernels.json"

@@ -8,6 +8,7 @@ Ways (each in a fresh process, so peaks never mix):
   ours-fp32    model.load_checkpoint(folder, dtype=float32)
   naive-fp32   the same naive steps with the model built in fp32
   ours-int8    model.load_checkpoint(folder, dtype=bfloat16, quantize="int8")
+  ours-int4    model.load_checkpoint(folder, dtype=bfloat16, quantize="int4")
 
 Peak RSS (VmHWM of /proc/self/status) is read after loading and again after one forward pass, which
 touches every memory-mapped page. It counts file-backed pages of the mapping too (RssFile): the page
@@ -48,6 +49,7 @@ WAYS = {  # name: (loader, load_checkpoint keywords); the file is always bf16
     "ours-fp32": ("ours", {"dtype": "float32"}),
     "naive-fp32": ("naive", {"dtype": "float32"}),
     "ours-int8": ("ours", {"dtype": "bfloat16", "quantize": "int8"}),
+    "ours-int4": ("ours", {"dtype": "bfloat16", "quantize": "int4"}),
 }
 SLACK, OVERHEAD_MB = 1.15, 300.0
 

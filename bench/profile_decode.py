@@ -1,6 +1,6 @@
 """Where our engine's decode time goes: torch.profiler over a few decode steps, top ops by self CPU time.
 
-    python bench/profile_decode.py [--shape llama3.2-1b] [--dtype bfloat16] [--quantize int8] [--steps 16]
+    python bench/profile_decode.py [--shape llama3.2-1b] [--dtype bfloat16] [--quantize int8|int4] [--steps 16]
                                    [--op-by-op]
 
 Loads the random checkpoint of the shape, prefills a prompt, runs two untimed decode steps, then
@@ -27,7 +27,7 @@ def main() -> int:
                                 epilog="\n".join(__doc__.split("\n")[2:]))
     p.add_argument("--shape", default="llama3.2-1b")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--quantize", default=None, help="passed to load_checkpoint, e.g. int8")
+    p.add_argument("--quantize", default=None, help="passed to load_checkpoint: int8 or int4")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -1,10 +1,12 @@
-"""How much int8 (and bf16) weights change the default model's answers.
+"""How much int8 and int4 (and bf16) weights change the default model's answers.
 
-    python bench/quality.py [--checkpoint weights/SmolLM2-135M-Instruct]
+    python bench/quality.py [--checkpoint weights/SmolLM2-135M-Instruct] [--gguf file.gguf]
 
 For a fixed set of prompts: does greedy decoding give the same first 20 tokens as fp32 weights, and
-as bf16 weights (the default, which int8 replaces)? And the perplexity of a fixed text under each
-variant. Prints a table.
+as bf16 weights (the default, which int8 and int4 replace)? And the perplexity of a fixed text under
+each variant. With --gguf (default: the default model's own GGUF, where it is in the cache), one more
+row: that file imported as it is (Q4_1 matrices as int4 with the file's scales and minimums, its Q8_0
+embedding as int8). Prints a table.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import generate, load_checkpoint  # noqa: E402
+from model.convert.gguf import convert_gguf  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?", "Explain photosynthesis in one sentence.",
@@ -57,26 +61,43 @@ def perplexity(ckpt, text: str) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default="weights/SmolLM2-135M-Instruct")
+    p.add_argument("--gguf", default=None, help="a GGUF to import as it is for one more row "
+                   "(default: the default model's, where it is in the cache)")
     p.add_argument("--tokens", type=int, default=20)
     args = p.parse_args()
     variants = {
-        "fp32": dict(dtype=torch.float32),
-        "bf16": dict(dtype=torch.bfloat16),
-        "int8": dict(dtype=torch.bfloat16, quantize="int8"),
+        "fp32": (args.checkpoint, dict(dtype=torch.float32)),
+        "bf16": (args.checkpoint, dict(dtype=torch.bfloat16)),
+        "int8": (args.checkpoint, dict(dtype=torch.bfloat16, quantize="int8")),
+        "int4": (args.checkpoint, dict(dtype=torch.bfloat16, quantize="int4")),
     }
-    results = {}
-    for name, options in variants.items():
-        ckpt = load_checkpoint(args.checkpoint, **options)
-        results[name] = ([greedy(ckpt, q, args.tokens) for q in PROMPTS], perplexity(ckpt, TEXT))
-        del ckpt
-    print(f"{args.checkpoint}: {len(PROMPTS)} prompts, greedy, first {args.tokens} tokens\n")
+    gguf = Path(args.gguf) if args.gguf else default_gguf()
+    with tempfile.TemporaryDirectory() as scratch:
+        if gguf is not None:
+            variants["int4 (GGUF as is)"] = (convert_gguf(gguf, Path(scratch) / "as-is"), dict(dtype=torch.bfloat16))
+        results = {}
+        for name, (checkpoint, options) in variants.items():
+            ckpt = load_checkpoint(checkpoint, **options)
+            results[name] = ([greedy(ckpt, q, args.tokens) for q in PROMPTS], perplexity(ckpt, TEXT))
+            del ckpt
+    print(f"{args.checkpoint}: {len(PROMPTS)} prompts, greedy, first {args.tokens} tokens"
+          + (f"; GGUF: {gguf.name}" if gguf else "") + "\n")
     print("| weights | same first tokens as fp32 | as bf16 | mean tokens before the first difference from bf16 "
-          "| perplexity | vs fp32 |")
-    print("|---|---|---|---|---|---|")
+          "| perplexity | vs fp32 | vs bf16 |")
+    print("|---|---|---|---|---|---|---|")
+    fp32, bf16 = results["fp32"], results["bf16"]
     for name, (tokens, ppl) in results.items():
-        print(f"| {name} | {same(tokens, results['fp32'][0])}/{len(PROMPTS)} | "
-              f"{same(tokens, results['bf16'][0])}/{len(PROMPTS)} | {agreeing(tokens, results['bf16'][0]):.1f} | "
-              f"{ppl:.3f} | {(ppl / results['fp32'][1] - 1) * 100:+.2f}% |")
+        print(f"| {name} | {same(tokens, fp32[0])}/{len(PROMPTS)} | "
+              f"{same(tokens, bf16[0])}/{len(PROMPTS)} | {agreeing(tokens, bf16[0]):.1f} | "
+              f"{ppl:.3f} | {(ppl / fp32[1] - 1) * 100:+.2f}% | {(ppl / bf16[1] - 1) * 100:+.2f}% |")
+
+
+def default_gguf() -> Path | None:
+    """The default model's GGUF where it is already in the cache (no download)."""
+    from model.convert.prepare_default import GGUF_NAME
+    from model.cpu import cache_dir
+    path = cache_dir() / GGUF_NAME
+    return path if path.is_file() else None
 
 
 def same(tokens: list[list[int]], reference: list[list[int]]) -> int:

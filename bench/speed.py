@@ -12,7 +12,8 @@ later ones, prefill tokens/s and decode tokens/s:
 
 The machine's read bandwidth (x.sum() over 1 GB, best of 6) gives the decode ceiling: one token
 reads every weight matrix once, so no engine decodes faster than bandwidth / those bytes (for our
-int8 rows the bf16 embedding table is not among them: only its int8 copy, the output head, is read).
+int8 and int4 rows the bf16 embedding table is not among them: only its quantized copy, the output head,
+is read).
 Results: a table on stdout, bench/results/<shape>.json, and docs/benchmarks-<shape>.png.
 """
 
@@ -62,6 +63,7 @@ RUNNERS = [
     Runner("ours bf16 op by op", "ours", {"dtype": "bfloat16", "fused": False}, baseline="transformers bf16"),
     Runner("ours fp32", "ours", {"dtype": "float32"}, baseline="transformers fp32"),
     Runner("ours int8", "ours", {"dtype": "bfloat16", "quantize": "int8"}, baseline="transformers bf16"),
+    Runner("ours int4", "ours", {"dtype": "bfloat16", "quantize": "int4"}, baseline="transformers bf16"),
     Runner("ours bf16 compiled", "ours", {"dtype": "bfloat16", "compile": True}, baseline="transformers bf16",
            warmup_tokens=8),
     Runner("transformers bf16", "transformers", {"dtype": "bfloat16"}),
@@ -69,6 +71,7 @@ RUNNERS = [
     Runner("llama.cpp bf16", "llama.cpp", {"gguf": "bf16"}),
     Runner("llama.cpp f16", "llama.cpp", {"gguf": "f16"}),
     Runner("llama.cpp q8_0", "llama.cpp", {"gguf": "q8_0"}),
+    Runner("llama.cpp q4_0", "llama.cpp", {"gguf": "q4_0"}),
 ]
 
 
@@ -119,10 +122,10 @@ def work_ours(spec: dict, prompt: list[int]) -> dict:
 
 
 def decode_bytes(net) -> int:
-    """Bytes one decode step reads: every weight matrix (and int8 scales) once; the embedding table only
-    where it is also the output head. Norms are too small to count."""
+    """Bytes one decode step reads: every weight matrix (and int8/int4 scales and offsets) once; the
+    embedding table only where it is also the output head. Norms are too small to count."""
     from model.linear import Linear
-    return sum(m.weight.nbytes + (m.scale.nbytes if m.scale is not None else 0)
+    return sum(m.weight.nbytes + sum(b.nbytes for b in (m.scale, m.offset) if b is not None)
                for m in net.modules() if isinstance(m, Linear))
 
 

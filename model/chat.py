@@ -46,7 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps")
     p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="how weights are stored (default: bf16 where fast)")
-    p.add_argument("--int8", action="store_true", help="store linear weights as int8 (faster decode)")
+    quantized = p.add_mutually_exclusive_group()
+    quantized.add_argument("--int8", action="store_true", help="store linear weights as int8 (faster decode)")
+    quantized.add_argument("--int4", action="store_true",
+                           help="store linear weights as int4, a scale and offset per 32 "
+                                "(fastest decode, slower prefill)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first reply)")
     return p.parse_args(argv)
 
@@ -84,7 +88,7 @@ def main(argv=None) -> int:
     try:
         ckpt = load_checkpoint(args.checkpoint, device=args.device,
                                dtype=DTYPES.get(args.dtype), tokenizer=args.tokenizer,
-                               quantize="int8" if args.int8 else None, compile=args.compile)
+                               quantize="int8" if args.int8 else "int4" if args.int4 else None, compile=args.compile)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,9 +9,14 @@ Loading never holds two copies of the weights: the model is built on the `meta` 
 is memory-mapped, and its tensors become the model's parameters (`load_state_dict(assign=True)`).
 Only tensors whose dtype must change are copied, one at a time.
 
-A "hf" checkpoint may hold int8 weights (an imported GGUF's Q8_0): `<module>.weight` int8 (N, K)
-beside `<module>.scale` (N, K // group), one scale per group of a row, with
-`"quantization": {"method": "int8", "group_size": group}` in config.json. They are kept as they are.
+A "hf" checkpoint may hold quantized weights (an imported GGUF's Q8_0, Q4_0 or Q4_1), kept as they
+are (model/quantize.py describes the layouts):
+- int8: `<module>.weight` int8 (N, K) beside `<module>.scale` (N, K // group), one scale per group
+  of a row, with `"quantization": {"method": "int8", "group_size": group}` in config.json;
+- int4: `<module>.weight` uint8 (N, K // 2), two weights a byte, beside `<module>.scale` and
+  `<module>.offset` (N, K // 32) (no offset: Q4_0's symmetric blocks), with
+  `"quantization": {"method": "int4", "group_size": 32}`; such a folder may hold int8 tensors of the
+  same group size too (a Q4_0 file's Q8_0 embedding).
 """
 
 from __future__ import annotations
@@ -33,9 +38,9 @@ from .chat_format import load_chat_format
 from .config import DEFAULT_MAX_CONTEXT, ConfigError, LlamaConfig
 from .cpu import has_native_bf16
 from .kernels import decode_path, kernels
-from .linear import quantize_model
+from .linear import OUTPUT_HEAD, QUANTIZE, quantize_model
 from .llama import Llama
-from .quantize import quantize_int8
+from .quantize import INT4_GROUP, can_quantize_int4, quantize_int4, quantize_int8
 from .rope import permute_qk_rows
 from .tokenizer import load_tokenizer
 
@@ -155,8 +160,9 @@ IGNORED = re.compile(r"(.*rotary_emb\.inv_freq|rope\.freqs)$")  # RoPE tables so
 
 
 def hf_to_ours(name: str) -> str:
-    if name.endswith(".scale"):  # an int8 weight's group scales are named after their weight
-        return hf_to_ours(name.removesuffix(".scale") + ".weight").removesuffix(".weight") + ".scale"
+    for buffer in (".scale", ".offset"):  # a quantized weight's group scales and offsets are named after it
+        if name.endswith(buffer):
+            return hf_to_ours(name.removesuffix(buffer) + ".weight").removesuffix(".weight") + buffer
     for pattern, ours in HF_NAMES:
         if re.fullmatch(pattern, name):
             return re.sub(pattern, ours, name)
@@ -204,8 +210,11 @@ def _open_pth(file: Path) -> dict[str, torch.Tensor]:
 
 def check_state_dict(state: dict[str, torch.Tensor], model: Llama, files: CheckpointFiles,
                      names: dict[str, str] | None = None) -> None:
-    """Every tensor the config asks for is there, with its shape; nothing unknown is there."""
+    """Every tensor the config asks for is there, with its shape (int4: two weights a byte); nothing
+    unknown is there."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected |= {n: (expected[n][0], expected[n][1] // 2) for n, t in state.items()
+                 if t.dtype == torch.uint8 and len(expected.get(n, ())) == 2}
     where = files.weights[0] if len(files.weights) == 1 else files.folder
     if model.config.tie_word_embeddings:
         expected.pop("output.weight")
@@ -225,34 +234,55 @@ def check_state_dict(state: dict[str, torch.Tensor], model: Llama, files: Checkp
         raise CheckpointError(f"{where}: does not match {files.config}: " + "; ".join(problems))
 
 
-def take_int8_scales(state: dict[str, torch.Tensor], files: CheckpointFiles,
-                     names: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Move the group scales of int8 weights out of `state`: weight name -> scale (N, K // group).
+@dataclass
+class Quantized:
+    """A weight's quantization from the file: group scales, and int4 block offsets (None: int8, or Q4_0)."""
 
-    Every int8 weight needs its scale, of the shape config.json's "quantization" group size gives.
+    scale: torch.Tensor
+    offset: torch.Tensor | None = None
+
+
+def take_quantized(state: dict[str, torch.Tensor], files: CheckpointFiles,
+                   names: dict[str, str]) -> dict[str, Quantized]:
+    """Move the group scales and offsets of quantized weights out of `state`: weight name -> Quantized.
+
+    Every int8 weight needs its scale (N, K // group), every int4 one its scale and may have offsets
+    (N, K // 32), for the group size of config.json's "quantization" entry.
     """
-    scales = {name.removesuffix(".scale") + ".weight": state.pop(name) for name in list(state)
-              if name.endswith(".scale")}
+    found = {kind: {name.removesuffix(kind) + ".weight": state.pop(name) for name in list(state)
+                    if name.endswith(kind)} for kind in (".scale", ".offset")}
+    scales, offsets = found[".scale"], found[".offset"]
     int8 = {name for name, t in state.items() if t.dtype == torch.int8}
-    if not scales and not int8:
-        return scales
+    int4 = {name for name, t in state.items() if t.dtype == torch.uint8}
+    if not scales and not offsets and not int8 and not int4:
+        return {}
     where = files.weights[0] if len(files.weights) == 1 else files.folder
     quantization = _read_optional_json(files.config).get("quantization") or {}
-    group = quantization.get("group_size")
-    if quantization.get("method") != "int8" or not isinstance(group, int) or group <= 0:
-        raise CheckpointError(f"{files.config}: the weights hold int8 tensors with scales, so expected "
-                              f'"quantization": {{"method": "int8", "group_size": N}}, found {quantization or None}')
-    problems = [f"{names.get(n, n)}: int8 without a scale" for n in sorted(int8 - set(scales))]
-    problems += [f"{names.get(n, n)}: a scale for a weight that is not int8" for n in sorted(set(scales) - int8)]
-    for name in sorted(int8 & set(scales)):
-        rows, cols = state[name].shape if state[name].dim() == 2 else (0, 0)
-        expected = (rows, cols // group)
-        if state[name].dim() != 2 or cols % group or tuple(scales[name].shape) != expected:
-            problems.append(f"{names.get(name, name)}: {tuple(state[name].shape)} with scale "
-                            f"{tuple(scales[name].shape)}, expected scale {expected} for group_size {group}")
+    method, group = quantization.get("method"), quantization.get("group_size")
+    expected = '"quantization": {"method": "int8", "group_size": N} or {"method": "int4", "group_size": 32}'
+    if method not in QUANTIZE or not isinstance(group, int) or group <= 0 or (method == "int4") != bool(int4) or (
+            method == "int4" and group != INT4_GROUP):
+        held = "int4 (uint8) tensors" if int4 else "int8 tensors with scales"
+        raise CheckpointError(f"{files.config}: the weights hold {held}, so expected {expected}, "
+                              f"found {quantization or None}")
+    problems = [f"{names.get(n, n)}: {'int8' if n in int8 else 'int4'} without a scale"
+                for n in sorted((int8 | int4) - set(scales))]
+    problems += [f"{names.get(n, n)}: a scale for a weight that is not int8 or int4"
+                 for n in sorted(set(scales) - int8 - int4)]
+    problems += [f"{names.get(n, n)}: an offset for a weight that is not int4" for n in sorted(set(offsets) - int4)]
+    for name in sorted((int8 | int4) & set(scales)):
+        weight = state[name]
+        rows, cols = weight.shape if weight.dim() == 2 else (0, 0)
+        k = 2 * cols if name in int4 else cols
+        shape = (rows, k // group)
+        buffers = [scales[name]] + ([offsets[name]] if name in offsets else [])
+        if weight.dim() != 2 or k % group or any(tuple(t.shape) != shape for t in buffers):
+            problems.append(f"{names.get(name, name)}: {tuple(weight.shape)} with scale {tuple(scales[name].shape)}"
+                            + (f" and offset {tuple(offsets[name].shape)}" if name in offsets else "")
+                            + f", expected {shape} for group_size {group}")
     if problems:
-        raise CheckpointError(f"{where}: int8 weights: {_some(problems)}")
-    return scales
+        raise CheckpointError(f"{where}: quantized weights: {_some(problems)}")
+    return {name: Quantized(scales[name], offsets.get(name)) for name in scales}
 
 
 def release_pages(mapped: torch.Tensor) -> None:
@@ -308,15 +338,18 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
 
     dtype: how weight matrices are stored (default: bf16 where that is fast, else fp32); the
     activations run in it too where the hardware computes natively in it, else in fp32.
-    quantize: "int8" stores the linear layers as int8 with one scale per 64 weights of a row.
-    Weights that are int8 in the file stay int8 with the file's scales, whatever `dtype` and `quantize`.
+    quantize: "int8" stores the linear layers as int8 with one scale per 64 weights of a row; "int4" the
+    layers' matrices as int4 with one scale and offset per 32 and the output head as int8 (OUTPUT_HEAD).
+    The embedding table stays in `dtype`; a tied output head gets its own quantized copy. Weights
+    quantized in the file stay as they are, with the file's scales and offsets, whatever `dtype` and
+    `quantize`.
     compile: run single-token decode steps through torch.compile (compiled on the first reply).
     """
-    if quantize not in (None, "int8"):
-        raise ValueError(f"quantize={quantize!r}: expected None or 'int8'")
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ValueError(f"quantize={quantize!r}: expected None or one of {', '.join(QUANTIZE)}")
     files = find_checkpoint(path)
     state, names = read_state_dict(files)
-    file_scales = take_int8_scales(state, files, names)
+    in_file = take_quantized(state, files, names)
     config = read_config(files, state)
     device = torch.device(device)
     if device.type == "cpu":  # built (or loaded from its cache) now, not on the first reply
@@ -327,34 +360,40 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
     with torch.device("meta"):
         model = Llama(config).requires_grad_(False)
     check_state_dict(state, model, files, names)
-    scales = {}
+    quantized: dict[str, Quantized] = {}
     for name, mapped in state.items():
         tensor = mapped
         if files.format == "meta" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
             n_heads = config.n_heads if name.endswith("wq.weight") else config.n_kv_heads
             tensor = permute_qk_rows(tensor, n_heads, to="half")
-        if name in file_scales:  # int8 in the file: its values and scales are kept as they are
+        if name in in_file:  # quantized in the file: its values, scales and offsets are kept as they are
             tensor = tensor.to(device)
-            scales[name] = file_scales[name].to(device=device, dtype=torch.float32)
-            if scales[name] is not file_scales[name]:
-                release_pages(file_scales[name])
+            quantized[name] = _file_buffers(in_file[name], tensor.dtype, device)
         elif quantize == "int8" and name.startswith("layers.") and tensor.dim() == 2:
-            tensor, scales[name] = quantize_int8(tensor.to(device))
+            tensor, scale = quantize_int8(tensor.to(device))
+            quantized[name] = Quantized(scale)
+        elif quantize == "int4" and name.startswith("layers.") and can_quantize_int4(tensor):
+            tensor, scale, offset = quantize_int4(tensor.to(device))
+            quantized[name] = Quantized(scale, offset)
         else:  # matrices in `dtype`, norms in the compute dtype; no copy for a matching file
             tensor = tensor.to(device=device, dtype=dtype if tensor.dim() == 2 else compute)
         if tensor is not mapped:
             release_pages(mapped)  # the copy replaces the file's pages: don't keep both resident
         state[name] = tensor
-    model.load_state_dict(state, strict=False, assign=True)
+    packed = {name: state.pop(name) for name in list(state) if state[name].dtype == torch.uint8}
+    model.load_state_dict(state, strict=False, assign=True)  # packed int4 weights differ in shape: set below
     del state
-    for name, scale in scales.items():
-        model.get_submodule(name.removesuffix(".weight")).scale = scale
+    for name, tensor in packed.items():
+        model.get_submodule(name.removesuffix(".weight")).weight = torch.nn.Parameter(tensor, requires_grad=False)
+    for name, q in quantized.items():
+        module = model.get_submodule(name.removesuffix(".weight"))
+        module.scale, module.offset = q.scale, q.offset
     model.tie_weights()
-    if config.tie_word_embeddings:
-        model.output.scale = model.tok_embeddings.scale  # an int8 embedding's head shares its scales
+    if config.tie_word_embeddings:  # a quantized embedding's head shares its scales and offsets
+        model.output.scale, model.output.offset = model.tok_embeddings.scale, model.tok_embeddings.offset
     model.compute_dtype = compute
-    if quantize == "int8":
-        quantize_model(model)  # what is left: the output head
+    if quantize is not None:
+        quantize_model(model, OUTPUT_HEAD[quantize])  # what is left: the output head
     if compile:
         model.decode = torch.compile(model.decode, dynamic=True)
     model.setup_rope(min(config.max_seq_len, DEFAULT_MAX_CONTEXT))
@@ -370,6 +409,19 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
                       stop_ids=set(tok.stop_ids) | _eos_ids(generation) | _eos_ids(
                           _read_optional_json(files.folder / "config.json")),
                       generation_defaults=generation)
+
+
+def _file_buffers(q: Quantized, weight_dtype: torch.dtype, device: torch.device) -> Quantized:
+    """A file's scales (and offsets) on `device`: fp32 for int8 (the kernel's), fp16 for int4 (the
+    file's own, which the kernel reads); the file's pages dropped where a copy replaces them."""
+    dtype = torch.float32 if weight_dtype == torch.int8 else torch.float16
+    kept = []
+    for mapped in (q.scale, q.offset):
+        tensor = None if mapped is None else mapped.to(device=device, dtype=dtype)
+        if tensor is not None and tensor is not mapped:
+            release_pages(mapped)
+        kept.append(tensor)
+    return Quantized(*kept)
 
 
 def _load_tokenizer(files: CheckpointFiles, override):

@@ -2,7 +2,7 @@
 cached, and loaded.
 
 Decode multiplies every weight matrix by a few rows, so it runs at the speed weights stream from
-memory; the kernel's ops stream 16-bit or 8-bit weights directly (see matvec.cpp), and
+memory; the kernel's ops stream 16-, 8- or 4-bit weights directly (see matvec.cpp), and
 decode_layers runs a whole decode step's layers in one call (see decode_step.cpp). The
 instruction set is picked when the file is compiled, by `-march`: `native` (the default) gives
 the AVX-512 or AVX2 code on CPUs that have it and plain loops elsewhere. `LLAMA_KERNEL_MARCH`
@@ -40,8 +40,8 @@ class KernelBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class Kernels:
-    """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws), matvec_int8(x, ws, scales)
-    and decode_layers(...) (model/decode_step.py calls it)."""
+    """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws), matvec_int8(x, ws, scales),
+    matvec_int4(x, ws, scales, offsets) and decode_layers(...) (model/decode_step.py calls it)."""
 
     march: str
     name: str  # the library's and the ops' namespace: one per -march, so builds load side by side
@@ -128,6 +128,7 @@ def _build(march: str) -> Kernels:
     torch.library.register_fake(f"{name}::matvec_bf16")(lambda x, ws: _fake_output(x, ws))
     torch.library.register_fake(f"{name}::matvec_int8")(lambda x, ws, scales: _fake_output(x, ws))
     torch.library.register_fake(f"{name}::decode_layers")(lambda x, *rest: torch.empty_like(x))
+    torch.library.register_fake(f"{name}::matvec_int4")(lambda x, ws, scales, offsets: _fake_output(x, ws))
     return Kernels(march=march, name=name, ops=ops, path=ops.path(), folder=folder)
 
 

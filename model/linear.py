@@ -1,8 +1,10 @@
-"""Linear layers whose weights may be stored as bf16 or int8, with activations in fp32 or bf16.
+"""Linear layers whose weights may be stored as bf16, int8 or int4, with activations in fp32 or bf16.
 
-Prefill (many rows) goes to `F.linear`. Decode (one row per sequence, up to MAX_KERNEL_ROWS) is
-bound by memory bandwidth: the decode kernel (model/kernels.py) streams the 16-bit or 8-bit
-weights once for all rows, several matrices of the same input in one call (q|k|v, gate|up).
+Prefill (many rows) goes to `F.linear`; a quantized matrix is dequantized a block of rows at a time
+into the activations' dtype, so it never exists whole in that dtype. Decode (one row per sequence,
+up to MAX_KERNEL_ROWS) is bound by memory bandwidth: the decode kernel (model/kernels.py) streams
+the 16-, 8- or 4-bit weights once for all rows, several matrices of the same input in one call
+(q|k|v, gate|up).
 """
 
 from __future__ import annotations
@@ -12,78 +14,126 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import kernels
-from .quantize import dequantize_int8, quantize_int8
+from .quantize import can_quantize_int4, dequantize, quantize_int4, quantize_int8
 
 MAX_KERNEL_ROWS = 8  # rows of x (tokens in one decode step) the decode kernel takes; more go to F.linear
+DEQUANTIZE_BLOCK_BYTES = 8 << 20  # a quantized matrix is widened for F.linear this many bytes of rows at a time
+QUANTIZE = ("int8", "int4")  # what quantize_model and load_checkpoint(quantize=...) take
+# How the output head is stored under each: int4 keeps it int8. On the default model an int4 head alone put
+# perplexity 5.5% above bf16's, an int8 one 0.1% (docs/benchmarks.md); llama.cpp's Q4 files keep it at 6 bits too.
+OUTPUT_HEAD = {"int8": "int8", "int4": "int8"}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) @ weight (N, K).T, weight in any dtype (int8 with group scales (N, K // group))."""
-    return linears(x, [weight], [scale])
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+           offset: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ weight (N, K).T, weight in any dtype: int8 with group scales (N, K // group), or
+    int4 packed (N, K // 2) with block scales and offsets (N, K // 32) (model/quantize.py)."""
+    return linears(x, [weight], [scale], [offset])
 
 
-def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None]) -> torch.Tensor:
+def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
+            offsets: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """x (..., K) through several weight matrices (N_i, K) at once: outputs side by side, (..., sum N_i).
 
     Up to MAX_KERNEL_ROWS rows of x on the CPU go to the decode kernel, which reads each weight once
     for all of them; more rows (prefill) go to F.linear.
     """
+    offsets = offsets or [None] * len(weights)
     kind, k_dim = weights[0].dtype, x.shape[-1]
     rows = x.numel() // k_dim if k_dim else 0
-    if (1 <= rows <= MAX_KERNEL_ROWS and x.device.type == "cpu" and kind in (torch.bfloat16, torch.int8)
+    if (1 <= rows <= MAX_KERNEL_ROWS and x.device.type == "cpu" and kind in (torch.bfloat16, torch.int8, torch.uint8)
             and x.dtype in (torch.float32, torch.bfloat16) and all(w.dtype == kind for w in weights)):
         ops = kernels()
         if ops:  # y comes back in x's dtype
             flat = x.reshape(rows, k_dim).contiguous()  # (M, K)
-            y = (ops.matvec_bf16(flat, weights) if kind == torch.bfloat16
-                 else ops.matvec_int8(flat, weights, [s.float() for s in scales]))  # (M, sum N_i)
+            if kind == torch.bfloat16:
+                y = ops.matvec_bf16(flat, weights)  # (M, sum N_i)
+            elif kind == torch.int8:
+                y = ops.matvec_int8(flat, weights, [s.float() for s in scales])
+            else:
+                y = ops.matvec_int4(flat, weights, [s.half() for s in scales],
+                                    [None if o is None else o.half() for o in offsets])
             return y.view(*x.shape[:-1], -1)
-    outputs = [F.linear(x, w.to(x.dtype) if s is None else dequantize_int8(w, s, x.dtype))
-               for w, s in zip(weights, scales)]
+    outputs = [blockwise_linear(x, w, s, o) for w, s, o in zip(weights, scales, offsets)]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+
+def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                     offset: torch.Tensor | None) -> torch.Tensor:
+    """F.linear of x with any weight; a quantized one dequantized into x's dtype a block of rows at a time."""
+    if scale is None and weight.dtype not in (torch.int8, torch.uint8):
+        return F.linear(x, weight.to(x.dtype))
+    n, k = weight.shape[0], x.shape[-1]
+    block = max(1, DEQUANTIZE_BLOCK_BYTES // (k * x.element_size()))
+    if block >= n:
+        return F.linear(x, dequantize(weight, scale, offset, x.dtype))
+    y = x.new_empty(*x.shape[:-1], n)
+    for i in range(0, n, block):
+        rows = slice(i, i + block)
+        part = dequantize(weight[rows], scale[rows], None if offset is None else offset[rows], x.dtype)
+        y[..., rows] = F.linear(x, part)  # (..., block)
+    return y
 
 
 def project(x: torch.Tensor, *layers: Linear) -> torch.Tensor:
     """x through several Linear layers of the same input size, outputs side by side (q|k|v, gate|up)."""
-    return linears(x, [layer.weight for layer in layers], [layer.scale for layer in layers])
+    return linears(x, [layer.weight for layer in layers], [layer.scale for layer in layers],
+                   [layer.offset for layer in layers])
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias whose weight may be bf16, or int8 with a `scale` per group of a row.
+    """nn.Linear without bias whose weight may be bf16, int8 with a `scale` per group of a row, or int4
+    (uint8 (N, K // 2), two weights a byte) with a `scale` and an `offset` per block of 32.
 
-    `scale` is a buffer (None unless quantized), so `.to()` moves it and `state_dict()` holds it
-    (`layers.0.attention.wq.scale`) beside the int8 weight.
+    `scale` and `offset` are buffers (None unless quantized; `offset` None for int8 and for Q4_0's
+    symmetric int4 blocks), so `.to()` moves them and `state_dict()` holds them
+    (`layers.0.attention.wq.scale`) beside the weight.
     """
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
         self.register_buffer("scale", None)
+        self.register_buffer("offset", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self)
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding whose weight may be int8 with a `scale` per group of a row (a GGUF's Q8_0 table):
-    only the rows looked up are dequantized, so the table is never held twice. `scale` is a buffer, as
-    Linear's (a tied output head shares it)."""
+    """nn.Embedding whose weight may be int8 or int4 with scales (and offsets) per group of a row (a
+    GGUF's Q8_0 or Q4_x table): only the rows looked up are dequantized, so the table is never held
+    twice. `scale` and `offset` are buffers, as Linear's (a tied output head shares them)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
         self.register_buffer("scale", None)
+        self.register_buffer("offset", None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
             return super().forward(tokens)
         ids = tokens.reshape(-1)
-        rows = dequantize_int8(self.weight[ids], self.scale[ids])  # (tokens, dim) float32
-        return rows.view(*tokens.shape, -1)
+        rows = dequantize(self.weight[ids], self.scale[ids], None if self.offset is None else self.offset[ids])
+        return rows.view(*tokens.shape, -1)  # (..., dim) float32
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module) -> None:
-    """Store every Linear of `model` as int8 (a tied output head gets its own int8 copy)."""
+def quantize_linear(module: Linear, method: str) -> None:
+    """Store one Linear's weight as `method` ("int8" or "int4"; int4 only where K is whole blocks)."""
+    if method == "int8":
+        q, module.scale = quantize_int8(module.weight)
+    elif can_quantize_int4(module.weight):
+        q, module.scale, module.offset = quantize_int4(module.weight)
+    else:
+        return
+    module.weight = nn.Parameter(q, requires_grad=False)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str = "int8") -> None:
+    """Store every float Linear of `model` as `method` (a tied output head gets its own copy)."""
+    if method not in QUANTIZE:
+        raise ValueError(f"quantize={method!r}: expected one of {', '.join(QUANTIZE)}")
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype != torch.int8:
-            q, module.scale = quantize_int8(module.weight)
-            module.weight = nn.Parameter(q, requires_grad=False)
+        if isinstance(module, Linear) and module.weight.is_floating_point():
+            quantize_linear(module, method)

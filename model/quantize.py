@@ -1,7 +1,18 @@
-"""int8 weights: symmetric, with one scale per group of INT8_GROUP weights of a row.
+"""Quantized weights: int8 (one scale per group of a row) and int4 (one scale and offset per 32 weights).
 
-A (N, K) matrix becomes int8 q (N, K) and fp32 scales (N, K // group); weight ~= q * scale of its group.
-Decode multiplies q directly (csrc/matvec.cpp); everything else goes through `dequantize_int8`.
+int8: symmetric. A (N, K) matrix becomes int8 q (N, K) and fp32 scales (N, K // group); weight ~=
+q * scale of its group.
+
+int4: the layout of a GGUF's Q4_1 and Q4_0 blocks, so those import without quantizing again.
+A (N, K) matrix (K a multiple of INT4_GROUP = 32) becomes
+- `packed` uint8 (N, K // 2): each block of 32 weights of a row is 16 bytes, and byte j of block b
+  holds weight 32 b + j in its low nibble and weight 32 b + 16 + j in its high nibble (llama.cpp's
+  order: the low nibbles of the 16 bytes are the block's first half, in order, the high nibbles its
+  second half, so a kernel unpacks a block with one mask and one shift);
+- `scale` fp16 (N, K // 32) and `offset` fp16 (N, K // 32): weight = q * scale + offset, q in 0..15
+  (asymmetric, Q4_1). `offset` None means Q4_0's symmetric blocks: weight = (q - 8) * scale, that is
+  offset = -8 * scale, which fp16 holds exactly (a power of two times a fp16 number).
+Decode multiplies the packed weights directly (csrc/matvec.cpp); everything else dequantizes.
 """
 
 from __future__ import annotations
@@ -9,6 +20,9 @@ from __future__ import annotations
 import torch
 
 INT8_GROUP = 64  # weights of a row that share one scale
+INT4_GROUP = 32  # weights of a row that share one scale and offset (a GGUF Q4_0/Q4_1 block)
+INT4_LEVELS = 15  # q in 0..INT4_LEVELS
+Q4_0_ZERO = 8  # a symmetric block's q of weight 0: offset = -Q4_0_ZERO * scale
 
 
 def int8_group(k: int) -> int:
@@ -38,3 +52,69 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -
     """The (N, K) matrix that int8 q with group scales (N, K // group) stands for."""
     n, k = q.shape
     return (q.view(n, scale.shape[1], -1).to(dtype) * scale.to(dtype)[..., None]).view(n, k)
+
+
+def can_quantize_int4(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.shape[1] % INT4_GROUP == 0
+
+
+@torch.no_grad()
+def quantize_int4(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (packed uint8 (N, K // 2), scale fp16 (N, K // 32), offset fp16 (N, K // 32)), the layout of
+    the module's docstring: each block's minimum is its offset and (max - min) / 15 its scale.
+
+    Works through `rows` rows at a time, so a large matrix never has a full fp32 copy.
+    """
+    if not can_quantize_int4(weight):
+        raise ValueError(f"int4 quantizes (N, K) matrices with K a multiple of {INT4_GROUP}; got {tuple(weight.shape)}")
+    n, k = weight.shape
+    blocks = k // INT4_GROUP
+    packed = torch.empty(n, k // 2, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(n, blocks, dtype=torch.float16, device=weight.device)
+    offset = torch.empty(n, blocks, dtype=torch.float16, device=weight.device)
+    for i in range(0, n, rows):
+        w = weight[i:i + rows].float().view(-1, blocks, INT4_GROUP)  # (rows, blocks, 32)
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        s = ((high - low) / INT4_LEVELS).half().clamp_(min=torch.finfo(torch.float16).tiny)
+        m = low.half()
+        # q from the fp16 scale and offset the kernel will use, so rounding them costs nothing more
+        q = torch.round((w - m.float()[..., None]) / s.float()[..., None]).clamp_(0, INT4_LEVELS).to(torch.uint8)
+        packed[i:i + rows] = pack_int4(q).view(-1, k // 2)
+        scale[i:i + rows], offset[i:i + rows] = s, m
+    return packed, scale, offset
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 (..., 32) in 0..15 -> (..., 16): first half in the low nibbles, second half in the high."""
+    return q[..., :INT4_GROUP // 2] | (q[..., INT4_GROUP // 2:] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """packed uint8 (N, K // 2) -> q uint8 (N, K // 32, 32), each block's weights in order."""
+    blocks = packed.view(packed.shape[0], -1, INT4_GROUP // 2)  # (N, K // 32, 16)
+    return torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)
+
+
+def int4_offset(scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """The offsets of int4 blocks: `offset`, or Q4_0's -8 * scale where there is none."""
+    return -Q4_0_ZERO * scale if offset is None else offset
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                    dtype=torch.float32) -> torch.Tensor:
+    """The (N, K) matrix that int4 `packed` (N, K // 2) with scales and offsets (N, K // 32) stands for,
+    computed in fp32 and returned in `dtype`."""
+    n = packed.shape[0]
+    q = unpack_int4(packed).float()  # (N, K // 32, 32)
+    w = q * scale.float()[..., None] + int4_offset(scale, offset).float()[..., None]
+    return w.view(n, -1).to(dtype)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None = None,
+               dtype=torch.float32) -> torch.Tensor:
+    """Any weight matrix as `dtype`: int4 (uint8, packed), int8 with scales, or a float matrix."""
+    if weight.dtype == torch.uint8:
+        return dequantize_int4(weight, scale, offset, dtype)
+    if scale is not None:
+        return dequantize_int8(weight, scale, dtype)
+    return weight.to(dtype)

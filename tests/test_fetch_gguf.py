@@ -1,8 +1,8 @@
 """`python -m model.fetch file.gguf`: a Llama-3-shaped random GGUF written in llama.cpp's layout
 (gguf_checkpoints.py) imports into a folder that gives the source's logits, keeps each tensor's type
-(Q8_0 as int8 values and scales, not quantized again), has Meta's tokenizer and the file's chat
-template, and never holds a tensor widened to fp32. Plus folders of GGUFs (LM Studio, Ollama) and
-the refusals."""
+(Q8_0 as int8 values and scales, Q4_0/Q4_1 as int4 nibbles, scales and minimums, none quantized
+again), has Meta's tokenizer and the file's chat template, and never holds a tensor widened to fp32.
+Plus folders of GGUFs (LM Studio, Ollama) and the refusals."""
 
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ from model import ChatFormat, Tokenizer, generate, load_checkpoint
 from model.checkpoint import CheckpointError
 from model.config import RopeFreqFactors
 from model.fetch import main
-from model.quantize import dequantize_int8
+from model.quantize import dequantize, dequantize_int8
 from model.rope import inv_freq, permute_qk_rows
 from model.tokenizer import meta_tokenizer_model
 
-KINDS = ["f32", "f16", "bf16", "q8_0"]
+KINDS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"]
 UNTIED = {"f16"}  # one float kind with its own output head
 LOGIT_TOLERANCE = 1e-4  # float32; RoPE from llama.cpp's per-frequency factors vs the llama3 formula: ~1e-5
 SAFETENSORS_DTYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
@@ -74,8 +74,8 @@ def tensor_dtypes(folder: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_match_the_source_weights(imported, kind):
-    """F32 against the source; F16/BF16 against the source rounded to that type; Q8_0 against the
-    dequantized Q8_0 values. Both in float32."""
+    """F32 against the source; F16/BF16 against the source rounded to that type; Q8_0, Q4_0 and Q4_1
+    against gguf.quants.dequantize's values. Both in float32."""
     _, folder, source = imported(kind)
     ckpt = load_checkpoint(folder, dtype=torch.float32)
     ids = prompt_ids(n=48)
@@ -107,6 +107,20 @@ def test_q8_0_greedy_decode_matches_transformers_on_the_dequantized_weights(impo
     for _ in reply:
         pass
     expected = as_stored(source, "q8_0").generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    assert reply.tokens == expected[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
+def test_q4_greedy_decode_matches_transformers_on_the_dequantized_weights(imported, kind):
+    """fp32 activations: the int4 decode kernel (Q4_0's blocks without offsets, Q4_1's with) and the int4
+    embedding give the tokens transformers picks on gguf.quants.dequantize's weights."""
+    _, folder, source = imported(kind)
+    ckpt = load_checkpoint(folder, dtype=torch.float32)
+    ids = [128000, 9906, 11, 856, 836, 374]
+    reply = generate(ckpt, ids, max_new_tokens=16, temperature=0.0)
+    for _ in reply:
+        pass
+    expected = as_stored(source, kind).generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
     assert reply.tokens == expected[0, len(ids):].tolist()
 
 
@@ -147,6 +161,48 @@ def test_q8_0_keeps_int8_values_and_f16_scales_as_they_are(imported):
     assert config["quantization"] == {"method": "int8", "group_size": 32}
 
 
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
+def test_q4_keeps_nibbles_and_f16_scales_as_they_are(imported, kind):
+    """Q4_1 blocks (f16 d, f16 m, 16 bytes) split into nibbles, scale and offset; Q4_0 (f16 d, 16 bytes)
+    into nibbles and scale."""
+    path, folder, _ = imported(kind)
+    header = {"q4_0": ["scale"], "q4_1": ["scale", "offset"]}[kind]
+    dtypes = tensor_dtypes(folder)
+    assert {d for n, d in dtypes.items() if n.endswith(".weight") and "norm" not in n} == {"U8"}
+    assert {n.rsplit(".", 1)[1] for n in dtypes if n.startswith("model.embed_tokens.")} == {"weight", *header}
+    with safe_open(folder / "model.safetensors", framework="np") as f:
+        for gguf_name, name, heads in [("blk.2.ffn_down.weight", "model.layers.2.mlp.down_proj", None),
+                                       ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj", 4),
+                                       ("token_embd.weight", "model.embed_tokens", None)]:
+            tensor = next(t for t in reader(path).tensors if t.name == gguf_name)
+            blocks = tensor.data.reshape(tensor.shape[1], -1, 2 * len(header) + 16)
+            if heads:
+                blocks = permute_qk_rows(blocks, heads, to="half")
+            nibbles = blocks[:, :, 2 * len(header):].reshape(len(blocks), -1)
+            assert np.array_equal(f.get_tensor(name + ".weight"), nibbles)
+            for i, part in enumerate(header):
+                assert np.array_equal(f.get_tensor(f"{name}.{part}"),
+                                      blocks[:, :, 2 * i:2 * i + 2].copy().view(np.float16)[..., 0])
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization"] == {"method": "int4", "group_size": 32}
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
+def test_q4_loads_as_int4_with_the_file_scales(imported, kind):
+    _, folder, source = imported(kind)
+    m = load_checkpoint(folder, dtype=torch.float32).model
+    wq = m.layers[0].attention.wq
+    assert wq.weight.dtype == torch.uint8 and wq.weight.shape == (64, 32) and wq.scale.dtype == torch.float16
+    assert wq.offset is None if kind == "q4_0" else wq.offset.dtype == torch.float16
+    assert m.tok_embeddings.weight.dtype == torch.uint8 and m.output.weight is m.tok_embeddings.weight
+    assert m.output.scale is m.tok_embeddings.scale and m.output.offset is m.tok_embeddings.offset
+    stored = as_stored(source, kind)
+    w2 = m.layers[2].feed_forward.w2
+    assert torch.equal(dequantize(w2.weight, w2.scale, w2.offset), stored.model.layers[2].mlp.down_proj.weight)
+    rows = torch.tensor([[0, 5, 128009]])
+    assert torch.equal(m.tok_embeddings(rows), stored.model.embed_tokens(rows))
+
+
 def test_q8_0_loads_as_int8_with_the_file_scales(imported):
     _, folder, source = imported("q8_0")
     ckpt = load_checkpoint(folder, dtype=torch.float32)
@@ -162,9 +218,11 @@ def test_q8_0_loads_as_int8_with_the_file_scales(imported):
     assert torch.equal(m.tok_embeddings(rows), stored.model.embed_tokens(rows))
 
 
-def test_no_file_is_larger_than_the_gguf_data(imported):
-    """Q8_0 as int8 + f16 scales is 34 bytes per 32 weights, as in the GGUF (float types are copied as they are)."""
-    path, folder, _ = imported("q8_0")
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
+def test_no_file_is_larger_than_the_gguf_data(imported, kind):
+    """Q8_0 as int8 + f16 scales is 34 bytes per 32 weights, Q4_0 as nibbles + f16 scales 18, Q4_1 with f16
+    offsets 20, as in the GGUF (float types are copied as they are)."""
+    path, folder, _ = imported(kind)
     data = sum(int(t.n_bytes) for t in reader(path).tensors if t.name != "rope_freqs.weight")
     file = folder / "model.safetensors"
     header = struct.unpack("<Q", file.read_bytes()[:8])[0]
@@ -172,9 +230,10 @@ def test_no_file_is_larger_than_the_gguf_data(imported):
     assert sum(p.stat().st_size for p in folder.iterdir()) < path.stat().st_size
 
 
-def test_converting_never_widens_a_tensor_to_fp32(imported, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+def test_converting_never_widens_a_tensor_to_fp32(imported, tmp_path, monkeypatch, kind):
     """Only a row chunk at a time is copied: the peak while writing is far below one fp32 embedding."""
-    path, folder, _ = imported("q8_0")
+    path, folder, _ = imported(kind)
     monkeypatch.setattr(tensors_module, "dequantize", lambda *a: pytest.fail("dequantized a tensor"))
     found = tensors_module.entries(reader(path), gguf_module.hf_config(reader(path), path), path, False)
     tracemalloc.start()
@@ -206,19 +265,26 @@ def test_tokenizer_is_metas_llama3_and_the_template_is_the_files(imported):
 
 # ---- folders of GGUFs, and refusals ----------------------------------------------------------------
 
-def test_a_folder_of_ggufs_as_ollama_keeps_them(imported, smollm2_gguf, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def q5_0_gguf(sources, tmp_path_factory) -> Path:
+    """A GGUF of a type the importer refuses."""
+    return write_llama3_gguf(sources[True], tmp_path_factory.mktemp("q5") / "Tiny-Llama-3-q5_0.gguf", "q5_0",
+                             name="Tiny Llama 3 Q5_0")
+
+
+def test_a_folder_of_ggufs_as_ollama_keeps_them(imported, q5_0_gguf, tmp_path, capsys):
     """Ollama: blobs named by their hash, no .gguf; other blobs (a template, params) are not GGUFs."""
     path, folder, _ = imported("q8_0")
     blobs = tmp_path / "ollama" / "models" / "blobs"
     blobs.mkdir(parents=True)
     os.link(path, blobs / "sha256-1f3a")
-    os.link(smollm2_gguf, blobs / "sha256-9c2b")  # Q4_1: skipped, with the reason
+    os.link(q5_0_gguf, blobs / "sha256-9c2b")  # Q5_0: skipped, with the reason
     (blobs / "sha256-77aa").write_text('{"stop": ["<|eot_id|>"]}')
     weights = tmp_path / "weights"
     main([str(tmp_path / "ollama"), "--weights-dir", str(weights)])
     out = capsys.readouterr()
     assert out.out.split() == [str(weights / "Tiny-Llama-3")]  # named after general.name
-    assert f"skipping {blobs / 'sha256-9c2b'}: " in out.err and "is Q4_1" in out.err
+    assert f"skipping {blobs / 'sha256-9c2b'}: " in out.err and "is Q5_0" in out.err
     assert sorted(p.name for p in weights.iterdir()) == ["Tiny-Llama-3"]
     assert (weights / "Tiny-Llama-3" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
 
@@ -232,11 +298,12 @@ def fails(argv: list[str], capsys) -> str:
     return err.strip().splitlines()[-1]
 
 
-def test_an_int4_gguf_is_refused_naming_the_supported_types(smollm2_gguf, tmp_path, capsys):
-    line = fails([str(smollm2_gguf), "--weights-dir", str(tmp_path / "weights")], capsys)
-    assert line == (f"error: {smollm2_gguf}: tensor blk.0.ffn_down.weight is Q4_1; this importer keeps weights "
-                    "as they are and supports F32, F16, BF16 and Q8_0 (int4 types such as Q4_0, Q4_1 and the "
-                    "K-quants are not). Use the file's Q8_0, F16 or BF16 version.")
+def test_other_quantized_types_are_refused_naming_the_supported_ones(q5_0_gguf, tmp_path, capsys):
+    line = fails([str(q5_0_gguf), "--weights-dir", str(tmp_path / "weights")], capsys)
+    first = next(t.name for t in reader(q5_0_gguf).tensors if t.tensor_type == gguf.GGMLQuantizationType.Q5_0)
+    assert line == (f"error: {q5_0_gguf}: tensor {first} is Q5_0; this importer keeps weights as they are and "
+                    "supports F32, F16, BF16, Q8_0, Q4_0 and Q4_1 (Q5_0, Q5_1 and the K-quants such as Q4_K and "
+                    "Q6_K are not). Use the file's Q4_0, Q4_1, Q8_0, F16 or BF16 version.")
     assert not (tmp_path / "weights").exists()
 
 
@@ -255,7 +322,7 @@ def test_a_folder_with_no_llama_gguf(tmp_path, capsys):
     assert line == f"error: {tmp_path / 'models'}: imported no Llama GGUF (found no GGUF file)"
 
 
-# ---- loading int8 checkpoints: what must hold ------------------------------------------------------
+# ---- loading quantized checkpoints: what must hold -----------------------------------------------
 
 @pytest.fixture
 def q8_0_copy(imported, tmp_path) -> Path:
@@ -268,14 +335,26 @@ def test_int8_weights_need_the_quantization_entry(q8_0_copy):
     del config["quantization"]
     (q8_0_copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r'config.json: the weights hold int8 tensors with scales, so expected '
-                                              r'"quantization": \{"method": "int8", "group_size": N\}, found None'):
+                                              r'"quantization": \{"method": "int8", "group_size": N\} or '
+                                              r'\{"method": "int4", "group_size": 32\}, found None'):
         load_checkpoint(q8_0_copy)
 
 
 def test_int8_scales_must_fit_the_group_size(q8_0_copy):
     config = json.loads((q8_0_copy / "config.json").read_text())
     (q8_0_copy / "config.json").write_text(json.dumps(config | {"quantization": {"method": "int8", "group_size": 16}}))
-    with pytest.raises(CheckpointError, match=r"copy/model.safetensors: int8 weights: model.layers.0.self_attn.k_proj"
-                                              r".weight: \(32, 64\) with scale \(32, 2\), expected scale \(32, 4\) "
+    with pytest.raises(CheckpointError, match=r"copy/model.safetensors: quantized weights: "
+                                              r"model.layers.0.self_attn.k_proj"
+                                              r".weight: \(32, 64\) with scale \(32, 2\), expected \(32, 4\) "
                                               r"for group_size 16, "):
         load_checkpoint(q8_0_copy)
+
+
+def test_int4_weights_need_the_int4_quantization_entry(imported, tmp_path):
+    _, folder, _ = imported("q4_1")
+    copy = Path(shutil.copytree(folder, tmp_path / "copy"))
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(config | {"quantization": {"method": "int8", "group_size": 32}}))
+    with pytest.raises(CheckpointError, match=r"config.json: the weights hold int4 \(uint8\) tensors, so expected "
+                                              r".*found \{'method': 'int8', 'group_size': 32\}"):
+        load_checkpoint(copy)

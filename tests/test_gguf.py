@@ -154,6 +154,31 @@ def test_our_engine_matches_transformers_on_the_folder(converted, reference_logi
         assert diff <= 1e-4, f"{ids.shape[1]} tokens: max abs logit difference {diff}"
 
 
+def test_imported_without_dequantizing_it_is_int4_and_int8_with_the_same_logits(smollm2_gguf, tmp_path,
+                                                                              reference_logits, ours):
+    """The file's Q4_1 matrices as int4 and its Q8_0 embedding (the tied head) as int8, kept as they are:
+    the logits of transformers reading the GGUF (prefill: F.linear on dequantized blocks of rows), and
+    greedy decode through the int4 and int8 kernels answers as the float32 folder does."""
+    from model import generate, load_checkpoint
+    from model.linear import MAX_KERNEL_ROWS
+    folder = convert_gguf(smollm2_gguf, tmp_path / "int4")
+    assert json.loads((folder / "config.json").read_text())["quantization"] == {"method": "int4", "group_size": 32}
+    ckpt = load_checkpoint(folder, dtype=torch.float32)
+    m = ckpt.model
+    assert m.layers[0].feed_forward.w1.weight.dtype == torch.uint8 and m.layers[0].feed_forward.w1.offset is not None
+    assert m.tok_embeddings.weight.dtype == torch.int8 and m.output.weight is m.tok_embeddings.weight
+    assert (folder / "model.safetensors").stat().st_size < smollm2_gguf.stat().st_size
+    for ids, expected in reference_logits:
+        with torch.no_grad():
+            diff = (m(ids) - expected).abs().max().item()
+        # up to MAX_KERNEL_ROWS tokens go to the kernels, where the int8 head rounds x to int16 (1/65534 of
+        # its largest element: a few thousandths of these logits); more tokens go to F.linear in fp32
+        tolerance = 1e-2 if ids.shape[1] <= MAX_KERNEL_ROWS else 1e-4
+        assert diff <= tolerance, f"{ids.shape[1]} tokens: max abs logit difference {diff}"
+    reply = generate(ckpt, ours.encode(PROMPTS[1]).ids, max_new_tokens=12, temperature=0.0)
+    assert "".join(reply) == "The capital of France is Paris."
+
+
 @pytest.mark.parametrize("n_heads", [9, 3, 1])
 def test_qk_row_permutation_moves_each_rope_pair(n_heads):
     """Interleaved row h*d + 2i + j (pair i, member j of head h) is half-split row h*d + j*d/2 + i."""

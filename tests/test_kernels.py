@@ -1,5 +1,5 @@
 """The decode kernel's ops (model/csrc/matvec.cpp) against F.linear on the dequantized weights, for
-every number of rows of x it takes (1 to MAX_KERNEL_ROWS), odd K and N, bf16 and int8 weights, in
+every number of rows of x it takes (1 to MAX_KERNEL_ROWS), odd K and N, bf16, int8 and int4 weights, in
 each of three builds: -march=native (this CPU's code), znver3 (the AVX2 code, which an AVX-512
 machine runs too) and x86-64 (the plain loops). A build is skipped only where the compiler cannot
 produce it (znver3 and x86-64 on other architectures).
@@ -12,6 +12,9 @@ Tolerances, per output y[m, n], against the exact result (float64) with E = sum_
 - bf16 output (x in bf16): y is rounded to bf16 at the end, 2^-9 of |y| at most; 2^-8 allowed.
 - int8 weights: the kernel rounds each row of x to int16 with one scale (max |x[m]| / 32767), an
   error of at most half a step per element, so at most sum_k |w[n, k]| max|x[m]| / 65534 in y.
+- int4 weights: the kernel dequantizes each block to fp32 (one multiply-add, q * scale + offset,
+  rounded once) and multiplies fp32 x: against the exactly dequantized matrix that is the fp32
+  summation bound with E taken over |q scale| + |offset| (what the rounding is relative to).
 """
 
 import logging
@@ -31,7 +34,7 @@ import model.kernels
 from model import cpu, load_checkpoint
 from model.kernels import CSRC, KernelBuildError, build, build_folder, decode_path
 from model.linear import MAX_KERNEL_ROWS
-from model.quantize import dequantize_int8, quantize_int8
+from model.quantize import dequantize_int4, dequantize_int8, int4_offset, quantize_int4, quantize_int8, unpack_int4
 
 ROWS = range(1, MAX_KERNEL_ROWS + 1)
 # (N, K): odd sizes for the tails, K of the real models (576, 1536, 2048), N over many tasks and threads.
@@ -40,6 +43,9 @@ SHAPES = [(1, 5), (7, 37), (3, 517), (1003, 576), (129, 1536), (67, 2048 + 31)]
 # that go to the plain loop on some instruction sets (96: groups of 48; 517: 47; 5: 5). Rows of x
 # longer than 32 KB in all are read in pieces of K (2079 and 4160 here, for several rows).
 INT8_SHAPES = [(1, 5), (7, 96), (3, 517), (1003, 576), (129, 1536), (67, 2048), (5, 4160)]
+# int4: K in whole blocks of 32, odd numbers of them (96, 544: not multiples of 64), the real models'
+# (576, 1536, 2048) and rows of x read in pieces of K (8224 for several rows).
+INT4_SHAPES = [(1, 32), (7, 96), (3, 544), (1003, 576), (129, 1536), (67, 2048), (5, 8224)]
 
 
 BUILDS = {"native": None, "znver3": "AVX2", "x86-64": "portable"}  # -march -> the code it must compile
@@ -118,6 +124,32 @@ def test_int8_weights(ops, m, n, k, x_dtype):
     check(ours, *bound(wd, xd, x_dtype, extra=x_rounding))
 
 
+def int4_reference(packed, scale, offset, x):
+    """The exactly dequantized matrix (float64) and the int4 bound's extra E: sum |q s| |x| + |o| |x|."""
+    q = unpack_int4(packed).double()  # (n, blocks, 32)
+    s, o = scale.double()[..., None], int4_offset(scale, offset).double()[..., None]
+    wd = (q * s + o).flatten(1)
+    magnitude = (q * s).abs().flatten(1) + o.abs().expand_as(q).flatten(1)
+    return wd, F.linear(x.abs(), magnitude)
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", INT4_SHAPES)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [False, True], ids=["q4_1", "q4_0"])
+def test_int4_weights(ops, m, n, k, x_dtype, symmetric):
+    w, x = data(n, k, m, seed=n + k + m)
+    x = (x * torch.linspace(0.1, 3, m)[:, None]).to(x_dtype)
+    packed, scale, offset = quantize_int4(w + 0.5)  # offsets of either sign
+    offset = None if symmetric else offset
+    ours = ops.matvec_int4(x, [packed], [scale], [offset])
+    assert ours.shape == (m, n) and ours.dtype == x_dtype
+    wd, magnitude = int4_reference(packed, scale, offset, x.double())
+    assert torch.equal(wd.float(), dequantize_int4(packed, scale, offset))
+    exact, tol = bound(wd, x.double(), x_dtype)
+    check(ours, exact, tol + 4 * math.sqrt(k) * 2**-24 * magnitude)
+
+
 @pytest.mark.parametrize("m", [1, 5, MAX_KERNEL_ROWS])
 def test_several_matrices_side_by_side(ops, m):
     """q|k|v in one call: the outputs of matrices of different N, concatenated along the last axis."""
@@ -132,6 +164,12 @@ def test_several_matrices_side_by_side(ops, m):
     wd = torch.cat([dequantize_int8(q, s) for q, s in qs]).double()
     exact, tol = bound(wd, x.double(), x.dtype, extra=wd.abs().sum(1)[None] * x.abs().amax(1, keepdim=True) / 65534)
     check(ours, exact, tol)
+    q4 = [quantize_int4(w.float()) for w in ws]
+    offsets = [q4[0][2], None, q4[2][2]]  # Q4_1 and Q4_0 matrices in one call
+    ours = ops.matvec_int4(x, [p for p, _, _ in q4], [s for _, s, _ in q4], offsets)
+    refs = [int4_reference(p, s, o, x.double()) for (p, s, _), o in zip(q4, offsets)]
+    exact, tol = bound(torch.cat([wd for wd, _ in refs]), x.double(), x.dtype)
+    check(ours, exact, tol + 4 * math.sqrt(576) * 2**-24 * torch.cat([e for _, e in refs], dim=-1))
 
 
 def test_one_dimensional_x_gives_one_dimensional_y(ops):
@@ -156,6 +194,16 @@ def test_bad_input_is_refused_with_what_was_expected(ops):
         ops.matvec_int8(torch.zeros(1, 64), [q], [scale.bfloat16()])
     with pytest.raises(RuntimeError, match=r"1 weight matrices but 0 scale tensors"):
         ops.matvec_int8(torch.zeros(1, 64), [q], [])
+    packed, scale, offset = quantize_int4(torch.randn(4, 64))
+    with pytest.raises(RuntimeError, match=r"w\[0\] is \[4, 32\] \(two weights a byte\) but x has K=32"):
+        ops.matvec_int4(torch.zeros(1, 32), [packed], [scale], [offset])
+    with pytest.raises(RuntimeError, match=r"K=48 is not a multiple of the block of 32 weights"):
+        ops.matvec_int4(torch.zeros(1, 48), [packed[:, :24].contiguous()], [scale], [offset])
+    with pytest.raises(RuntimeError, match=r"offset\[0\] must be a contiguous float16 CPU tensor \(N, K / 32\) = "
+                                           r"\(4, 2\); got Float"):
+        ops.matvec_int4(torch.zeros(1, 64), [packed], [scale], [offset.float()])
+    with pytest.raises(RuntimeError, match=r"1 weight matrices, 1 scale tensors and 0 offsets"):
+        ops.matvec_int4(torch.zeros(1, 64), [packed], [scale], [])
 
 
 def test_build_folder_is_keyed_by_sources_flags_and_cpu_not_by_the_checkout(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Linear layers (bf16 and int8 weights, the decode kernel behind them) against the plain PyTorch path."""
+"""Linear layers (bf16, int8 and int4 weights, the decode kernel behind them) against the plain PyTorch path."""
 
 import subprocess
 import sys
@@ -13,7 +13,7 @@ import model.linear
 from model import generate, load_checkpoint
 from model.kernels import kernels
 from model.linear import MAX_KERNEL_ROWS, Linear, linear, project
-from model.quantize import dequantize_int8, quantize_int8
+from model.quantize import dequantize, dequantize_int8, quantize_int4, quantize_int8
 
 
 class Spy:
@@ -30,6 +30,23 @@ class Spy:
         self.calls.append(tuple(x.shape))
         return self.ops.matvec_int8(x, ws, scales)
 
+    def matvec_int4(self, x, ws, scales, offsets):
+        self.calls.append(tuple(x.shape))
+        return self.ops.matvec_int4(x, ws, scales, offsets)
+
+
+def stored(w: torch.Tensor, kind: str) -> tuple:
+    """(weight, scale, offset) of w stored as `kind`."""
+    if kind == "bf16":
+        return w.bfloat16(), None, None
+    return (*quantize_int8(w), None) if kind == "int8" else quantize_int4(w)
+
+
+def direct(ops, x, weight, scale, offset):
+    if weight.dtype == torch.uint8:
+        return ops.matvec_int4(x, [weight], [scale], [offset])
+    return ops.matvec_bf16(x, [weight]) if scale is None else ops.matvec_int8(x, [weight], [scale])
+
 
 @pytest.fixture
 def spy(monkeypatch):
@@ -41,20 +58,18 @@ def spy(monkeypatch):
 
 
 @pytest.mark.parametrize("shape", [(576,), (1, 576), (1, 1, 576), (8, 1, 576), (2, 4, 576), (3, 1, 1, 576)])
-@pytest.mark.parametrize("kind", ["bf16", "int8"])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
 def test_up_to_eight_rows_go_to_the_kernel_in_any_leading_shape(spy, shape, kind):
     g = torch.Generator().manual_seed(len(shape))
     x = torch.randn(shape, generator=g)
     w = torch.randn(7, 576, generator=g)
-    weight, scale = (w.bfloat16(), None) if kind == "bf16" else quantize_int8(w)
-    ours = linear(x, weight, scale)
+    weight, scale, offset = stored(w, kind)
+    ours = linear(x, weight, scale, offset)
     rows = x.numel() // 576
     assert spy.calls == [(rows, 576)]
     assert ours.shape == (*shape[:-1], 7)
-    flat = x.reshape(rows, 576)
-    direct = spy.ops.matvec_bf16(flat, [weight]) if scale is None else spy.ops.matvec_int8(flat, [weight], [scale])
-    assert torch.equal(ours.reshape(rows, 7), direct)
-    plain = F.linear(x, weight.float() if scale is None else dequantize_int8(weight, scale))
+    assert torch.equal(ours.reshape(rows, 7), direct(spy.ops, x.reshape(rows, 576), weight, scale, offset))
+    plain = F.linear(x, dequantize(weight, scale, offset))
     assert (ours - plain).norm() < 1e-4 * plain.norm()  # test_kernels.py bounds the error per output
 
 
@@ -66,13 +81,28 @@ def test_more_rows_go_to_f_linear(spy, shape):
     assert spy.calls == []
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8"])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
 def test_without_the_kernel_every_product_goes_to_f_linear(monkeypatch, kind):
     monkeypatch.setattr(model.linear, "kernels", lambda: None)
     w, x = torch.randn(7, 64), torch.randn(2, 1, 64)
-    weight, scale = (w.bfloat16(), None) if kind == "bf16" else quantize_int8(w)
-    plain = F.linear(x, weight.float() if scale is None else dequantize_int8(weight, scale))
-    assert torch.equal(linear(x, weight, scale), plain)
+    weight, scale, offset = stored(w, kind)
+    plain = F.linear(x, dequantize(weight, scale, offset))
+    assert torch.equal(linear(x, weight, scale, offset), plain)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_dequantizes_a_block_of_rows_at_a_time(monkeypatch, kind, x_dtype):
+    """Many rows: F.linear on blocks of the dequantized matrix, each of at most DEQUANTIZE_BLOCK_BYTES."""
+    monkeypatch.setattr(model.linear, "DEQUANTIZE_BLOCK_BYTES", 10 * 64 * x_dtype.itemsize)  # blocks of 10 rows
+    widened = []
+    real = model.linear.dequantize
+    monkeypatch.setattr(model.linear, "dequantize", lambda *a: widened.append(a[0].shape[0]) or real(*a))
+    w, x = torch.randn(25, 64), torch.randn(3, 12, 64).to(x_dtype)
+    weight, scale, offset = stored(w, kind)
+    ours = linear(x, weight, scale, offset)
+    assert widened == [10, 10, 5] and ours.dtype == x_dtype
+    torch.testing.assert_close(ours, F.linear(x, dequantize(weight, scale, offset, x_dtype)))  # dtype's tolerance
 
 
 def test_project_gives_the_layers_outputs_side_by_side(spy):
@@ -142,6 +172,28 @@ def test_int8_scales_are_buffers_that_move_and_are_saved(folder):
     assert moved.wq.scale.device.type == "meta" and moved.wq.weight.device.type == "meta"
 
 
+def test_int4_scales_and_offsets_are_buffers_that_move_and_are_saved(folder):
+    ckpt = load_checkpoint(folder, dtype=torch.float32, quantize="int4")
+    wq = ckpt.model.layers[0].attention.wq
+    state = ckpt.model.state_dict()
+    assert wq.weight.dtype == torch.uint8 and wq.weight.shape == (wq.out_features, wq.in_features // 2)
+    for buffer in ("scale", "offset"):
+        assert torch.equal(state[f"layers.0.attention.wq.{buffer}"], getattr(wq, buffer))
+        assert getattr(wq, buffer).shape == (wq.out_features, wq.in_features // 32)
+        assert getattr(wq, buffer).dtype == torch.float16
+    assert {"output.weight", "output.scale"} <= set(state) and "output.offset" not in state
+    assert state["output.weight"].dtype == torch.int8  # the tied head's own copy, int8 (OUTPUT_HEAD)
+    assert ckpt.model.tok_embeddings.weight.dtype == torch.float32
+    moved = ckpt.model.layers[0].attention.to("meta")
+    assert moved.wq.offset.device.type == "meta" and moved.wq.weight.device.type == "meta"
+    layer = ckpt.model.layers[1].feed_forward.w2
+    x = torch.randn(3, layer.in_features)
+    expected = F.linear(x, dequantize(layer.weight, layer.scale, layer.offset))
+    layer.to(torch.bfloat16)  # casts the fp16 scales and offsets; the kernel takes them back in fp16
+    assert layer.weight.dtype == torch.uint8 and layer.offset.dtype == torch.bfloat16
+    assert (layer(x) - expected).norm() < 1e-2 * expected.norm()
+
+
 def test_unquantized_linears_have_no_scales_to_load(folder):
     """A checkpoint carries no scales: they must not count as missing tensors."""
     ckpt = load_checkpoint(folder, dtype=torch.float32)
@@ -161,6 +213,35 @@ def test_int8_model_stays_close_to_float32(folder):
     # (bench/quality.py measures that on the default model).
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
     assert (a - b).abs().mean() / a.abs().mean() < 0.05
+
+
+def test_int4_model_is_the_float_model_with_its_dequantized_weights(folder):
+    full = load_checkpoint(folder, dtype=torch.float32)
+    int4 = load_checkpoint(folder, dtype=torch.float32, quantize="int4")
+    ids = prompt_ids(n=32)
+    with torch.no_grad():
+        a, b = full.model(ids), int4.model(ids)
+        # 16 levels per block of 32 random weights (a step of range / 15, against int8's max / 127): the
+        # logits of this random model move by about 40% of their size, int8's by 3.5%
+        assert 0.1 < (a - b).abs().mean() / a.abs().mean() < 0.6
+        full.model.output.weight = torch.nn.Parameter(full.model.output.weight.clone())  # untied, as int4's
+        for name, module in int4.model.named_modules():
+            if isinstance(module, Linear):
+                assert module.weight.dtype == (torch.int8 if name == "output" else torch.uint8), name
+                full.model.get_submodule(name).weight.copy_(dequantize(module.weight, module.scale, module.offset))
+        torch.testing.assert_close(full.model(ids), b, rtol=1e-4, atol=1e-4 * a.abs().max().item())
+
+
+def test_int4_decode_picks_what_int4_prefill_ranks_first(folder):
+    """Greedy decode through matvec_int4 against full forwards of the same int4 model (F.linear on
+    blocks of dequantized rows): fp32 activations, so the two agree token for token."""
+    ckpt = load_checkpoint(folder, dtype=torch.float32, quantize="int4")
+    prompt = prompt_ids(n=10)[0].tolist()
+    gen = generate(ckpt, prompt, max_new_tokens=16, stop_ids=set())
+    list(gen)
+    with torch.no_grad():
+        logits = ckpt.model(torch.tensor([prompt + gen.tokens]))[0]
+    assert gen.tokens == logits[len(prompt) - 1:-1].argmax(-1).tolist()
 
 
 def test_compiled_decode_gives_the_same_tokens(folder):

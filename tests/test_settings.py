@@ -74,8 +74,9 @@ def test_llama_quantize_setting():
     settings = Settings.from_env({"LLAMA_QUANTIZE": "INT8"})
     assert settings.quantize == "int8"
     assert Settings.from_env({}).quantize == "off"
-    with pytest.raises(SettingsError, match="LLAMA_QUANTIZE=int4: expected one of off, int8"):
-        Settings.from_env({"LLAMA_QUANTIZE": "int4"})
+    assert Settings.from_env({"LLAMA_QUANTIZE": "int4"}).quantize == "int4"
+    with pytest.raises(SettingsError, match="LLAMA_QUANTIZE=int2: expected one of off, int8, int4"):
+        Settings.from_env({"LLAMA_QUANTIZE": "int2"})
 
 
 def test_batch_and_queue_settings():

@@ -1,11 +1,16 @@
 """A GGUF's tensors as safetensors entries in Hugging Face names, each kept in the type it has.
 
-F32, F16 and BF16 tensors are copied byte for byte. A Q8_0 tensor (blocks of one f16 scale followed
-by 32 int8 weights) is split into `<module>.weight` (int8, (N, K)) and `<module>.scale` (f16,
-(N, K // 32)): the same values in the same bytes, nothing quantized twice and nothing widened to
-fp32. q/k rows go from llama.cpp's interleaved RoPE order to ours. Any other type is refused,
-unless `dequantize` (the default model's int4 file): then it becomes float32, which holds every
-dequantized value exactly.
+F32, F16 and BF16 tensors are copied byte for byte. Quantized blocks are split into their parts, the
+same values in the same bytes, nothing quantized twice and nothing widened to fp32:
+- Q8_0 (an f16 scale, 32 int8 weights) into `<module>.weight` (int8, (N, K)) and `<module>.scale`
+  (f16, (N, K // 32));
+- Q4_1 (an f16 scale d, an f16 minimum m, 16 bytes of 32 nibbles) into `<module>.weight` (uint8,
+  (N, K // 2)), `<module>.scale` (d) and `<module>.offset` (m), f16 (N, K // 32): weight = q d + m;
+- Q4_0 (d, 16 bytes) into `<module>.weight` and `<module>.scale` only: weight = (q - 8) d, which
+  the loader reads as offset -8 d (model/quantize.py's int4, whose nibble order is llama.cpp's).
+q/k rows go from llama.cpp's interleaved RoPE order to ours. Any other type is refused, unless
+`dequantize` (the default model's folder): then every quantized tensor becomes float32, which holds
+every dequantized value exactly.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
+from ..quantize import INT4_GROUP
 from ..rope import permute_qk_rows
 from .folder import ConversionError, log
 
@@ -30,9 +36,10 @@ KEPT = {  # GGUF type -> safetensors dtype of the copy
     GGMLQuantizationType.BF16: "BF16",
 }
 Q8_0_GROUP = 32  # weights per Q8_0 block, each block with one f16 scale
-ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1}
+Q4_HEADER = {GGMLQuantizationType.Q4_0: ["scale"], GGMLQuantizationType.Q4_1: ["scale", "offset"]}  # f16 each
+ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1}
 ROWS_PER_CHUNK = 8192  # rows copied at a time, so a large embedding never has a second full copy
-SUPPORTED = "F32, F16, BF16 and Q8_0"
+SUPPORTED = "F32, F16, BF16, Q8_0, Q4_0 and Q4_1"
 
 GGUF_TO_HF = {
     "token_embd": "model.embed_tokens",
@@ -56,7 +63,7 @@ class Entry:
     """One tensor of the safetensors file, and how to produce its bytes."""
 
     name: str
-    dtype: str  # safetensors dtype: F32, F16, BF16, I8
+    dtype: str  # safetensors dtype: F32, F16, BF16, I8, U8
     shape: list[int]
     chunks: Callable[[], Iterator[np.ndarray]]  # the data, in row order, in pieces
 
@@ -112,12 +119,15 @@ def entries(reader: GGUFReader, config: dict, path: Path, dequantize_others: boo
             found.append(Entry(name, KEPT[kind], shape, in_row_chunks(tensor.data, heads)))
         elif kind == GGMLQuantizationType.Q8_0 and not dequantize_others:
             found += q8_0_entries(tensor, name, shape, heads, path)
+        elif kind in Q4_HEADER and not dequantize_others:
+            found += q4_entries(tensor, name, shape, heads, path)
         elif dequantize_others:
             found.append(Entry(name, "F32", shape, dequantized(tensor, shape, heads, path)))
         else:
             raise ConversionError(f"{path}: tensor {tensor.name} is {kind.name}; this importer keeps weights "
-                                  f"as they are and supports {SUPPORTED} (int4 types such as Q4_0, Q4_1 "
-                                  f"and the K-quants are not). Use the file's Q8_0, F16 or BF16 version.")
+                                  f"as they are and supports {SUPPORTED} (Q5_0, Q5_1 and the K-quants such "
+                                  f"as Q4_K and Q6_K are not). Use the file's Q4_0, Q4_1, Q8_0, F16 or BF16 "
+                                  f"version.")
     return found
 
 
@@ -131,6 +141,23 @@ def q8_0_entries(tensor: ReaderTensor, name: str, shape: list[int], heads: int |
     scales = in_row_chunks(blocks[:, :, :2], heads)
     return [Entry(name, "I8", shape, weights),
             Entry(name.removesuffix(".weight") + ".scale", "F16", [n, k // Q8_0_GROUP], scales)]
+
+
+def q4_entries(tensor: ReaderTensor, name: str, shape: list[int], heads: int | None,
+               path: Path) -> list[Entry]:
+    """A Q4_0/Q4_1 matrix as the packed nibbles (uint8 (N, K // 2)) and the f16 block header's values."""
+    kind = tensor.tensor_type
+    if len(shape) != 2:
+        raise ConversionError(f"{path}: tensor {tensor.name} is {kind.name} with shape {shape}; expected a matrix")
+    n, k = shape
+    header = 2 * len(Q4_HEADER[kind])  # bytes of f16 values before the nibbles
+    blocks = tensor.data.reshape(n, k // INT4_GROUP, header + INT4_GROUP // 2)  # per block: f16 d (and m), 16 bytes
+    module = name.removesuffix(".weight")
+    found = [Entry(name, "U8", [n, k // 2], in_row_chunks(blocks[:, :, header:], heads))]
+    for i, part in enumerate(Q4_HEADER[kind]):
+        found.append(Entry(f"{module}.{part}", "F16", [n, k // INT4_GROUP],
+                           in_row_chunks(blocks[:, :, 2 * i:2 * i + 2], heads)))
+    return found
 
 
 def dequantized(tensor: ReaderTensor, shape: list[int], heads: int | None,

@@ -76,4 +76,40 @@ void dot_q8(const int8_t* w, const int16_t* x, int64_t x_stride, const float* sc
   FOR_EACH_ROW(m) out[m] = reduce_add(total[m]);
 }
 
+// int4 w (portable::dot_q4's blocks), fp32 x: each half of a block's 16 bytes widened to 8 int32
+// lanes; their low nibbles are weights 0-7 and 8-15, their high nibbles 16-23 and 24-31. The four
+// pieces become fp32 weights (q * scale + offset) once for all M rows, which get as many
+// accumulators as the 16 registers hold (4 pieces, 3 constants and M * A accumulators).
+template <int M, bool Offsets>
+void dot_q4(const uint8_t* w, const float* x, int64_t x_stride, const uint16_t* scale, const uint16_t* offset,
+            int64_t len, float* out) {
+  constexpr int A = M <= 2 ? 4 : M <= 4 ? 2 : 1;  // accumulators per row
+  __m256 acc[M][A];
+  FOR_EACH_ROW(m) for (int a = 0; a < A; a++) acc[m][a] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  for (int64_t k = 0, b = 0; k < len; k += portable::kQ4Block, b++) {
+    if (b % 4 == 0) prefetch_ahead(w + k / 2);  // one cache line: 4 blocks
+    if (b % 32 == 0) {  // a cache line of fp16 values
+      prefetch_block_values(scale + b);
+      if (Offsets) prefetch_block_values(offset + b);
+    }
+    const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2)));
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2 + 8)));
+    const float s = _cvtsh_ss(scale[b]);
+    const __m256 sv = _mm256_set1_ps(s), ov = _mm256_set1_ps(Offsets ? _cvtsh_ss(offset[b]) : -8.f * s);
+    const __m256 wp[4] = {  // weights 0-7, 8-15, 16-23, 24-31 of the block
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, nibble)), sv, ov),
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, nibble)), sv, ov),
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), sv, ov),
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), sv, ov)};
+    FOR_EACH_ROW(m) for (int p = 0; p < 4; p++)
+      acc[m][p % A] = _mm256_fmadd_ps(wp[p], _mm256_loadu_ps(x + m * x_stride + k + 8 * p), acc[m][p % A]);
+  }
+  FOR_EACH_ROW(m) {
+    __m256 total = acc[m][0];
+    for (int a = 1; a < A; a++) total = _mm256_add_ps(total, acc[m][a]);
+    out[m] = reduce_add(total);
+  }
+}
+
 }  // namespace avx2

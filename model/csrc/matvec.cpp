@@ -1,4 +1,4 @@
-// y = x W^T for a few rows of x (decode: one new token per sequence), reading 16-bit or 8-bit
+// y = x W^T for a few rows of x (decode: one new token per sequence), reading 16-bit, 8-bit or 4-bit
 // weights at memory bandwidth.
 //
 // Decoding multiplies every weight matrix by M <= 8 rows, so its speed is the speed at which
@@ -28,7 +28,7 @@
 #include "dot_portable.h"
 #include "matvec.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include "dot_avx512.h"
 namespace isa = avx512;
 #if defined(__AVX512BF16__)
@@ -37,7 +37,7 @@ constexpr const char* kPath = "AVX-512 BF16";
 #else
 constexpr const char* kPath = "AVX-512";
 #endif
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "dot_avx2.h"
 namespace isa = avx2;
 constexpr const char* kPath = "AVX2";
@@ -78,8 +78,8 @@ int64_t grain(int64_t k_dim, int64_t bytes_per_weight) {
   return std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, k_dim * bytes_per_weight));
 }
 
-// x is (K,) or (M, K); returns M.
-int64_t check(const char* op, const at::Tensor& x, at::TensorList ws, at::ScalarType dtype) {
+// x is (K,) or (M, K); returns M. Each w is (N, K / per_byte): per_byte weights in a byte (int4: 2).
+int64_t check(const char* op, const at::Tensor& x, at::TensorList ws, at::ScalarType dtype, int64_t per_byte = 1) {
   TORCH_CHECK((x.dim() == 1 || x.dim() == 2) && x.is_contiguous() && x.device().is_cpu() &&
               (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               op, ": x must be a contiguous float32 or bfloat16 CPU tensor of shape (K,) or (M, K); got ",
@@ -92,7 +92,8 @@ int64_t check(const char* op, const at::Tensor& x, at::TensorList ws, at::Scalar
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype && w.is_contiguous() && w.device().is_cpu(),
                 op, ": w[", i, "] must be a contiguous (N, K) CPU tensor of ", dtype, "; got ", w.scalar_type(),
                 " ", w.sizes(), w.is_contiguous() ? "" : " (not contiguous)", " on ", w.device());
-    TORCH_CHECK(w.size(1) == x.size(-1), op, ": w[", i, "] is ", w.sizes(), " but x has K=", x.size(-1));
+    TORCH_CHECK(w.size(1) * per_byte == x.size(-1), op, ": w[", i, "] is ", w.sizes(),
+                per_byte == 1 ? "" : " (two weights a byte)", " but x has K=", x.size(-1));
   }
   return rows;
 }
@@ -228,6 +229,52 @@ at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList sc
   return y;
 }
 
+// The fp16 (N, K / 32) block scales or offsets of an int4 matrix of N rows.
+const uint16_t* block_values(const char* what, size_t i, const at::Tensor& t, int64_t n, int64_t blocks) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == blocks && t.scalar_type() == at::kHalf &&
+              t.is_contiguous() && t.device().is_cpu(),
+              "matvec_int4: ", what, "[", i, "] must be a contiguous float16 CPU tensor (N, K / 32) = (", n, ", ",
+              blocks, "); got ", t.scalar_type(), " ", t.sizes());
+  return reinterpret_cast<const uint16_t*>(t.data_ptr());
+}
+
+// int4 weights (model/quantize.py's layout): w uint8 (N, K / 2), scale and offset fp16 (N, K / 32) per
+// matrix, offset None for Q4_0's symmetric blocks. x is widened to fp32 (each block of weights becomes
+// fp32 in registers, so the result is that of the dequantized matrix, up to fp32 rounding).
+at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList scales,
+                       const c10::List<std::optional<at::Tensor>>& offsets) {
+  const int64_t rows = check("matvec_int4", x, ws, at::kByte, 2);
+  const int64_t k_dim = x.size(-1), blocks = k_dim / portable::kQ4Block;
+  TORCH_CHECK(k_dim % portable::kQ4Block == 0, "matvec_int4: K=", k_dim, " is not a multiple of the block of ",
+              portable::kQ4Block, " weights");
+  TORCH_CHECK(scales.size() == ws.size() && offsets.size() == ws.size(), "matvec_int4: ", ws.size(),
+              " weight matrices, ", scales.size(), " scale tensors and ", offsets.size(),
+              " offsets; expected one of each per matrix");
+  std::vector<const uint8_t*> w;
+  std::vector<const uint16_t*> s, o;  // o[i] null: Q4_0 blocks
+  for (size_t i = 0; i < ws.size(); i++) {
+    w.push_back(ws[i].data_ptr<uint8_t>());
+    s.push_back(block_values("scale", i, scales[i], ws[i].size(0), blocks));
+    const std::optional<at::Tensor> offset = offsets.get(i);
+    o.push_back(offset.has_value() ? block_values("offset", i, *offset, ws[i].size(0), blocks) : nullptr);
+  }
+  const at::Tensor xf = x.to(at::kFloat);  // no copy when x is fp32
+  const float* xp = xf.data_ptr<float>();
+  const float ones[kMaxRows] = {1, 1, 1, 1, 1, 1, 1, 1};
+  at::Tensor y;
+  with_rows(rows, [&](auto m_rows) {
+    constexpr int M = decltype(m_rows)::value;
+    y = rows_to<M>(x, ws, 1, 4, portable::kQ4Block, ones,
+                   [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+      const uint8_t* row = w[i] + r * (k_dim / 2) + k0 / 2;
+      const int64_t first = r * blocks + k0 / portable::kQ4Block;  // the piece's first block
+      if (o[i]) isa::dot_q4<M, true>(row, xp + k0, k_dim, s[i] + first, o[i] + first, len, out);
+      else isa::dot_q4<M, false>(row, xp + k0, k_dim, s[i] + first, nullptr, len, out);
+    });
+  });
+  return y;
+}
+
 std::string path() { return kPath; }
 
 }  // namespace
@@ -247,10 +294,12 @@ at::Tensor llama::matvec(const at::Tensor& x, at::TensorList ws, at::TensorList 
 DEFINE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("matvec_bf16(Tensor x, Tensor[] w) -> Tensor");
   m.def("matvec_int8(Tensor x, Tensor[] w, Tensor[] scale) -> Tensor");
+  m.def("matvec_int4(Tensor x, Tensor[] w, Tensor[] scale, Tensor?[] offset) -> Tensor");
   m.def("path() -> str", &path);  // which of the code paths above this build compiled
 }
 
 IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("matvec_bf16", matvec_bf16);
   m.impl("matvec_int8", matvec_int8);
+  m.impl("matvec_int4", matvec_int4);
 }

@@ -27,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # the be
 from gguf_file import write_gguf
 
 TYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-         "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+         "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+         "q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
+         "q5_0": gguf.GGMLQuantizationType.Q5_0}
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                  "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
                  "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
@@ -59,15 +61,17 @@ def add_llama3_vocab(writer: gguf.GGUFWriter, chat_template: str = CHAT_TEMPLATE
     writer.add_chat_template(chat_template)
 
 
-def write_llama3_gguf(model: transformers.LlamaForCausalLM, path: Path, kind: str) -> Path:
-    """`model` as llama.cpp's converter writes it with `--outtype kind` (f32, f16, bf16, q8_0)."""
+def write_llama3_gguf(model: transformers.LlamaForCausalLM, path: Path, kind: str, name: str = "Tiny Llama 3") -> Path:
+    """`model` as llama.cpp's converter writes it with `--outtype kind` (f32, f16, bf16, q8_0), or with
+    every matrix in Q4_0, Q4_1 or Q5_0 (as llama-quantize's pure mode writes them)."""
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
-        return write_gguf(Path(folder), path, kind, add_vocab=add_llama3_vocab, name="Tiny Llama 3")
+        return write_gguf(Path(folder), path, kind, add_vocab=add_llama3_vocab, name=name)
 
 
 def as_stored(model: transformers.LlamaForCausalLM, kind: str) -> transformers.LlamaForCausalLM:
-    """A copy of `model` with each matrix as the GGUF of that kind holds it (rounded, or Q8_0 dequantized)."""
+    """A copy of `model` with each matrix as the GGUF of that kind holds it (rounded, or dequantized by
+    gguf.quants.dequantize)."""
     stored = copy.deepcopy(model)
     with torch.no_grad():
         for p in stored.parameters():

@@ -17,7 +17,7 @@ from .kernels import kernels
 from .quantize import can_quantize_int4, dequantize, quantize_int4, quantize_int8
 
 MAX_KERNEL_ROWS = 8  # rows of x (tokens in one decode step) the decode kernel takes; more go to F.linear
-DEQUANTIZE_BLOCK_BYTES = 8 << 20  # a quantized matrix is widened for F.linear this many bytes of rows at a time
+DEQUANTIZE_BLOCK_BYTES = 8 << 20  # a stored matrix is widened for F.linear this many bytes of rows at a time
 QUANTIZE = ("int8", "int4")  # what quantize_model and load_checkpoint(quantize=...) take
 # How the output head is stored under each: int4 keeps it int8. On the default model an int4 head alone put
 # perplexity 5.5% above bf16's, an int8 one 0.1% (docs/benchmarks.md); llama.cpp's Q4 files keep it at 6 bits too.
@@ -60,9 +60,10 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Ten
 
 def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                      offset: torch.Tensor | None) -> torch.Tensor:
-    """F.linear of x with any weight; a quantized one dequantized into x's dtype a block of rows at a time."""
-    if scale is None and weight.dtype not in (torch.int8, torch.uint8):
-        return F.linear(x, weight.to(x.dtype))
+    """F.linear of x with any weight. One stored in another dtype (quantized, or bf16 weights under fp32
+    activations on CPUs without bf16 arithmetic) is widened into x's dtype a block of rows at a time."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight)
     n, k = weight.shape[0], x.shape[-1]
     block = max(1, DEQUANTIZE_BLOCK_BYTES // (k * x.element_size()))
     if block >= n:
@@ -70,7 +71,8 @@ def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor 
     y = x.new_empty(*x.shape[:-1], n)
     for i in range(0, n, block):
         rows = slice(i, i + block)
-        part = dequantize(weight[rows], scale[rows], None if offset is None else offset[rows], x.dtype)
+        part = dequantize(weight[rows], None if scale is None else scale[rows],
+                          None if offset is None else offset[rows], x.dtype)
         y[..., rows] = F.linear(x, part)  # (..., block)
     return y
 

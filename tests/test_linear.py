@@ -105,6 +105,18 @@ def test_prefill_dequantizes_a_block_of_rows_at_a_time(monkeypatch, kind, x_dtyp
     torch.testing.assert_close(ours, F.linear(x, dequantize(weight, scale, offset, x_dtype)))  # dtype's tolerance
 
 
+def test_prefill_widens_bf16_weights_for_fp32_activations_a_block_of_rows_at_a_time(monkeypatch):
+    """CPUs without bf16 arithmetic compute in fp32: the bf16 matrix is never held whole in fp32."""
+    monkeypatch.setattr(model.linear, "DEQUANTIZE_BLOCK_BYTES", 10 * 64 * 4)  # blocks of 10 fp32 rows
+    widened = []
+    real = model.linear.dequantize
+    monkeypatch.setattr(model.linear, "dequantize", lambda *a: widened.append(a[0].shape[0]) or real(*a))
+    w, x = torch.randn(25, 64).bfloat16(), torch.randn(3, 12, 64)
+    ours = linear(x, w)
+    assert widened == [10, 10, 5] and ours.dtype == torch.float32
+    torch.testing.assert_close(ours, F.linear(x, w.float()), rtol=1e-6, atol=1e-5)
+
+
 def test_project_gives_the_layers_outputs_side_by_side(spy):
     layers = [Linear(64, n) for n in (64, 16, 16)]
     for layer in layers:

@@ -168,7 +168,6 @@ def test_an_engine_whose_web_process_is_gone_exits(tiny, tmp_path):
     import sys
 
     import msgspec
-
     from support.servers import ROOT
 
     engine = subprocess.Popen([sys.executable, "-m", "app.engine", f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out",

@@ -119,11 +119,7 @@ def test_stop_ends_the_reply_at_once_keeps_it_and_frees_the_model(main):
 
     async def scenario():
         await chat.start()
-        await main.update_settings({"max_new_tokens": 4000, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-                                    "seed": "", "system_prompt": ""})
-        task = asyncio.create_task(chat.send("Write a long story"))
-        while chat.emitter.send_token.await_count < 2:
-            await asyncio.sleep(0.01)
+        task = await chat.long_reply()
         # what Chainlit does on Stop: cancel the on_message task, then call on_stop
         stopped_at = time.monotonic()
         task.cancel()
@@ -152,10 +148,7 @@ def test_stop_without_a_task_to_cancel_still_stops_the_worker(main):
 
     async def scenario():
         await chat.start()
-        await main.update_settings({"max_new_tokens": 4000, "temperature": 1.0, "seed": "", "system_prompt": ""})
-        task = asyncio.create_task(chat.send("Write a long story"))
-        while chat.emitter.send_token.await_count < 2:
-            await asyncio.sleep(0.01)
+        task = await chat.long_reply()
         stopped_at = time.monotonic()
         await main.stop_reply()
         await task
@@ -460,10 +453,7 @@ def test_chat_end_cancels_a_reply_nobody_reads(main):
 
     async def scenario():
         await chat.start()
-        await main.update_settings({"max_new_tokens": 4000, "temperature": 1.0, "seed": "", "system_prompt": ""})
-        task = asyncio.create_task(chat.send("Long story"))
-        while chat.emitter.send_token.await_count < 1:
-            await asyncio.sleep(0.01)
+        task = await chat.long_reply("Long story", pieces=1)
         chat.session.to_clear = True
         await main.end_chat()
         await asyncio.wait_for(task, 5)
@@ -479,10 +469,7 @@ def test_an_engine_that_dies_mid_reply_is_an_error_in_that_chat_and_the_next_mes
 
     async def scenario():
         await chat.start()
-        await main.update_settings({"max_new_tokens": 4000, "temperature": 1.0, "seed": "", "system_prompt": ""})
-        task = asyncio.create_task(chat.send("Write a long story"))
-        while chat.emitter.send_token.await_count < 2:
-            await asyncio.sleep(0.01)
+        task = await chat.long_reply()
         os.kill(main.BACKEND.pid, signal.SIGKILL)  # out of memory, a crash in a kernel...
         await asyncio.wait_for(task, 10)
         await main.BACKEND.load()  # a new engine is up

@@ -6,6 +6,7 @@ tests call the handlers, and read what they sent from the emitter's awaited call
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from unittest.mock import AsyncMock, MagicMock
 
@@ -59,6 +60,16 @@ class Chat:
         message = cl.Message(content=text, type="user_message", id=id)
         await self.main.on_message(message)
         return message
+
+    async def long_reply(self, text: str = "Write a long story", pieces: int = 2) -> asyncio.Task:
+        """Send text with settings for a long sampled reply; return the on_message task once `pieces`
+        pieces of the answer have streamed."""
+        await self.main.update_settings({"max_new_tokens": 4000, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                                         "seed": "", "system_prompt": ""})
+        task = asyncio.create_task(self.send(text))
+        while self.emitter.send_token.await_count < pieces:
+            await asyncio.sleep(0.01)
+        return task
 
     def sent(self) -> list[dict]:
         """Final state of each message sent (send_step), in order."""

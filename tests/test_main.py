@@ -331,16 +331,23 @@ def test_a_message_longer_than_the_context_is_a_clear_error_and_the_chat_goes_on
     assert len(chat.replies()) == 1 and len(chat.stats()) == 1
 
 
-def test_older_messages_are_left_out_with_one_note(main):
+def long_conversation(main, system_prompt: str) -> Chat:
+    """Eight long messages with short greedy replies: more than the 512-token context holds."""
     chat = Chat(main)
 
     async def scenario():
         await chat.start()
-        await main.update_settings({"max_new_tokens": 16, "temperature": 0, "seed": "", "system_prompt": "Pirate."})
+        await main.update_settings({"max_new_tokens": 16, "temperature": 0, "seed": "",
+                                    "system_prompt": system_prompt})
         for i in range(8):
             await chat.send(f"Message {i}: " + "more words here " * 25)
 
     run(scenario())
+    return chat
+
+
+def test_older_messages_are_left_out_with_one_note(main):
+    chat = long_conversation(main, "Pirate.")
     notes = [r for r in chat.replies() if r == main.TRIMMED_NOTE]
     assert len(notes) == 1
     assert chat.conversation().left_out > 0
@@ -348,15 +355,7 @@ def test_older_messages_are_left_out_with_one_note(main):
 
 
 def test_the_stats_line_shows_the_context_in_use_and_a_note_comes_before_it_runs_out(main):
-    chat = Chat(main)
-
-    async def scenario():
-        await chat.start()
-        await main.update_settings({"max_new_tokens": 16, "temperature": 0, "seed": "", "system_prompt": ""})
-        for i in range(8):
-            await chat.send(f"Message {i}: " + "more words here " * 25)
-
-    run(scenario())
+    chat = long_conversation(main, "")
     used = []
     for line in chat.stats():
         match = re.search(r" · ([\d,]+) / 512 tokens$", line)

@@ -49,6 +49,7 @@ from .messages import (
     ToEngine,
     Trimmed,
 )
+from .outbox import Outbox
 from .prefix_cache import PrefixCache
 from .prompt import fit_prompt
 from .scheduler import Scheduler
@@ -420,36 +421,35 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.bind(input_address)
-    outbox = context.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.LINGER, 0)  # what the web process did not read goes with it
-    outbox.connect(output_address)
+    sender = context.socket(zmq.PUSH)
+    sender.setsockopt(zmq.LINGER, 0)  # what the web process did not read goes with it
+    sender.connect(output_address)
     decode = msgspec.msgpack.Decoder(ToEngine).decode
     encode = msgspec.msgpack.Encoder().encode
-    pending: list[FromEngine] = []
-    engine = Engine(config, pending.append)
+    outbox = Outbox()
+    engine = Engine(config, outbox.add)
 
-    def flush() -> None:
-        if pending:
-            data = encode(pending)
-            while not outbox.poll(1000 * IDLE_POLL_S, zmq.POLLOUT):  # the web process is not reading
+    def flush(idle: bool = False) -> None:
+        if outbox.due(idle):
+            data = encode(outbox.take())
+            while not sender.poll(1000 * IDLE_POLL_S, zmq.POLLOUT):  # the web process is not reading
                 if os.getppid() != parent:
                     raise SystemExit(0)
-            outbox.send(data)
-            pending.clear()
+            sender.send(data)
 
     try:
         engine.start()
-        flush()
+        flush(idle=True)
         while os.getppid() == parent:
             if inbox.poll(0 if engine.busy else 1000 * (LOADING_POLL_S if engine.loading else IDLE_POLL_S)):
                 while inbox.poll(0):
                     engine.handle(decode(inbox.recv()))
             engine.step()
-            flush()
+            flush(idle=not engine.busy)
         log.info("the web process %d is gone; stopping", parent)
     finally:
         inbox.close(linger=0)
-        outbox.close(linger=0)
+        sender.close(linger=0)
         context.term()
 
 

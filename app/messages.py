@@ -150,6 +150,12 @@ class Text(msgspec.Struct, tag=True):
     logprobs: list[TokenLogprob] = []  # the tokens this text (or a later one) comes from, when asked for
 
 
+def join_texts(pieces: list[Text]) -> Text:
+    """Consecutive pieces of one reply as one Text."""
+    first = pieces[0]
+    return Text(first.id, "".join(p.text for p in pieces), first.index, [lp for p in pieces for lp in p.logprobs])
+
+
 class Done(msgspec.Struct, tag=True):
     id: str
     text: str

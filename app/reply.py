@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 
 from .conversation import Conversation
-from .messages import Done, Event, Failed, ReplySettings, Text
+from .messages import Done, Event, Failed, ReplySettings, Text, join_texts
 
 STREAM_INTERVAL = 0.05  # seconds between two Text events of one reply
 
@@ -73,16 +73,15 @@ class Reply:
             wait = self._last_text + self.stream_interval - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
-            pieces, logprobs = [event.text], list(event.logprobs)
+            pieces = [event]
             while not self._events.empty():
                 following = self._events.get_nowait()
                 if not isinstance(following, Text) or following.index != event.index:
                     self._ahead = following
                     break
-                pieces.append(following.text)
-                logprobs += following.logprobs
+                pieces.append(following)
             self._last_text = time.monotonic()
-            event = Text(event.id, "".join(pieces), event.index, logprobs)
+            event = join_texts(pieces)
         if isinstance(event, Done):
             self._dones += 1
         self._finished = isinstance(event, Failed) or (isinstance(event, Done) and self._dones == self.n)

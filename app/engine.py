@@ -5,8 +5,9 @@
 The web process (`app.client`) starts it, sends it `Generate`/`Cancel`/`Load` messages over a ZeroMQ
 socket and reads back each request's events (`app.messages`). Its loop, one step at a time: take
 new messages, admit waiting requests into the batch, prefill prompt chunks within a token budget,
-decode one token for every running sequence in one forward pass, send what came out. Models load
-on a thread of their own, so streams keep running while another model loads.
+decode one token for every running sequence in one forward pass, send what came out (a new reply's
+first token as soon as it is sampled, further text pieces at most every 25 ms: app/outbox.py).
+Models load on a thread of their own, so streams keep running while another model loads.
 
 `Engine` is the loop's state and step without the sockets, so tests can drive it directly.
 """
@@ -427,7 +428,6 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
     decode = msgspec.msgpack.Decoder(ToEngine).decode
     encode = msgspec.msgpack.Encoder().encode
     outbox = Outbox()
-    engine = Engine(config, outbox.add)
 
     def flush(idle: bool = False) -> None:
         if outbox.due(idle):
@@ -436,6 +436,12 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
                 if os.getppid() != parent:
                     raise SystemExit(0)
             sender.send(data)
+
+    def emit(event: FromEngine) -> None:
+        outbox.add(event)
+        flush()  # mid-step: a new reply's first token goes before the step decodes the others
+
+    engine = Engine(config, emit)
 
     try:
         engine.start()

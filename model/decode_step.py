@@ -17,6 +17,7 @@ import torch
 from .kernels import kernels
 from .kv_cache import KVCache
 from .linear import MAX_KERNEL_ROWS
+from .rope import Rope
 
 # Each layer's matrices in the order the op takes them (csrc/decode_step.cpp's Matrix): q|k|v and
 # w1|w3 side by side, so each group is one call of the decode kernel.
@@ -57,10 +58,9 @@ class LayerWeights:
 _layer_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its LayerWeights
 
 
-def decode_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[KVCache],
-                  ops=None) -> torch.Tensor | None:
+def decode_layers(model, x: torch.Tensor, rope: Rope, caches: list[KVCache], ops=None) -> torch.Tensor | None:
     """x (b, dim) through every layer of `model` in one op, sequence i's key and value written to
-    caches[i] at its length; cos, sin (b, head_dim) in x's dtype. None where the op does not apply
+    caches[i] at its length; rope's tables (b, head_dim) in x's dtype. None where the op does not apply
     (no kernel, not on the CPU, weights it does not take, more sequences than it takes): the caller
     runs the reference. `ops`: the build to use (default: the one linears() uses)."""
     if torch.compiler.is_compiling():  # torch.compile traces the reference, not this op
@@ -79,5 +79,5 @@ def decode_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
             raise ValueError(f"KV cache holds {cache.max_len} positions; asked to write up to {cache.length + 1}")
     norms, weights, scales = found
     config = model.config
-    return ops.decode_layers(x, norms, weights, scales, cos, sin, [c.k for c in caches], [c.v for c in caches],
+    return ops.decode_layers(x, norms, weights, scales, rope.cos, rope.sin, [c.k for c in caches], [c.v for c in caches],
                              [c.length for c in caches], config.n_heads, config.norm_eps)

@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .config import LlamaConfig
+
+
+class LayerCache(NamedTuple):
+    """One layer's part of a KVCache: k, v (batch, n_kv_heads, max_len, head_dim), and the position
+    a decoded token is written at (the cache's length when this was taken)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (batch, n_kv_heads, seq, head_dim) at start.. and return all keys/values so far."""
+        end = start + k.shape[2]
+        max_len = self.k.shape[2]
+        if end > max_len:
+            raise ValueError(f"KV cache holds {max_len} positions; asked to write up to {end}")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class KVCache:
@@ -37,14 +58,9 @@ class KVCache:
         """A cache of another size holding the same positions (as many as fit)."""
         return self.copy_prefix(min(self.length, max_len), max_len)
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (batch, n_kv_heads, seq, head_dim) at start.. and return all keys/values so far."""
-        end = start + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions; asked to write up to {end}")
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+    def layer(self, index: int) -> LayerCache:
+        """Layer `index`'s keys and values, with this cache's length as where a new token goes."""
+        return LayerCache(self.k[index], self.v[index], self.length)
 
     @property
     def used_bytes(self) -> int:

@@ -11,9 +11,9 @@ from torch import nn
 
 from .config import LlamaConfig
 from .decode_step import decode_layers
-from .kv_cache import KVCache
+from .kv_cache import KVCache, LayerCache
 from .linear import Embedding, Linear, project
-from .rope import apply_rope, rope_tables
+from .rope import Rope
 
 
 class Attention(nn.Module):
@@ -25,21 +25,21 @@ class Attention(nn.Module):
         self.wv = Linear(config.dim, config.n_kv_heads * config.head_dim)
         self.wo = Linear(config.n_heads * config.head_dim, config.dim)
 
-    def qkv(self, x, cos, sin):
+    def qkv(self, x, rope: Rope):
         """x (b, s, dim) -> rotated queries (b, h, s, d), rotated keys and values (b, kv, s, d)."""
         batch, seq, _ = x.shape
         h, kv = self.n_heads, self.n_kv_heads
         qkv = project(x, self.wq, self.wk, self.wv).view(batch, seq, h + 2 * kv, self.head_dim)
         qkv = qkv.transpose(1, 2)  # (b, h + 2 kv, s, d)
-        qk = apply_rope(qkv[:, :h + kv], cos, sin)  # queries and keys rotated in one go
+        qk = rope.rotate(qkv[:, :h + kv])  # queries and keys rotated in one go
         return qk[:, :h], qk[:, h:], qkv[:, h + kv:]
 
-    def forward(self, x, cos, sin, mask, kv_cache: KVCache | None, layer: int, start_pos: int):
-        """Positions start_pos.. of one batch of sequences that share kv_cache (or have none)."""
+    def forward(self, x, rope: Rope, mask, cache: LayerCache | None, start_pos: int):
+        """Positions start_pos.. of one batch of sequences that share this layer's cache (or have none)."""
         batch, seq, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin)
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer, start_pos, k, v)  # (b, kv, start_pos + s, d)
+        q, k, v = self.qkv(x, rope)
+        if cache is not None:
+            k, v = cache.update(start_pos, k, v)  # (b, kv, start_pos + s, d)
         if seq == 1:
             return self.wo(self.attend_one(q, k, v).reshape(batch, 1, -1))
         out = F.scaled_dot_product_attention(
@@ -47,11 +47,11 @@ class Attention(nn.Module):
             enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def decode(self, x, cos, sin, caches: list[KVCache], layer: int):
+    def decode(self, x, rope: Rope, caches: list[LayerCache]):
         """One new token of each of len(caches) sequences, x (b, 1, dim), each at its own position
-        (its cache's length); cos, sin (b, 1, 1, d). The projections see all b rows at once."""
-        q, k, v = self.qkv(x, cos, sin)
-        out = torch.cat([self.attend_one(q[i:i + 1], *cache.update(layer, cache.length, k[i:i + 1], v[i:i + 1]))
+        (its cache's length); rope's tables (b, 1, 1, d). The projections see all b rows at once."""
+        q, k, v = self.qkv(x, rope)
+        out = torch.cat([self.attend_one(q[i:i + 1], *cache.update(cache.length, k[i:i + 1], v[i:i + 1]))
                          for i, cache in enumerate(caches)])  # (b, kv, groups, d)
         return self.wo(out.reshape(len(caches), 1, -1))
 
@@ -88,12 +88,12 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x, cos, sin, mask, kv_cache, layer, start_pos):
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, kv_cache, layer, start_pos)
+    def forward(self, x, rope: Rope, mask, cache: LayerCache | None, start_pos: int):
+        x = x + self.attention(self.attention_norm(x), rope, mask, cache, start_pos)
         return x + self.feed_forward(self.ffn_norm(x))
 
-    def decode(self, x, cos, sin, caches, layer):
-        x = x + self.attention.decode(self.attention_norm(x), cos, sin, caches, layer)
+    def decode(self, x, rope: Rope, caches: list[LayerCache]):
+        x = x + self.attention.decode(self.attention_norm(x), rope, caches)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -107,8 +107,7 @@ class Llama(nn.Module):
         self.output = Linear(config.dim, config.vocab_size)
         self.tie_weights()
         # RoPE tables are not in any checkpoint: built by setup_rope() on the real device.
-        self.rope_cos: torch.Tensor | None = None
-        self.rope_sin: torch.Tensor | None = None
+        self.rope: Rope | None = None
         # Activations, norms and the KV cache use compute_dtype; matrices may be stored narrower
         # (bf16 or int8 weights with fp32 compute on CPUs without native bf16).
         self.compute_dtype = torch.float32
@@ -121,12 +120,12 @@ class Llama(nn.Module):
 
     def setup_rope(self, max_len: int):
         device = self.tok_embeddings.weight.device
-        self.rope_cos, self.rope_sin = rope_tables(self.config, max_len, device=device)
+        self.rope = Rope.tables(self.config, max_len, device=device)
 
     def ensure_rope(self, end: int):
         """RoPE tables that reach position end - 1 (doubled when they grow, so growing is rare)."""
-        if self.rope_cos is None or end > self.rope_cos.shape[0]:
-            self.setup_rope(max(end, 2 * (0 if self.rope_cos is None else self.rope_cos.shape[0])))
+        if self.rope is None or end > self.rope.max_len:
+            self.setup_rope(max(end, 2 * (0 if self.rope is None else self.rope.max_len)))
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, kv_cache: KVCache | None = None,
                 last_only: bool = False) -> torch.Tensor:
@@ -138,15 +137,14 @@ class Llama(nn.Module):
         end = start_pos + seq
         self.ensure_rope(end)
         x = self.tok_embeddings(tokens).to(self.compute_dtype)  # (b, s, dim)
-        cos = self.rope_cos[start_pos:end].to(x.dtype)
-        sin = self.rope_sin[start_pos:end].to(x.dtype)
+        rope = self.rope.at(slice(start_pos, end), x.dtype)  # (s, head_dim) tables
         mask = None
         if kv_cache is not None and start_pos > 0 and seq > 1:
             # New tokens see every cached position and the new ones up to themselves.
             positions = torch.arange(end, device=tokens.device)
             mask = positions[None, :] <= positions[start_pos:, None]  # (s, start_pos + s)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, kv_cache, i, start_pos)
+        for i, block in enumerate(self.layers):
+            x = block(x, rope, mask, None if kv_cache is None else kv_cache.layer(i), start_pos)
         if last_only:
             x = x[:, -1:, :]
         return self.output(self.norm(x))
@@ -164,13 +162,12 @@ class Llama(nn.Module):
         positions = [cache.length for cache in caches]
         self.ensure_rope(max(positions) + 1)
         x = self.tok_embeddings(tokens).to(self.compute_dtype)  # (b, dim)
-        cos = self.rope_cos[positions].to(x.dtype)  # (b, head_dim)
-        sin = self.rope_sin[positions].to(x.dtype)
+        rope = self.rope.at(positions, x.dtype)  # (b, head_dim) tables
         fused = self.fused_decode if fused is None else fused
-        out = decode_layers(self, x, cos, sin, caches) if fused else None  # (b, dim), or None
+        out = decode_layers(self, x, rope, caches) if fused else None  # (b, dim), or None
         if out is None:
-            x, cos, sin = x[:, None], cos[:, None, None], sin[:, None, None]  # (b, 1, dim), (b, 1, 1, head_dim)
-            for i, layer in enumerate(self.layers):
-                x = layer.decode(x, cos, sin, caches, i)
+            x, rope = x[:, None], rope.view(len(caches), 1, 1, -1)  # (b, 1, dim), (b, 1, 1, head_dim)
+            for i, block in enumerate(self.layers):
+                x = block.decode(x, rope, [cache.layer(i) for cache in caches])
             out = x[:, 0]
         return self.output(self.norm(out))

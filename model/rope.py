@@ -8,6 +8,7 @@ pairs; their q/k rows are reordered once (`permute_qk_rows`), which gives identi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -36,22 +37,42 @@ def inv_freq(config: LlamaConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(config: LlamaConfig, max_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for positions 0..max_len-1, each (max_len, head_dim), float32."""
-    positions = torch.arange(max_len, dtype=torch.float32, device=device)
-    angles = torch.outer(positions, inv_freq(config).to(device))  # (max_len, head_dim // 2)
-    angles = torch.cat([angles, angles], dim=-1)  # (max_len, head_dim)
-    return angles.cos(), angles.sin()
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, heads, seq, head_dim); cos, sin: (seq, head_dim) in x's dtype."""
-    return x * cos + rotate_half(x) * sin
+@dataclass(frozen=True)
+class Rope:
+    """RoPE's cos and sin for some positions, each (..., head_dim): the tables a layer rotates its
+    queries and keys with, taken from the model's tables for the positions being computed."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def tables(cls, config: LlamaConfig, max_len: int, device=None) -> Rope:
+        """Positions 0..max_len-1, each table (max_len, head_dim), float32."""
+        positions = torch.arange(max_len, dtype=torch.float32, device=device)
+        angles = torch.outer(positions, inv_freq(config).to(device))  # (max_len, head_dim // 2)
+        angles = torch.cat([angles, angles], dim=-1)  # (max_len, head_dim)
+        return cls(angles.cos(), angles.sin())
+
+    @property
+    def max_len(self) -> int:
+        return self.cos.shape[0]
+
+    def at(self, positions: slice | list[int], dtype: torch.dtype) -> Rope:
+        """The rows of `positions` (a slice, or one position per sequence) in the activations' dtype."""
+        return Rope(self.cos[positions].to(dtype), self.sin[positions].to(dtype))
+
+    def view(self, *shape: int) -> Rope:
+        return Rope(self.cos.view(*shape), self.sin.view(*shape))
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x (batch, heads, seq, head_dim), the tables broadcast against it: each channel pair (i,
+        i + head_dim/2) turned by its position's angle."""
+        return x * self.cos + rotate_half(x) * self.sin
 
 
 def permute_qk_rows(w, n_heads: int, to: str):

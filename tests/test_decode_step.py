@@ -27,6 +27,7 @@ import model.decode_step
 from model import KVCache, load_checkpoint
 from model.decode_step import decode_layers
 from model.kernels import KernelBuildError, build
+from model.rope import Rope
 
 BUILDS = ["native", "znver3", "x86-64"]
 CACHED = [1, 6, 17]  # positions already in each sequence's cache: one batch of three, each at its own position
@@ -144,16 +145,16 @@ def test_weights_the_op_does_not_take_go_to_the_reference(tmp_path, monkeypatch)
     ckpt = tiny(tmp_path, monkeypatch, 4, 2, torch.float32, weights=torch.float32)
     caches = prefilled(ckpt, [3])
     x = torch.zeros(1, ckpt.config.dim)
-    cos = sin = torch.zeros(1, ckpt.config.head_dim)
-    assert decode_layers(ckpt.model, x, cos, sin, caches) is None  # fp32 matrices
+    rope = Rope(torch.zeros(1, ckpt.config.head_dim), torch.zeros(1, ckpt.config.head_dim))
+    assert decode_layers(ckpt.model, x, rope, caches) is None  # fp32 matrices
     ckpt = tiny(tmp_path, monkeypatch, 4, 2, torch.float32)
-    assert decode_layers(ckpt.model, x, cos, sin, caches) is not None
+    assert decode_layers(ckpt.model, x, rope, caches) is not None
     layer = ckpt.model.layers[1].feed_forward.w2
     layer.weight = torch.nn.Parameter(layer.weight.float(), requires_grad=False)  # one matrix of another kind
-    assert decode_layers(ckpt.model, x, cos, sin, caches) is None
+    assert decode_layers(ckpt.model, x, rope, caches) is None
     with pytest.MonkeyPatch.context() as patch:  # LLAMA_KERNELS=0, or no compiler
         patch.setattr(model.decode_step, "kernels", lambda: None)
-        assert decode_layers(ckpt.model, x, cos, sin, caches) is None
+        assert decode_layers(ckpt.model, x, rope, caches) is None
 
 
 def test_a_full_cache_is_refused_as_the_reference_refuses_it(tmp_path, monkeypatch):

@@ -157,7 +157,7 @@ def test_loading_is_memory_mapped_and_builds_on_meta(hf_folder):
     assert all(base <= p.data_ptr() < base + (folder / "model.safetensors").stat().st_size for p in matrices)
     assert emb.dtype == torch.bfloat16
     assert not any(t.is_meta for t in ckpt.model.state_dict().values())
-    assert ckpt.model.rope_cos is not None and not ckpt.model.rope_cos.is_meta
+    assert ckpt.model.rope is not None and not ckpt.model.rope.cos.is_meta
 
 
 def test_greedy_generation_with_kv_cache_matches_transformers(reference, hf_folder):

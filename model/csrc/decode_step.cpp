@@ -58,7 +58,7 @@ void rms_norm(const T* x, const T* weight, int64_t dim, float eps, T* out) {
   for (int64_t i = 0; i < dim; i++) out[i] = T(f32(x[i]) * rstd * f32(weight[i]));
 }
 
-// model/rope.py's apply_rope on one head, in place: x * cos + rotate_half(x) * sin, where
+// model/rope.py's Rope.rotate on one head, in place: x * cos + rotate_half(x) * sin, where
 // rotate_half(x1, x2) = (-x2, x1) for the head's two halves (Hugging Face's layout).
 template <typename T>
 void apply_rope(T* head, const T* cos, const T* sin, int64_t head_dim) {

@@ -1,6 +1,6 @@
 """Peak resident memory while loading a bf16 checkpoint: our loader against the naive one.
 
-    python bench/load_memory.py [--shape llama3.2-1b] [--check]
+    python bench/load_memory.py [--shape llama3.2-1b] [--check] [--fp32-activations]
 
 Ways (each in a fresh process, so peaks never mix):
   ours-bf16    model.load_checkpoint(folder, dtype=bfloat16): meta device + mmap + assign
@@ -10,19 +10,25 @@ Ways (each in a fresh process, so peaks never mix):
   ours-int8    model.load_checkpoint(folder, dtype=bfloat16, quantize="int8")
   ours-int4    model.load_checkpoint(folder, dtype=bfloat16, quantize="int4")
 
-Peak RSS (VmHWM of /proc/self/status) is read after loading and again after one forward pass, which
-touches every memory-mapped page. It counts file-backed pages of the mapping too (RssFile): the page
+Peak RSS (VmHWM of /proc/self/status) is read after loading and again after a 512-token prefill (in
+the engine's chunks, into a KV cache) and 128 decoded tokens, which touch every memory-mapped page. It counts file-backed pages of the mapping too (RssFile): the page
 cache may already hold the file, but pages count once this process maps and touches them. (ru_maxrss
 is kept in the JSON but not used: Linux carries it over from the parent process across fork and
 exec, so a child can report its parent's peak.)
 Requirement: peak <= 1.15 x weight bytes (in the run dtype) + 300 MB. --check exits 1 when an
 `ours` row fails it.
+
+--fp32-activations runs every way as on a CPU without bf16 arithmetic (AVX2 only, e.g. Zen 3): the
+engine then computes in fp32 over the stored bf16 weights, and the decode kernel is the AVX2 build
+(-march=znver3). Which memory a way holds depends on that choice of code path, not on the CPU that
+runs it, so this measures the AVX2 machine's peak on any x86 CPU with AVX2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,6 +58,7 @@ WAYS = {  # name: (loader, load_checkpoint keywords); the file is always bf16
     "ours-int4": ("ours", {"dtype": "bfloat16", "quantize": "int4"}),
 }
 SLACK, OVERHEAD_MB = 1.15, 300.0
+PROMPT_TOKENS, NEW_TOKENS = 512, 128
 
 
 def load_ours(folder: Path, dtype: torch.dtype, **options):
@@ -82,6 +89,9 @@ def load_naive(folder: Path, dtype: torch.dtype):
 
 def worker(spec: dict, out: str) -> None:
     torch.set_num_threads(spec["threads"])
+    if spec["fp32_activations"]:
+        import model.checkpoint
+        model.checkpoint.has_native_bf16 = lambda: False  # the engine's dtype policy asks this
     folder, options = Path(spec["folder"]), dict(spec["options"])
     dtype = DTYPES[options.pop("dtype")]
     before = memory_mb()
@@ -89,13 +99,29 @@ def worker(spec: dict, out: str) -> None:
     net = load_ours(folder, dtype, **options) if spec["loader"] == "ours" else load_naive(folder, dtype)
     load_s = time.perf_counter() - start
     after_load = memory_mb()
-    tokens = torch.tensor([random_prompt(net.config.vocab_size, 16)])
-    with torch.inference_mode():
-        net(tokens, last_only=True)
-    after_forward = memory_mb()
-    write_result(out, {"load_s": load_s,
+    generate(net, random_prompt(net.config.vocab_size, PROMPT_TOKENS), NEW_TOKENS)
+    after_run = memory_mb()
+    write_result(out, {"load_s": load_s, "compute_dtype": str(net.compute_dtype),
                        "weight_bytes": tensor_bytes(net), "before": before, "after_load": after_load,
-                       "after_forward": after_forward})
+                       "after_run": after_run})
+
+
+@torch.inference_mode()
+def generate(net, prompt: list[int], new_tokens: int) -> None:
+    """The engine's work on one request: the prompt in PREFILL_CHUNK chunks into a KV cache, then one
+    token at a time (greedy)."""
+    from model.generation import PREFILL_CHUNK
+    from model.kv_cache import KVCache
+
+    cache = KVCache(net.config, len(prompt) + new_tokens, dtype=net.compute_dtype)
+    for start in range(0, len(prompt), PREFILL_CHUNK):
+        chunk = prompt[start:start + PREFILL_CHUNK]
+        logits = net(torch.tensor([chunk]), start_pos=start, kv_cache=cache, last_only=True)[:, -1]
+        cache.tokens.extend(chunk)
+    for _ in range(new_tokens):
+        token = int(logits.argmax())
+        logits = net.decode(torch.tensor([token]), [cache])
+        cache.tokens.append(token)
 
 
 def main() -> int:
@@ -107,6 +133,8 @@ def main() -> int:
                    help=f"comma list among {', '.join(WAYS)} (default: all)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--check", action="store_true", help="exit 1 if one of our rows fails the requirement")
+    p.add_argument("--fp32-activations", action="store_true",
+                   help="compute as on a CPU without bf16 arithmetic, with the AVX2 kernel build")
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--idle-wait", type=float, default=60.0,
                    help="before each way, wait up to this many seconds for other processes to go quiet")
@@ -123,16 +151,20 @@ def main() -> int:
     wanted = None if args.ways == "all" else set(args.ways.split(","))
     rows = []
     engine = engine_version()
+    if args.fp32_activations:
+        os.environ["LLAMA_KERNEL_MARCH"] = "znver3"  # the workers inherit it: the AVX2 build
     print(f"{args.shape}: {n_params(config) / 1e9:.3f} B parameters, file {file_mb:.0f} MB (bf16), "
-          f"{args.threads} threads; engine at {engine}")
+          f"{args.threads} threads{', fp32 activations, AVX2 kernels' if args.fp32_activations else ''}; "
+          f"engine at {engine}")
     for name, (loader, options) in WAYS.items():
         if wanted and name not in wanted:
             continue
         r = run_worker(Path(__file__), {"loader": loader, "options": options, "folder": str(folder),
-                                        "threads": args.threads}, idle_wait=args.idle_wait)
+                                        "threads": args.threads, "fp32_activations": args.fp32_activations},
+                       idle_wait=args.idle_wait)
         rows.append({"way": name, "loader": loader, "options": options, **r})
 
-    header = ("| way | load s | peak RSS after load MB | peak RSS after forward MB "
+    header = ("| way | compute | load s | peak RSS after load MB | peak RSS after prefill + decode MB "
               "| of which file-backed MB | weight MB | peak / weights | limit MB | verdict |")
     print()
     print(header)
@@ -144,20 +176,21 @@ def main() -> int:
             failed |= r["loader"] == "ours"
             continue
         weights = r["weight_bytes"] / MB
-        peak = r["after_forward"]["hwm"]
+        peak = r["after_run"]["hwm"]
         limit = SLACK * weights + OVERHEAD_MB
         ok = peak <= limit
         r.update(peak_mb=peak, weight_mb=weights, limit_mb=limit, passed=ok)
         failed |= r["loader"] == "ours" and not ok
-        print(f"| {r['way']} | {r['load_s']:.1f} | {r['after_load']['hwm']:.0f} | "
-              f"{peak:.0f} | {r['after_forward']['file']:.0f} | {weights:.0f} | {peak / weights:.2f} | "
+        print(f"| {r['way']} | {r['compute_dtype'].removeprefix('torch.')} | {r['load_s']:.1f} | "
+              f"{r['after_load']['hwm']:.0f} | {peak:.0f} | {r['after_run']['file']:.0f} | {weights:.0f} | {peak / weights:.2f} | "
               f"{limit:.0f} | {'PASS' if ok else 'FAIL'} |")
     print(f"\nlimit = {SLACK} x weight bytes as loaded + {OVERHEAD_MB:.0f} MB; "
           f"RSS of the process before loading (torch and model imported): {rows[0]['before']['rss']:.0f} MB"
           if rows and "before" in rows[0] else "")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"shape": args.shape, "engine": engine, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"shape": args.shape, "engine": engine, "rows": rows,
+                                         "fp32_activations": args.fp32_activations}, indent=2))
     return 1 if args.check and failed else 0
 
 

@@ -315,8 +315,9 @@ PROMPTS = [
 def default_model_steps(monkeypatch, activations, forced: bool, quantize=None):
     """Greedy decode of 64 tokens on the 20 prompts (weights bf16, or `quantize`), in batches of up to 8
     sequences of different lengths, by the fused op and by the reference: (fused tokens, reference
-    tokens), each (20, 64), and per step of each prompt (fused logits, reference logits). forced: both paths are fed the reference's
-    tokens (teacher forcing), so each step compares the same inputs; else each follows its own."""
+    tokens), each (20, 64), and per step of each prompt (fused logits, reference logits). forced: both
+    paths are fed the reference's tokens (teacher forcing), so each step compares the same inputs; else
+    each follows its own."""
     monkeypatch.setattr(model.checkpoint, "has_native_bf16", lambda: activations == torch.bfloat16)
     ckpt = load_checkpoint(default_model(), dtype=torch.bfloat16, quantize=quantize)
     net = ckpt.model
@@ -355,32 +356,25 @@ def default_model_steps(monkeypatch, activations, forced: bool, quantize=None):
     return tokens[True], tokens[False], logits
 
 
-def test_the_default_model_with_fp32_activations_decodes_the_same_greedy_tokens(monkeypatch):
-    fused, reference, logits = default_model_steps(monkeypatch, torch.float32, forced=False)
+@pytest.mark.parametrize("quantize", [None, "int4"])  # int4: its layers' matrices all int4, the output head int8
+def test_the_default_model_with_fp32_activations_decodes_the_same_greedy_tokens(monkeypatch, quantize):
+    fused, reference, logits = default_model_steps(monkeypatch, torch.float32, forced=False, quantize=quantize)
     for prompt, ours, theirs in zip(PROMPTS, fused, reference):
         assert len(ours) == 64
         assert ours == theirs, f"{prompt!r}: the fused op's tokens part from the reference's"
+    tol = 1e-5 if quantize is None else 3e-4  # of the scale: the int8 head's allowance (the module's docstring)
     for ours, theirs in logits:
-        torch.testing.assert_close(ours, theirs, atol=1e-5 * float(theirs.abs().max()), rtol=0)
+        torch.testing.assert_close(ours, theirs, atol=tol * float(theirs.abs().max()), rtol=0)
 
 
-def test_the_default_model_in_int4_with_fp32_activations_decodes_the_same_greedy_tokens(monkeypatch):
-    """Every matrix of its layers int4 (K = 576 and 1536 are whole blocks), the output head int8."""
-    fused, reference, logits = default_model_steps(monkeypatch, torch.float32, forced=False, quantize="int4")
-    for prompt, ours, theirs in zip(PROMPTS, fused, reference):
-        assert len(ours) == 64
-        assert ours == theirs, f"{prompt!r}: the fused op's tokens part from the reference's"
-    for ours, theirs in logits:
-        torch.testing.assert_close(ours, theirs, atol=3e-4 * float(theirs.abs().max()), rtol=0)
-
-
-def test_the_default_model_with_bf16_activations_picks_the_reference_tokens_but_for_ties(monkeypatch):
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_the_default_model_with_bf16_activations_picks_the_reference_tokens_but_for_ties(monkeypatch, quantize):
     """In bf16 the greedy token is often a tie or nearly (logits of 10 to 40 in steps of 2^-4 to 2^-2),
     and one bf16 rounding that goes the other way can break it either way: the reference itself, run
     in batches of 1 instead of 8, parts from its own tokens within 64 on 14 of these 20 prompts.
     So both paths are fed the reference's tokens, and at every step where the reference's best logit
     leads the next by more than two bf16 steps, the fused op must pick the same token."""
-    _, _, logits = default_model_steps(monkeypatch, torch.bfloat16, forced=True)
+    _, _, logits = default_model_steps(monkeypatch, torch.bfloat16, forced=True, quantize=quantize)
     decided = agree = 0
     for ours, theirs in logits:
         top = theirs.topk(2, dim=-1).values  # (b, 2)

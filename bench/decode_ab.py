@@ -1,12 +1,13 @@
 """Decode speed of several weight formats side by side in one process, their steps taken in turn.
 
-    python bench/decode_ab.py [--shape llama3.2-1b] [--variants bf16,int8,int4] [--rounds 12] [--steps 8]
+    python bench/decode_ab.py [--shape llama3.2-1b] [--variants bf16,int8,int4,int4-op-by-op] [--rounds 12] [--steps 8]
 
 On a machine shared with other work, runs of one format after another (bench/speed.py) see different
 loads; here each round times `--steps` decode steps of every format, one format after the other, so
 they share the load of the moment. Per format: the fastest round's tokens/s (the least disturbed) and
 the median round's, GB/s of weights read per step (bench/speed.py's decode_bytes) and the ratio to
-the first format. Random weights of the shape (bench/common.py), greedy, one sequence.
+the first format. Random weights of the shape (bench/common.py), greedy, one sequence. Steps go
+through Llama.decode, as generation's do: the fused decode step, or with `-op-by-op` the reference.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from speed import decode_bytes
 import model  # noqa: E402
 
 VARIANTS = {"bf16": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"}}
+OP_BY_OP = "-op-by-op"  # a variant's name + this: the same weights, decode steps by the reference (fused=False)
 
 
 def main() -> int:
@@ -41,17 +43,22 @@ def main() -> int:
     folder = random_checkpoint(args.shape)
     runs = {}
     for name in args.variants.split(","):
-        ckpt = model.load_checkpoint(folder, dtype=torch.bfloat16, **VARIANTS[name])
+        ckpt = model.load_checkpoint(folder, dtype=torch.bfloat16, **VARIANTS[name.removesuffix(OP_BY_OP)])
+        ckpt.model.fused_decode = not name.endswith(OP_BY_OP)
         config = ckpt.config
         prompt = random_prompt(config.vocab_size, args.prompt_tokens)
         cache = model.KVCache(config, args.prompt_tokens + args.rounds * args.steps + 2, dtype=ckpt.dtype)
-        runs[name] = {"ckpt": ckpt, "cache": cache, "token": 0, "pos": 0, "prompt": prompt, "times": []}
+        runs[name] = {"ckpt": ckpt, "cache": cache, "token": 0, "prompt": prompt, "times": []}
 
     @torch.inference_mode()
     def step(run: dict, ids: list[int]) -> None:
-        net = run["ckpt"].model
-        logits = net(torch.tensor([ids]), start_pos=run["pos"], kv_cache=run["cache"], last_only=True)[0, -1]
-        run["token"], run["pos"] = int(logits.argmax()), run["pos"] + len(ids)
+        net, cache = run["ckpt"].model, run["cache"]
+        if len(ids) == 1:  # a decode step, as generation takes it
+            logits = net.decode(torch.tensor(ids), [cache])[0]
+        else:
+            logits = net(torch.tensor([ids]), start_pos=cache.length, kv_cache=cache, last_only=True)[0, -1]
+        cache.tokens += ids
+        run["token"] = int(logits.argmax())
 
     for run in runs.values():
         step(run, run["prompt"])

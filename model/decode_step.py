@@ -5,7 +5,10 @@ as long as reading the layer's weights. `decode_layers` hands the whole stack of
 instead, which computes the same maths (Block.decode in model/llama.py, the reference it is tested
 against) in plain loops between the decode kernel's matrix products. Llama.decode takes it on the
 CPU when the kernel is built (LLAMA_KERNELS=0 turns it off), for weight matrices the kernel streams
-(all bf16, or all int8 with group scales) and activations in fp32 or bf16; otherwise the reference.
+and activations in fp32 or bf16; otherwise the reference. The matrices are all bf16, or quantized:
+int8 with group scales and int4 with block scales and offsets (model/quantize.py), mixed freely
+between the op's kernel calls (an int4 model keeps as int8 a matrix whose K is not whole blocks of 32)
+but of one kind within q|k|v and within w1|w3.
 """
 
 from __future__ import annotations
@@ -23,36 +26,50 @@ from .rope import Rope
 # w1|w3 side by side, so each group is one call of the decode kernel.
 LAYER_MATRICES = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                   "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
-KERNEL_WEIGHTS = (torch.bfloat16, torch.int8)  # the kinds of weight matrix the op streams
+KERNEL_CALLS = ((0, 1, 2), (3,), (4, 5), (6,))  # indices into LAYER_MATRICES: the matrices of each kernel call
+QUANTIZED_WEIGHTS = (torch.int8, torch.uint8)  # int8, and int4 two a byte: the quantized kinds the op streams
 
 
 class LayerWeights:
-    """The op's norms, weights and scales of one model: gathered once (a few hundred module attribute
+    """The op's norms, weights, scales and offsets of one model: gathered once (a few hundred module attribute
     reads, about a millisecond), then checked on each step against the modules' own tensors by
     identity (plain dict reads, tens of microseconds), so weights swapped after loading are the ones used."""
 
     def __init__(self, model):
         self.norms = [norm for block in model.layers for norm in (block.attention_norm, block.ffn_norm)]
         self.linears = [block.get_submodule(name) for block in model.layers for name in LAYER_MATRICES]
-        self.found = None  # (the modules' tensors, the op's norms, weights and scales), per activation dtype
+        self.found = None  # (the modules' tensors, the op's norms, weights, scales and offsets), per activation dtype
         self.dtype = None
 
-    def current(self, dtype: torch.dtype) -> tuple[list, list, list] | None:
-        """(norms in `dtype`, weights, scales) for the op, or None where the matrices are not all of one
-        kind it takes."""
+    def current(self, dtype: torch.dtype) -> tuple[list, list, list, list] | None:
+        """(norms in `dtype`, weights, scales, offsets) for the op, or None where it does not take the
+        matrices' kinds."""
         tensors = ([n._parameters["weight"] for n in self.norms] + [m._parameters["weight"] for m in self.linears]
-                   + [m._buffers["scale"] for m in self.linears])
+                   + [m._buffers["scale"] for m in self.linears] + [m._buffers["offset"] for m in self.linears])
         if self.found is None or self.dtype != dtype or any(a is not b for a, b in zip(tensors, self.found[0])):
             self.found, self.dtype = (tensors, self.gather(dtype)), dtype
         return self.found[1]
 
     def gather(self, dtype: torch.dtype):
+        """The op's arguments, scales and offsets in the dtypes the kernel reads (fp32 for int8, fp16 for
+        int4), converted here once; None where the matrices are neither all bf16 nor all quantized, or
+        where one kernel call's matrices are of different kinds."""
         weights = [m.weight for m in self.linears]
-        kind = weights[0].dtype
-        if kind not in KERNEL_WEIGHTS or any(w.dtype != kind for w in weights):
+        if all(w.dtype == torch.bfloat16 for w in weights):
+            return self.norms_in(dtype), weights, [], []
+        if not all(w.dtype in QUANTIZED_WEIGHTS for w in weights):
             return None
-        scales = [m.scale.float() for m in self.linears] if kind == torch.int8 else []
-        return [n.weight.to(dtype) for n in self.norms], weights, scales
+        for first in range(0, len(weights), len(LAYER_MATRICES)):
+            for call in KERNEL_CALLS:
+                if len({weights[first + i].dtype for i in call}) > 1:
+                    return None
+        scales = [m.scale.half() if m.weight.dtype == torch.uint8 else m.scale.float() for m in self.linears]
+        offsets = [m.offset.half() if m.weight.dtype == torch.uint8 and m.offset is not None else None
+                   for m in self.linears]
+        return self.norms_in(dtype), weights, scales, offsets
+
+    def norms_in(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [n.weight.to(dtype) for n in self.norms]
 
 
 _layer_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its LayerWeights
@@ -77,7 +94,7 @@ def decode_layers(model, x: torch.Tensor, rope: Rope, caches: list[KVCache], ops
     for cache in caches:
         if cache.length >= cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} positions; asked to write up to {cache.length + 1}")
-    norms, weights, scales = found
+    norms, weights, scales, offsets = found
     config = model.config
-    return ops.decode_layers(x, norms, weights, scales, rope.cos, rope.sin, [c.k for c in caches], [c.v for c in caches],
-                             [c.length for c in caches], config.n_heads, config.norm_eps)
+    return ops.decode_layers(x, norms, weights, scales, offsets, rope.cos, rope.sin, [c.k for c in caches],
+                             [c.v for c in caches], [c.length for c in caches], config.n_heads, config.norm_eps)

@@ -10,6 +10,10 @@
 // here the steps between the matrix products are plain loops over a few hundred numbers, and the
 // products go to the decode kernel (matvec.h), which streams the weights.
 //
+// Weights are bf16, int8 with group scales, or int4 with block scales and offsets (model/quantize.py),
+// one kind for the matrices of one kernel call (q|k|v, wo, w1|w3, w2) and any kind from call to
+// call: an int4 model keeps a matrix whose K is not whole blocks of 32 as int8.
+//
 // Activations are fp32 or bf16 (T). In bf16 each value is rounded to bf16 where the reference
 // stores a bf16 tensor (the norm's output, RoPE's products and their sum, the residual sums, SiLU
 // and its product with up, attention's probabilities as ATen's CPU flash attention rounds them)
@@ -25,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "matvec.h"
@@ -37,7 +42,7 @@ namespace {
 
 using c10::BFloat16;
 
-// Each layer's matrices, in this order, in the op's `weights` (and `scales`): model/decode_step.py's
+// Each layer's matrices, in this order, in the op's `weights` (and `scales`, `offsets`): model/decode_step.py's
 // LAYER_MATRICES. q|k|v and w1|w3 are neighbours, so each group is one slice and one kernel call.
 enum Matrix : int64_t { kWq, kWk, kWv, kWo, kW1, kW3, kW2, kLayerMatrices };
 constexpr int64_t kMaxRows = 8;  // sequences per step: the decode kernel's rows
@@ -114,14 +119,18 @@ struct Step {
   int64_t batch, dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim;
   float eps;
   at::TensorList norms, weights, scales;
+  std::vector<std::optional<at::Tensor>> offsets;  // none, or one per weight (int4 blocks' offsets)
   std::vector<int64_t> positions, max_len;
   std::vector<void*> k_caches, v_caches;  // per sequence: (n_layers, 1, n_kv_heads, max_len, head_dim)
 
-  at::TensorList matrices(at::TensorList all, int64_t layer, Matrix first, int64_t count) const {
+  // The `count` matrices from `first` of a layer, in a list of one entry per weight (or an empty list).
+  template <typename T>
+  static c10::ArrayRef<T> matrices(c10::ArrayRef<T> all, int64_t layer, Matrix first, int64_t count) {
     return all.empty() ? all : all.slice(layer * kLayerMatrices + first, count);
   }
   at::Tensor matvec(const at::Tensor& x, int64_t layer, Matrix first, int64_t count) const {
-    return llama::matvec(x, matrices(weights, layer, first, count), matrices(scales, layer, first, count));
+    return llama::matvec(x, matrices(weights, layer, first, count), matrices(scales, layer, first, count),
+                         matrices(llama::Offsets(offsets), layer, first, count));
   }
 };
 
@@ -201,11 +210,14 @@ void check_tensor(const char* what, const at::Tensor& t, at::ScalarType dtype, a
 }
 
 // x (b, dim) through every layer: norms (2 per layer: attention_norm, ffn_norm), weights (7 per
-// layer, Matrix's order), scales (none for bf16 weights, else one per weight), cos and sin (b,
-// head_dim) rows of each sequence's position, k_caches and v_caches one per sequence, written at
-// positions[s]. Returns the new x; the caches are written in place.
+// layer, Matrix's order), scales (none for bf16 weights, else one per weight: fp32 for int8, fp16
+// for int4), offsets (none, or one per weight: an int4 matrix's fp16 offsets or none for Q4_0
+// blocks, none for the other kinds), cos and sin (b, head_dim) rows of each sequence's position,
+// k_caches and v_caches one per sequence, written at positions[s]. Returns the new x; the caches
+// are written in place.
 at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorList weights, at::TensorList scales,
-                         const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
+                         const c10::List<std::optional<at::Tensor>>& offsets, const at::Tensor& cos,
+                         const at::Tensor& sin, at::TensorList k_caches,
                          at::TensorList v_caches, at::IntArrayRef positions, int64_t n_heads, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows &&
               (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -221,12 +233,15 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorLi
   st.norms = norms;
   st.weights = weights;
   st.scales = scales;
+  st.offsets = offsets.vec();
   const auto dtype = x.scalar_type();
   TORCH_CHECK(st.n_layers >= 1 && norms.size() == 2 * st.n_layers &&
               weights.size() == kLayerMatrices * st.n_layers &&
-              (scales.empty() || scales.size() == weights.size()),
-              "decode_layers: expected 2 norms and ", kLayerMatrices, " weights a layer (and as many scales, or ",
-              "none); got ", norms.size(), " norms, ", weights.size(), " weights, ", scales.size(), " scales");
+              (scales.empty() || scales.size() == weights.size()) &&
+              (offsets.empty() || offsets.size() == weights.size()),
+              "decode_layers: expected 2 norms and ", kLayerMatrices, " weights a layer (and as many scales and ",
+              "offsets, or none); got ", norms.size(), " norms, ", weights.size(), " weights, ", scales.size(),
+              " scales, ", offsets.size(), " offsets");
   TORCH_CHECK(st.head_dim >= 2 && st.head_dim % 2 == 0 && n_heads >= 1,
               "decode_layers: cos must be (b, head_dim) with an even head_dim; got ", cos.sizes());
   st.n_kv_heads = k_caches.empty() ? 0 : k_caches[0].size(2);
@@ -242,11 +257,18 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorLi
     const int64_t q_rows = n_heads * st.head_dim, kv_rows = st.n_kv_heads * st.head_dim;
     const int64_t rows[kLayerMatrices] = {q_rows, kv_rows, kv_rows, st.dim, st.ffn_dim, st.ffn_dim, st.dim};
     const int64_t cols[kLayerMatrices] = {st.dim, st.dim, st.dim, q_rows, st.dim, st.dim, st.ffn_dim};
+    const at::Tensor* w = &weights[layer * kLayerMatrices];  // this layer's matrices
     for (int64_t m = 0; m < kLayerMatrices; m++) {
-      const at::Tensor& w = weights[layer * kLayerMatrices + m];
-      TORCH_CHECK(w.dim() == 2 && w.size(0) == rows[m] && w.size(1) == cols[m], "decode_layers: layer ", layer,
-                  " matrix ", m, " is ", w.sizes(), "; expected (", rows[m], ", ", cols[m], ")");
+      const int64_t per_byte = w[m].scalar_type() == at::kByte ? 2 : 1;  // int4: two weights a byte
+      TORCH_CHECK(w[m].dim() == 2 && w[m].size(0) == rows[m] && w[m].size(1) * per_byte == cols[m],
+                  "decode_layers: layer ", layer, " matrix ", m, " is ", w[m].sizes(), " of ", w[m].scalar_type(),
+                  "; expected (", rows[m], ", ", cols[m] / per_byte, ")");
     }
+    TORCH_CHECK(w[kWk].scalar_type() == w[kWq].scalar_type() && w[kWv].scalar_type() == w[kWq].scalar_type() &&
+                w[kW3].scalar_type() == w[kW1].scalar_type(),
+                "decode_layers: layer ", layer, " has wq, wk, wv of ", w[kWq].scalar_type(), ", ",
+                w[kWk].scalar_type(), ", ", w[kWv].scalar_type(), " and w1, w3 of ", w[kW1].scalar_type(), ", ",
+                w[kW3].scalar_type(), "; expected one kind for the matrices of one kernel call");
   }
   TORCH_CHECK(k_caches.size() == static_cast<size_t>(st.batch) && v_caches.size() == k_caches.size() &&
               positions.size() == k_caches.size(),
@@ -273,8 +295,8 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorLi
 #define IMPL_LIBRARY(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
 
 FRAGMENT_LIBRARY(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_layers(Tensor x, Tensor[] norms, Tensor[] weights, Tensor[] scales, Tensor cos, Tensor sin, "
-        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] positions, int n_heads, float eps) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor[] norms, Tensor[] weights, Tensor[] scales, Tensor?[] offsets, Tensor cos, "
+        "Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] positions, int n_heads, float eps) -> Tensor");
 }
 
 IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) { m.impl("decode_layers", decode_layers); }

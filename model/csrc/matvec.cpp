@@ -241,8 +241,7 @@ const uint16_t* block_values(const char* what, size_t i, const at::Tensor& t, in
 // int4 weights (model/quantize.py's layout): w uint8 (N, K / 2), scale and offset fp16 (N, K / 32) per
 // matrix, offset None for Q4_0's symmetric blocks. x is widened to fp32 (each block of weights becomes
 // fp32 in registers, so the result is that of the dequantized matrix, up to fp32 rounding).
-at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList scales,
-                       const c10::List<std::optional<at::Tensor>>& offsets) {
+at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList scales, llama::Offsets offsets) {
   const int64_t rows = check("matvec_int4", x, ws, at::kByte, 2);
   const int64_t k_dim = x.size(-1), blocks = k_dim / portable::kQ4Block;
   TORCH_CHECK(k_dim % portable::kQ4Block == 0, "matvec_int4: K=", k_dim, " is not a multiple of the block of ",
@@ -255,8 +254,7 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
   for (size_t i = 0; i < ws.size(); i++) {
     w.push_back(ws[i].data_ptr<uint8_t>());
     s.push_back(block_values("scale", i, scales[i], ws[i].size(0), blocks));
-    const std::optional<at::Tensor> offset = offsets.get(i);
-    o.push_back(offset.has_value() ? block_values("offset", i, *offset, ws[i].size(0), blocks) : nullptr);
+    o.push_back(offsets[i].has_value() ? block_values("offset", i, *offsets[i], ws[i].size(0), blocks) : nullptr);
   }
   const at::Tensor xf = x.to(at::kFloat);  // no copy when x is fp32
   const float* xp = xf.data_ptr<float>();
@@ -275,15 +273,24 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
   return y;
 }
 
+// The registered op: a Tensor?[] argument arrives as a c10::List.
+at::Tensor matvec_int4_op(const at::Tensor& x, at::TensorList ws, at::TensorList scales,
+                          const c10::List<std::optional<at::Tensor>>& offsets) {
+  return matvec_int4(x, ws, scales, offsets.vec());
+}
+
 std::string path() { return kPath; }
 
 }  // namespace
 
-at::Tensor llama::matvec(const at::Tensor& x, at::TensorList ws, at::TensorList scales) {
+at::Tensor llama::matvec(const at::Tensor& x, at::TensorList ws, at::TensorList scales, Offsets offsets) {
   TORCH_CHECK(!ws.empty(), "matvec: no weight matrices");
-  if (ws[0].scalar_type() == at::kChar) return matvec_int8(x, ws, scales);
-  TORCH_CHECK(scales.empty(), "matvec: ", scales.size(), " scale tensors for ", ws[0].scalar_type(),
-              " weights; expected none");
+  const at::ScalarType kind = ws[0].scalar_type();
+  if (kind == at::kByte) return matvec_int4(x, ws, scales, offsets);
+  for (const std::optional<at::Tensor>& offset : offsets)
+    TORCH_CHECK(!offset.has_value(), "matvec: an offset for ", kind, " weights; only int4 (uint8) blocks take one");
+  if (kind == at::kChar) return matvec_int8(x, ws, scales);
+  TORCH_CHECK(scales.empty(), "matvec: ", scales.size(), " scale tensors for ", kind, " weights; expected none");
   return matvec_bf16(x, ws);
 }
 
@@ -301,5 +308,5 @@ DEFINE_LIBRARY(TORCH_EXTENSION_NAME, m) {
 IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("matvec_bf16", matvec_bf16);
   m.impl("matvec_int8", matvec_int8);
-  m.impl("matvec_int4", matvec_int4);
+  m.impl("matvec_int4", matvec_int4_op);
 }

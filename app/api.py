@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -134,10 +134,10 @@ async def json_body(http_request: HttpRequest) -> object:
 
 def create_router(backend, api_key: str | None = None) -> APIRouter:
     """The /v1 routes over a backend (`app.backend`: anything with its profiles, default and stream())."""
-    router = APIRouter()
     started = int(time.time())
 
     def check_key(http_request: HttpRequest) -> None:
+        """Every route's dependency: with LLAMA_API_KEY set, the key must come with the request."""
         if not api_key:
             return
         scheme, _, token = http_request.headers.get("authorization", "").partition(" ")
@@ -145,6 +145,8 @@ def create_router(backend, api_key: str | None = None) -> APIRouter:
             raise ApiError(401, "No API key given: send it as 'Authorization: Bearer <key>'.", code="invalid_api_key")
         if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise ApiError(401, "Incorrect API key.", code="invalid_api_key")
+
+    router = APIRouter(dependencies=[Depends(check_key)])  # an ApiError anywhere is answered by answer_error
 
     def model_card(name: str) -> dict:
         where = backend.profiles[name]  # a checkpoint's path, or a remote server's address
@@ -156,49 +158,29 @@ def create_router(backend, api_key: str | None = None) -> APIRouter:
     backend.observers.append(metrics.observe)
 
     @router.get("/metrics")
-    async def prometheus_metrics(http_request: HttpRequest) -> Response:
+    async def prometheus_metrics() -> Response:
         """Prometheus' text format (app.metrics); with LLAMA_API_KEY set, the key is needed here too."""
-        try:
-            check_key(http_request)
-        except ApiError as e:
-            return e.response()
         return Response(metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     @router.get("/v1/models")
-    async def list_models(http_request: HttpRequest) -> Response:
-        try:
-            check_key(http_request)
-        except ApiError as e:
-            return e.response()
+    async def list_models() -> Response:
         return JSONResponse({"object": "list", "data": [model_card(name) for name in backend.profiles]})
 
     @router.get("/v1/models/{model:path}")
-    async def get_model(model: str, http_request: HttpRequest) -> Response:
-        try:
-            check_key(http_request)
-            if model not in backend.profiles:
-                raise ApiError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
-        except ApiError as e:
-            return e.response()
+    async def get_model(model: str) -> Response:
+        if model not in backend.profiles:
+            raise ApiError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
         return JSONResponse(model_card(model))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(http_request: HttpRequest) -> Response:
-        try:
-            check_key(http_request)
-            chat = parse_chat(await json_body(http_request), backend.profiles, backend.default)
-        except ApiError as e:
-            return e.response()
+        chat = parse_chat(await json_body(http_request), backend.profiles, backend.default)
         return await answer(http_request, chat, lambda: backend.stream(chat.conversation, chat.settings,
                                                                         **chat.options()))
 
     @router.post("/v1/completions")
     async def completions(http_request: HttpRequest) -> Response:
-        try:
-            check_key(http_request)
-            completion = parse_completion(await json_body(http_request), backend.profiles, backend.default)
-        except ApiError as e:
-            return e.response()
+        completion = parse_completion(await json_body(http_request), backend.profiles, backend.default)
         return await answer(http_request, completion, lambda: backend.complete(
             completion.prompt, completion.model, completion.settings, **completion.options()))
 
@@ -323,6 +305,12 @@ def mount(app: FastAPI, backend, api_key: str | None = None) -> None:
     """Add the API's routes to an app, in front of its own: Chainlit's catch-all GET route would
     otherwise answer /v1/models with its web page."""
     app.router.routes[0:0] = create_router(backend, api_key).routes
+    app.add_exception_handler(ApiError, answer_error)
+
+
+async def answer_error(http_request: HttpRequest, error: ApiError) -> Response:
+    """A route's ApiError (a bad key, body or model) as OpenAI's error object with its status."""
+    return error.response()
 
 
 # ---- standalone server --------------------------------------------------------------------------

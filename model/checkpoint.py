@@ -21,6 +21,7 @@ are (model/quantize.py describes the layouts):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -303,23 +304,29 @@ def release_pages(mapped: torch.Tensor) -> None:
 MADV_DONTNEED = 4
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD_BYTES = 1 << 20
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
-@functools.cache
-def return_large_blocks() -> None:
-    """Have glibc give every freed block of 1 MB or more straight back to the system.
+@contextlib.contextmanager
+def scratch_returned():
+    """While converting weights, have glibc give every freed block of 1 MB or more straight back.
 
-    Quantizing at load and prefilling with quantized weights allocate and free fp32 scratch of 4-40
-    MB a matrix. By default glibc raises its mmap threshold after the first such block is freed, so
-    later ones come from its heap and stay there once freed: over a model's hundred matrices that
-    grew the peak by 0.1-0.6 GB, differently from run to run. A fixed threshold keeps them mapped
-    and unmapped one by one (a few page faults per block of work that takes milliseconds). Once per
-    process; a no-op where the C library is not glibc."""
+    Quantizing at load allocates and frees fp32 scratch of 4-40 MB a matrix. By default glibc raises
+    its mmap threshold after the first such block is freed, so later ones come from its heap and stay
+    there: over a model's hundred matrices that grew the peak by 0.1-0.6 GB, differently from run to
+    run. Afterwards blocks under 32 MB come from the heap again (what glibc's own adjustment settles
+    at): mapping each of prefill's activations afresh made prefill 20% slower. A no-op where the C
+    library is not glibc."""
     libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    if libc is None or not hasattr(libc, "mallopt"):
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(M_TRIM_THRESHOLD, 64 << 20)
 
 
 @functools.cache
@@ -373,47 +380,47 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
     device = torch.device(device)
     if device.type == "cpu":  # built (or loaded from its cache) now, not on the first reply
         log.info("decode kernel: %s", decode_path())
-        return_large_blocks()
     dtype = dtype or default_dtype(device)
     compute = compute_dtype(dtype, device)
 
     with torch.device("meta"):
         model = Llama(config).requires_grad_(False)
     check_state_dict(state, model, files, names)
-    quantized: dict[str, Quantized] = {}
-    for name, mapped in state.items():
-        tensor = mapped
-        if files.format == "meta" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
-            n_heads = config.n_heads if name.endswith("wq.weight") else config.n_kv_heads
-            tensor = permute_qk_rows(tensor, n_heads, to="half")
-        if name in in_file:  # quantized in the file: its values, scales and offsets are kept as they are
-            tensor = tensor.to(device)
-            quantized[name] = _file_buffers(in_file[name], tensor.dtype, device)
-        elif quantize == "int8" and name.startswith("layers.") and tensor.dim() == 2:
-            tensor, scale = quantize_int8(tensor.to(device))
-            quantized[name] = Quantized(scale)
-        elif quantize == "int4" and name.startswith("layers.") and can_quantize_int4(tensor):
-            tensor, scale, offset = quantize_int4(tensor.to(device))
-            quantized[name] = Quantized(scale, offset)
-        else:  # matrices in `dtype`, norms in the compute dtype; no copy for a matching file
-            tensor = tensor.to(device=device, dtype=dtype if tensor.dim() == 2 else compute)
-        if tensor is not mapped:
-            release_pages(mapped)  # the copy replaces the file's pages: don't keep both resident
-        state[name] = tensor
-    packed = {name: state.pop(name) for name in list(state) if state[name].dtype == torch.uint8}
-    model.load_state_dict(state, strict=False, assign=True)  # packed int4 weights differ in shape: set below
-    del state
-    for name, tensor in packed.items():
-        model.get_submodule(name.removesuffix(".weight")).weight = torch.nn.Parameter(tensor, requires_grad=False)
-    for name, q in quantized.items():
-        module = model.get_submodule(name.removesuffix(".weight"))
-        module.scale, module.offset = q.scale, q.offset
-    model.tie_weights()
-    if config.tie_word_embeddings:  # a quantized embedding's head shares its scales and offsets
-        model.output.scale, model.output.offset = model.tok_embeddings.scale, model.tok_embeddings.offset
-    model.compute_dtype = compute
-    if quantize is not None:
-        quantize_model(model, OUTPUT_HEAD[quantize])  # what is left: the output head
+    with scratch_returned():
+        quantized: dict[str, Quantized] = {}
+        for name, mapped in state.items():
+            tensor = mapped
+            if files.format == "meta" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
+                n_heads = config.n_heads if name.endswith("wq.weight") else config.n_kv_heads
+                tensor = permute_qk_rows(tensor, n_heads, to="half")
+            if name in in_file:  # quantized in the file: its values, scales and offsets are kept as they are
+                tensor = tensor.to(device)
+                quantized[name] = _file_buffers(in_file[name], tensor.dtype, device)
+            elif quantize == "int8" and name.startswith("layers.") and tensor.dim() == 2:
+                tensor, scale = quantize_int8(tensor.to(device))
+                quantized[name] = Quantized(scale)
+            elif quantize == "int4" and name.startswith("layers.") and can_quantize_int4(tensor):
+                tensor, scale, offset = quantize_int4(tensor.to(device))
+                quantized[name] = Quantized(scale, offset)
+            else:  # matrices in `dtype`, norms in the compute dtype; no copy for a matching file
+                tensor = tensor.to(device=device, dtype=dtype if tensor.dim() == 2 else compute)
+            if tensor is not mapped:
+                release_pages(mapped)  # the copy replaces the file's pages: don't keep both resident
+            state[name] = tensor
+        packed = {name: state.pop(name) for name in list(state) if state[name].dtype == torch.uint8}
+        model.load_state_dict(state, strict=False, assign=True)  # packed int4 weights differ in shape: set below
+        del state
+        for name, tensor in packed.items():
+            model.get_submodule(name.removesuffix(".weight")).weight = torch.nn.Parameter(tensor, requires_grad=False)
+        for name, q in quantized.items():
+            module = model.get_submodule(name.removesuffix(".weight"))
+            module.scale, module.offset = q.scale, q.offset
+        model.tie_weights()
+        if config.tie_word_embeddings:  # a quantized embedding's head shares its scales and offsets
+            model.output.scale, model.output.offset = model.tok_embeddings.scale, model.tok_embeddings.offset
+        model.compute_dtype = compute
+        if quantize is not None:
+            quantize_model(model, OUTPUT_HEAD[quantize])  # what is left: the output head
     if compile:
         model.decode = torch.compile(model.decode, dynamic=True)
     model.setup_rope(min(config.max_seq_len, DEFAULT_MAX_CONTEXT))

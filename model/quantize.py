@@ -105,8 +105,8 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Ten
     """The (N, K) matrix that int4 `packed` (N, K // 2) with scales and offsets (N, K // 32) stands for,
     computed in fp32 and returned in `dtype`."""
     n = packed.shape[0]
-    q = unpack_int4(packed).float()  # (N, K // 32, 32)
-    w = q * scale.float()[..., None] + int4_offset(scale, offset).float()[..., None]
+    w = unpack_int4(packed).float()  # (N, K // 32, 32)
+    w.mul_(scale.float()[..., None]).add_(int4_offset(scale, offset).float()[..., None])  # in place: one fp32 copy
     return w.view(n, -1).to(dtype)
 
 

@@ -182,7 +182,8 @@ def main() -> int:
         r.update(peak_mb=peak, weight_mb=weights, limit_mb=limit, passed=ok)
         failed |= r["loader"] == "ours" and not ok
         print(f"| {r['way']} | {r['compute_dtype'].removeprefix('torch.')} | {r['load_s']:.1f} | "
-              f"{r['after_load']['hwm']:.0f} | {peak:.0f} | {r['after_run']['file']:.0f} | {weights:.0f} | {peak / weights:.2f} | "
+              f"{r['after_load']['hwm']:.0f} | {peak:.0f} | {r['after_run']['file']:.0f} | {weights:.0f} | "
+              f"{peak / weights:.2f} | "
               f"{limit:.0f} | {'PASS' if ok else 'FAIL'} |")
     print(f"\nlimit = {SLACK} x weight bytes as loaded + {OVERHEAD_MB:.0f} MB; "
           f"RSS of the process before loading (torch and model imported): {rows[0]['before']['rss']:.0f} MB"

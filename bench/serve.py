@@ -7,8 +7,9 @@ On the random checkpoint of a preset's shape (bench/common.py), or on the defaul
 streams would show no text), in one run, every request with a prompt of its own (about 100 tokens;
 none is found in the prefix cache), greedy, `--new-tokens` new tokens:
 - `--rounds` single streams through the API server (`python -m app.api`, engine process and all),
-  each beside `model.generate` alone in a fresh process on a prompt of the same length, taken in
-  turn (memory bandwidth drifts over minutes, so each pair is a ratio of its own);
+  each beside `model.generate` alone on the same prompt, in a process of its own loaded once and
+  asked right before or after (the order alternating): the machine's memory moves between a slow
+  and a fast state over minutes, so each pair is a ratio of its own, taken seconds apart;
 - 1, 2, 4 and 8 concurrent streams, `--stream-rounds` times in turn (medians; 8 streams / one stream
   is taken within each round): per stream the time to first token and the decode rate (tokens
   after the first / time from the first to the last piece, as the client sees them), and the
@@ -107,6 +108,50 @@ def worker_transformers(spec: dict) -> dict:
     return results
 
 
+class Alone:
+    """model.generate in a process of its own, loaded once, generating when asked: each round's run
+    alone comes seconds before or after its served run (the machine's memory moves between a slow
+    and a fast state over minutes: see docs/benchmarks.md, "A long-lived process")."""
+
+    def __init__(self, spec: dict):
+        self.process = subprocess.Popen([sys.executable, __file__, "--alone", json.dumps(spec)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def generate(self, text: str) -> dict:
+        self.process.stdin.write(json.dumps(text) + "\n")
+        self.process.stdin.flush()
+        for line in self.process.stdout:
+            if line.startswith(RESULT):
+                return json.loads(line[len(RESULT):])
+        raise RuntimeError(f"the model.generate process exited with {self.process.wait()}")
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+RESULT = "result: "
+
+
+def serve_alone(spec: dict) -> None:
+    """Alone's process: a prompt as a JSON line on stdin -> its greedy reply's figures on stdout."""
+    import torch
+
+    from model.checkpoint import load_checkpoint
+    from model.generation import generate
+
+    torch.set_num_threads(spec["threads"])
+    ckpt = load_checkpoint(spec["folder"])
+    list(generate(ckpt, ckpt.chat_format.encode_dialog([{"role": "user", "content": "Hello"}]),
+                  max_new_tokens=8, temperature=0.0))  # reads the mapped file once
+    for line in sys.stdin:
+        ids = ckpt.chat_format.encode_dialog([{"role": "user", "content": json.loads(line)}])
+        reply = generate(ckpt, ids, max_new_tokens=spec["new_tokens"], temperature=0.0, stop_ids=set())
+        list(reply)
+        print(RESULT + json.dumps({"ttft_s": reply.stats.time_to_first_token,
+                                   "decode_tps": reply.stats.tokens_per_second}), flush=True)
+
+
 # ---- the server ------------------------------------------------------------------------------------------
 
 def stream(url: str, prompt: str, new_tokens: int, out: dict, logprobs: bool = False) -> None:
@@ -189,14 +234,20 @@ def serve_runs(args, folder: Path, spec: dict) -> dict:
         concurrent(server.url, prompts(1, args.prompt_words, seed=999), 8)  # warm up: the mapped weights are read
         probe = HealthProbe(server.url)
         pairs = []
+        alone_process = Alone(spec)
         for round in range(args.rounds):
             text = prompts(1, args.prompt_words, seed=100 + round)
-            alone = run_worker(Path(__file__), {"kind": "generate", **spec, "timed": text[0], "prompts": []})
-            served = concurrent(server.url, text, args.new_tokens)[0]
+            if round % 2 == 0:  # which goes first alternates
+                alone = alone_process.generate(text[0])
+                served = concurrent(server.url, text, args.new_tokens)[0]
+            else:
+                served = concurrent(server.url, text, args.new_tokens)[0]
+                alone = alone_process.generate(text[0])
             pairs.append({"alone": {k: alone[k] for k in ("ttft_s", "decode_tps")},
                           "served": {k: served[k] for k in ("ttft_s", "decode_tps")}})
             print(f"  round {round + 1}: alone {alone['decode_tps']:.2f} tok/s, served {served['decode_tps']:.2f} "
                   f"tok/s ({served['decode_tps'] / alone['decode_tps']:.3f}x)", flush=True)
+        alone_process.close()
         runs: dict[str, list[dict]] = {str(n): [] for n in args.streams}
         for round in range(args.stream_rounds):  # 1, 2, 4, 8 streams in turn, again: drift touches each alike
             for n in args.streams:
@@ -255,10 +306,14 @@ def main() -> int:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--worker")
     p.add_argument("--out")
+    p.add_argument("--alone", help=argparse.SUPPRESS)
     p.add_argument("--health-probe", nargs=3, metavar=("URL", "STOP_FILE", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.health_probe:
         probe_health(args.health_probe[0], Path(args.health_probe[1]), Path(args.health_probe[2]))
+        return 0
+    if args.alone:
+        serve_alone(json.loads(args.alone))
         return 0
     if args.worker:
         spec = json.loads(args.worker)

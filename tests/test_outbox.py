@@ -1,20 +1,22 @@
 """app/outbox.py: which events the engine sends at once, which wait, and how waiting ones are joined."""
 
-import time
-
+import app.outbox
 from app.messages import Done, EngineStats, Failed, Queued, Text, TokenLogprob
 from app.outbox import Outbox
 
 
-def test_a_replys_first_piece_goes_at_once_later_ones_wait_for_the_interval():
+def test_a_replys_first_piece_goes_at_once_later_ones_wait_for_the_interval(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(app.outbox.time, "monotonic", lambda: now[0])
     outbox = Outbox(interval=0.05)
     outbox.add(Text("a", "Hel"))
     assert outbox.due()
     assert outbox.take() == [Text("a", "Hel")]
     outbox.add(Text("a", "lo"))
     outbox.add(EngineStats(running=1, kv_cache_bytes=10))
+    now[0] += 0.049
     assert not outbox.due()
-    time.sleep(0.06)
+    now[0] += 0.002
     assert outbox.due()
     assert outbox.take() == [Text("a", "lo"), EngineStats(running=1, kv_cache_bytes=10)]
     assert not outbox.due()

@@ -6,6 +6,7 @@ A benchmark runs each system in a fresh Python process (so memory peaks never mi
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -227,6 +228,20 @@ def run_worker(script: Path, spec: dict, timeout: float = 1800, idle_wait: float
     out.unlink()
     result |= {"wall_s": wall, "other_load_cores": other, "load_before_cores": load_before}
     return result
+
+
+def worker_arguments(parser) -> None:
+    """The hidden arguments run_worker starts a script's worker with."""
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+
+
+def ran_as_worker(args, worker) -> bool:
+    """If this process is run_worker's child (--worker SPEC --out FILE), run worker(spec, out): True."""
+    if not args.worker:
+        return False
+    worker(json.loads(args.worker), args.out)
+    return True
 
 
 def write_result(path: str, result: dict) -> None:

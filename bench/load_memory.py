@@ -40,10 +40,12 @@ from common import (
     engine_version,
     memory_mb,
     n_params,
+    ran_as_worker,
     random_checkpoint,
     random_prompt,
     run_worker,
     tensor_bytes,
+    worker_arguments,
     write_result,
 )
 
@@ -138,11 +140,9 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--idle-wait", type=float, default=60.0,
                    help="before each way, wait up to this many seconds for other processes to go quiet")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    worker_arguments(p)
     args = p.parse_args()
-    if args.worker:
-        worker(json.loads(args.worker), args.out)
+    if ran_as_worker(args, worker):
         return 0
 
     folder = random_checkpoint(args.shape)

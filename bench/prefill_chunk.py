@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch  # noqa: E402  (imported by common after its path fix)
-from common import machine, random_checkpoint, random_prompt, run_worker, write_result
+from common import machine, ran_as_worker, random_checkpoint, random_prompt, run_worker, worker_arguments, write_result
 
 
 def worker(spec: dict, out: str) -> None:
@@ -66,12 +66,9 @@ def main() -> int:
     p.add_argument("--chunks", default="64,128,256,512,1024")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    worker_arguments(p)
     args = p.parse_args()
-    if args.worker:
-        import json
-        worker(json.loads(args.worker), args.out)
+    if ran_as_worker(args, worker):
         return 0
     chunks = [int(c) for c in args.chunks.split(",")]
     spec = {"folder": str(random_checkpoint(args.shape)), "prompt": args.prompt, "chunks": chunks,

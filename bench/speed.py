@@ -37,10 +37,12 @@ from common import (
     machine,
     memory_mb,
     n_params,
+    ran_as_worker,
     random_checkpoint,
     random_prompt,
     run_worker,
     tensor_bytes,
+    worker_arguments,
     write_result,
 )
 
@@ -349,11 +351,9 @@ def main() -> int:
                         "measure, and of two measurements of a row the one less disturbed by other processes "
                         "(for our engine, the one of the current model/ code)")
     p.add_argument("--no-chart", action="store_true")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    worker_arguments(p)
     args = p.parse_args()
-    if args.worker:
-        worker(json.loads(args.worker), args.out)
+    if ran_as_worker(args, worker):
         return 0
 
     config = LlamaConfig.preset(args.shape)

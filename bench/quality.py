@@ -6,7 +6,9 @@ For a fixed set of prompts: does greedy decoding give the same first 20 tokens a
 as bf16 weights (the default, which int8 and int4 replace)? And the perplexity of a fixed text under
 each variant. With --gguf (default: the default model's own GGUF, where it is in the cache), one more
 row: that file imported as it is (Q4_1 matrices as int4 with the file's scales and minimums, its Q8_0
-embedding as int8). Prints a table.
+embedding as int8). Perplexity twice: the text in one forward pass (prefill, F.linear) and a token at a
+time through the decode step (the kernel, which rounds x to int16 for int8 and int4 weights). Prints
+a table.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model import generate, load_checkpoint  # noqa: E402
+from model import KVCache, generate, load_checkpoint  # noqa: E402
 from model.convert.gguf import convert_gguf  # noqa: E402
 
 PROMPTS = [
@@ -52,10 +54,21 @@ def greedy(ckpt, prompt: str, n: int = 20) -> list[int]:
 
 
 @torch.inference_mode()
-def perplexity(ckpt, text: str) -> float:
-    ids = torch.tensor([ckpt.tokenizer.encode(text)])
-    logits = ckpt.model(ids)[0, :-1].float()
-    return math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item())
+def perplexity(ckpt, text: str) -> tuple[float, float]:
+    """The text's perplexity with all of it in one forward pass (prefill: F.linear), and fed a token at a
+    time through the decode step (the kernel, as replies are generated: x rounded to int16 for int8
+    and int4 weights)."""
+    ids = ckpt.tokenizer.encode(text)
+    targets = torch.tensor(ids[1:])
+    prefill = ckpt.model(torch.tensor([ids]))[0, :-1].float()
+    cache = KVCache(ckpt.config, len(ids), dtype=ckpt.model.compute_dtype)
+    steps = [ckpt.model(torch.tensor([ids[:1]]), 0, cache)[0, -1].float()]
+    cache.tokens = ids[:1]
+    for token in ids[1:-1]:
+        steps.append(ckpt.model.decode(torch.tensor([token]), [cache])[0].float())
+        cache.tokens.append(token)
+    return tuple(math.exp(torch.nn.functional.cross_entropy(logits, targets).item())
+                 for logits in (prefill, torch.stack(steps)))
 
 
 def main() -> None:
@@ -83,13 +96,15 @@ def main() -> None:
     print(f"{args.checkpoint}: {len(PROMPTS)} prompts, greedy, first {args.tokens} tokens"
           + (f"; GGUF: {gguf.name}" if gguf else "") + "\n")
     print("| weights | same first tokens as fp32 | as bf16 | mean tokens before the first difference from bf16 "
-          "| perplexity | vs fp32 | vs bf16 |")
-    print("|---|---|---|---|---|---|---|")
+          "| perplexity | vs fp32 | vs bf16 | decode perplexity | vs fp32 | vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     fp32, bf16 = results["fp32"], results["bf16"]
     for name, (tokens, ppl) in results.items():
-        print(f"| {name} | {same(tokens, fp32[0])}/{len(PROMPTS)} | "
-              f"{same(tokens, bf16[0])}/{len(PROMPTS)} | {agreeing(tokens, bf16[0]):.1f} | "
-              f"{ppl:.3f} | {(ppl / fp32[1] - 1) * 100:+.2f}% | {(ppl / bf16[1] - 1) * 100:+.2f}% |")
+        row = f"| {name} | {same(tokens, fp32[0])}/{len(PROMPTS)} | {same(tokens, bf16[0])}/{len(PROMPTS)} | " \
+              f"{agreeing(tokens, bf16[0]):.1f} |"
+        for i in range(2):  # prefill, decode
+            row += f" {ppl[i]:.3f} | {(ppl[i] / fp32[1][i] - 1) * 100:+.2f}% | {(ppl[i] / bf16[1][i] - 1) * 100:+.2f}% |"
+        print(row)
 
 
 def default_gguf() -> Path | None:

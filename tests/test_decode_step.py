@@ -10,12 +10,13 @@ of sums (attention's, the norm's, the kernel's across builds): logits within 1e-
 (the largest |logit|, 10 to 30 on these models; what we see is about 1e-6 of it). With int8 weights
 the kernel rounds each row of x to int16 (steps of max|x| / 32767), and a last-bit difference in x
 can move a value by one such step: 3e-4 of the scale then (we see up to 2e-4), and the same tokens.
-int4 models get the same allowance: their layers' kernel widens x to fp32, but their output head is
-int8 (we see up to 2e-5). With bf16 activations the fused op rounds to bf16 where the reference
-stores bf16 tensors, so most logits come out the same, but one rounding that goes the other way
-moves later values by a bf16 step (2^-8 of them), and across builds the kernel's bf16 products
-differ (vdpbf16ps against fp32 x): we allow 2^-5 of the logits' scale and ask for the same greedy
-tokens but for ties (the reference's best logit ahead of the fused op's pick by two bf16 steps at most).
+int4 weights round x to int16 the same way; on the default model, where every matrix of all 30 layers
+does it, we allow 2e-3 of the scale (we see up to 8e-4) and ask for the same tokens. With bf16
+activations the fused op rounds to bf16 where the reference stores bf16 tensors, so most logits come
+out the same, but one rounding that goes the other way moves later values by a bf16 step (2^-8 of
+them), and across builds the kernel's bf16 products differ (vdpbf16ps against fp32 x): we allow 2^-5
+of the logits' scale and ask for the same greedy tokens but for ties (the reference's best logit
+ahead of the fused op's pick by two bf16 steps at most).
 """
 
 import copy
@@ -363,7 +364,7 @@ def test_the_default_model_with_fp32_activations_decodes_the_same_greedy_tokens(
     for prompt, ours, theirs in zip(PROMPTS, fused, reference):
         assert len(ours) == 64
         assert ours == theirs, f"{prompt!r}: the fused op's tokens part from the reference's"
-    tol = 1e-5 if quantize is None else 3e-4  # of the scale: the int8 head's allowance (the module's docstring)
+    tol = 1e-5 if quantize is None else 2e-3  # of the scale: x rounded to int16 (the module's docstring)
     for ours, theirs in logits:
         torch.testing.assert_close(ours, theirs, atol=tol * float(theirs.abs().max()), rtol=0)
 

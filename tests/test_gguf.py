@@ -171,9 +171,10 @@ def test_imported_without_dequantizing_it_is_int4_and_int8_with_the_same_logits(
     for ids, expected in reference_logits:
         with torch.no_grad():
             diff = (m(ids) - expected).abs().max().item()
-        # up to MAX_KERNEL_ROWS tokens go to the kernels, where the int8 head rounds x to int16 (1/65534 of
-        # its largest element: a few thousandths of these logits); more tokens go to F.linear in fp32
-        tolerance = 1e-2 if ids.shape[1] <= MAX_KERNEL_ROWS else 1e-4
+        # up to MAX_KERNEL_ROWS tokens go to the kernels, where the int4 and int8 matrices round x to int16
+        # (1/65534 of its largest element, in every matrix: up to 0.05 of these logits of 20 to 30);
+        # more tokens go to F.linear in fp32
+        tolerance = 0.1 if ids.shape[1] <= MAX_KERNEL_ROWS else 1e-4
         assert diff <= tolerance, f"{ids.shape[1]} tokens: max abs logit difference {diff}"
     reply = generate(ckpt, ours.encode(PROMPTS[1]).ids, max_new_tokens=12, temperature=0.0)
     assert "".join(reply) == "The capital of France is Paris."

@@ -1,8 +1,9 @@
 """The decode kernel's ops (model/csrc/matvec.cpp) against F.linear on the dequantized weights, for
 every number of rows of x it takes (1 to MAX_KERNEL_ROWS), odd K and N, bf16, int8 and int4 weights, in
-each of three builds: -march=native (this CPU's code), znver3 (the AVX2 code, which an AVX-512
-machine runs too) and x86-64 (the plain loops). A build is skipped only where the compiler cannot
-produce it (znver3 and x86-64 on other architectures).
+each of five builds: -march=native (this CPU's code), znver3 (the AVX2 code, which an AVX-512
+machine runs too), x86-64 (the plain loops), skylake-avx512 (AVX-512 without VNNI or BF16) and
+alderlake (AVX2 with AVX-VNNI). A build is skipped only where the compiler cannot produce it (on other
+architectures) or this CPU cannot run its code (NEEDS).
 
 Tolerances, per output y[m, n], against the exact result (float64) with E = sum_k |w[n, k] x[m, k]|:
 - fp32 summation: the kernel sums K products in its own order (blocks, lanes, threads), F.linear in
@@ -12,9 +13,10 @@ Tolerances, per output y[m, n], against the exact result (float64) with E = sum_
 - bf16 output (x in bf16): y is rounded to bf16 at the end, 2^-9 of |y| at most; 2^-8 allowed.
 - int8 weights: the kernel rounds each row of x to int16 with one scale (max |x[m]| / 32767), an
   error of at most half a step per element, so at most sum_k |w[n, k]| max|x[m]| / 65534 in y.
-- int4 weights: the kernel dequantizes each block to fp32 (one multiply-add, q * scale + offset,
-  rounded once) and multiplies fp32 x: against the exactly dequantized matrix that is the fp32
-  summation bound with E taken over |q scale| + |offset| (what the rounding is relative to).
+- int4 weights: the kernel rounds x to int16 as for int8 weights (the same extra error), takes each
+  block's integer dot product with the 4-bit q exactly and scales it in fp32, adding offset times
+  the block's sum of x: against the exactly dequantized matrix, the fp32 summation bound is also
+  taken with E over |q scale| + |offset| (what those products' rounding is relative to).
 """
 
 import logging
@@ -48,7 +50,12 @@ INT8_SHAPES = [(1, 5), (7, 96), (3, 517), (1003, 576), (129, 1536), (67, 2048), 
 INT4_SHAPES = [(1, 32), (7, 96), (3, 544), (1003, 576), (129, 1536), (67, 2048), (5, 8224)]
 
 
-BUILDS = {"native": None, "znver3": "AVX2", "x86-64": "portable"}  # -march -> the code it must compile
+BUILDS = {"native": None, "znver3": "AVX2", "x86-64": "portable",  # -march -> the code it must compile
+          "skylake-avx512": "AVX-512", "alderlake": "AVX2"}  # AVX-512 without VNNI and BF16; AVX2 with AVX-VNNI
+# The CPU flags a build's code needs beyond what every x86-64 CPU has: where this CPU lacks them the
+# build is skipped (it cannot run here).
+NEEDS = {"znver3": {"avx2", "fma", "f16c"}, "skylake-avx512": {"avx512f", "avx512bw", "f16c"},
+         "alderlake": {"avx2", "fma", "f16c", "avx_vnni"}}
 
 
 def native_path() -> str:
@@ -60,6 +67,8 @@ def native_path() -> str:
 @pytest.fixture(scope="module", params=list(BUILDS))
 def kernels(request):
     march = request.param
+    if not NEEDS.get(march, set()) <= cpu.flags():
+        pytest.skip(f"this CPU cannot run -march={march}'s code (it lacks {sorted(NEEDS[march] - cpu.flags())})")
     try:
         return build(march)
     except KernelBuildError as e:
@@ -109,6 +118,11 @@ def test_bf16_weights(ops, m, n, k, x_dtype):
     check(ours, *bound(w.double(), x.double(), x_dtype))
 
 
+def x_rounding(wd, x):
+    """x rounded to int16 (half a step of max |x[m]| / 32767 per element), through |w|: (m, n)."""
+    return wd.abs().sum(1)[None, :] * x.abs().amax(1, keepdim=True) / 65534
+
+
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n,k", INT8_SHAPES)
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
@@ -120,8 +134,7 @@ def test_int8_weights(ops, m, n, k, x_dtype):
     ours = ops.matvec_int8(x, [q], [scale])
     assert ours.shape == (m, n) and ours.dtype == x_dtype
     wd, xd = dequantize_int8(q, scale).double(), x.double()
-    x_rounding = wd.abs().sum(1)[None, :] * xd.abs().amax(1, keepdim=True) / 65534  # (m, n)
-    check(ours, *bound(wd, xd, x_dtype, extra=x_rounding))
+    check(ours, *bound(wd, xd, x_dtype, extra=x_rounding(wd, xd)))
 
 
 def int4_reference(packed, scale, offset, x):
@@ -146,7 +159,7 @@ def test_int4_weights(ops, m, n, k, x_dtype, symmetric):
     assert ours.shape == (m, n) and ours.dtype == x_dtype
     wd, magnitude = int4_reference(packed, scale, offset, x.double())
     assert torch.equal(wd.float(), dequantize_int4(packed, scale, offset))
-    exact, tol = bound(wd, x.double(), x_dtype)
+    exact, tol = bound(wd, x.double(), x_dtype, extra=x_rounding(wd, x.double()))
     check(ours, exact, tol + 4 * math.sqrt(k) * 2**-24 * magnitude)
 
 
@@ -162,13 +175,14 @@ def test_several_matrices_side_by_side(ops, m):
     qs = [quantize_int8(w.float()) for w in ws]
     ours = ops.matvec_int8(x, [q for q, _ in qs], [s for _, s in qs])
     wd = torch.cat([dequantize_int8(q, s) for q, s in qs]).double()
-    exact, tol = bound(wd, x.double(), x.dtype, extra=wd.abs().sum(1)[None] * x.abs().amax(1, keepdim=True) / 65534)
+    exact, tol = bound(wd, x.double(), x.dtype, extra=x_rounding(wd, x.double()))
     check(ours, exact, tol)
     q4 = [quantize_int4(w.float()) for w in ws]
     offsets = [q4[0][2], None, q4[2][2]]  # Q4_1 and Q4_0 matrices in one call
     ours = ops.matvec_int4(x, [p for p, _, _ in q4], [s for _, s, _ in q4], offsets)
     refs = [int4_reference(p, s, o, x.double()) for (p, s, _), o in zip(q4, offsets)]
-    exact, tol = bound(torch.cat([wd for wd, _ in refs]), x.double(), x.dtype)
+    wd = torch.cat([wd for wd, _ in refs])
+    exact, tol = bound(wd, x.double(), x.dtype, extra=x_rounding(wd, x.double()))
     check(ours, exact, tol + 4 * math.sqrt(576) * 2**-24 * torch.cat([e for _, e in refs], dim=-1))
 
 

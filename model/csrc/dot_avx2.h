@@ -76,40 +76,56 @@ void dot_q8(const int8_t* w, const int16_t* x, int64_t x_stride, const float* sc
   FOR_EACH_ROW(m) out[m] = reduce_add(total[m]);
 }
 
-// int4 w (portable::dot_q4's blocks), fp32 x: each half of a block's 16 bytes widened to 8 int32
-// lanes; their low nibbles are weights 0-7 and 8-15, their high nibbles 16-23 and 24-31. The four
-// pieces become fp32 weights (q * scale + offset) once for all M rows, which get as many
-// accumulators as the 16 registers hold (4 pieces, 3 constants and M * A accumulators).
+// int4 w (portable::dot_q4's blocks), int16 x. A block's 16 bytes widened to 16 int16 lanes hold its
+// weights 0-15 in their low nibbles and 16-31 in their high ones: two vpmaddwd with x's two halves of
+// the block (vpdpwssd where the CPU has AVX-VNNI) give its integer dot product in 8 int32 lanes, scaled
+// once in fp32. Blocks' offsets (Q4_0: -8 scale) multiply their sums of x, a row at a time.
+constexpr bool kQ4PairedX = false;
+
+inline __m256i dot_int16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// One block (weights k..k+31, scale s) into acc.
+template <int M>
+inline void q4_block(const uint8_t* w, const int16_t* x, int64_t x_stride, int64_t k, float s, __m256 (&acc)[M]) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
+  const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(bytes, 4);
+  const __m256 sv = _mm256_set1_ps(s);
+  FOR_EACH_ROW(m) {
+    const __m256i* xm = reinterpret_cast<const __m256i*>(x + m * x_stride + k);
+    const __m256i dot = dot_int16(_mm256_madd_epi16(lo, _mm256_loadu_si256(xm)), hi, _mm256_loadu_si256(xm + 1));
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sv, acc[m]);
+  }
+}
+
+// With one or two rows, odd blocks go to a second accumulator: each multiply-add waits for the one
+// before it on the same accumulator.
 template <int M, bool Offsets>
-void dot_q4(const uint8_t* w, const float* x, int64_t x_stride, const uint16_t* scale, const uint16_t* offset,
-            int64_t len, float* out) {
-  constexpr int A = M <= 2 ? 4 : M <= 4 ? 2 : 1;  // accumulators per row
-  __m256 acc[M][A];
-  FOR_EACH_ROW(m) for (int a = 0; a < A; a++) acc[m][a] = _mm256_setzero_ps();
-  const __m256i nibble = _mm256_set1_epi32(0x0F);
-  for (int64_t k = 0, b = 0; k < len; k += portable::kQ4Block, b++) {
+void dot_q4(const uint8_t* w, const int16_t* x, int64_t x_stride, const float* x_sums, int64_t sums_stride,
+            const uint16_t* scale, const uint16_t* offset, int64_t len, float* out) {
+  constexpr bool kTwo = M <= 2;
+  __m256 acc0[M], acc1[M];
+  float shift[M] = {};  // sum over blocks of offset * (the block's sum of x)
+  FOR_EACH_ROW(m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+  const int64_t blocks = len / portable::kQ4Block;
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t k = b * portable::kQ4Block;
     if (b % 4 == 0) prefetch_ahead(w + k / 2);  // one cache line: 4 blocks
     if (b % 32 == 0) {  // a cache line of fp16 values
       prefetch_block_values(scale + b);
       if (Offsets) prefetch_block_values(offset + b);
     }
-    const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2)));
-    const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2 + 8)));
-    const float s = _cvtsh_ss(scale[b]);
-    const __m256 sv = _mm256_set1_ps(s), ov = _mm256_set1_ps(Offsets ? _cvtsh_ss(offset[b]) : -8.f * s);
-    const __m256 wp[4] = {  // weights 0-7, 8-15, 16-23, 24-31 of the block
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, nibble)), sv, ov),
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, nibble)), sv, ov),
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), sv, ov),
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), sv, ov)};
-    FOR_EACH_ROW(m) for (int p = 0; p < 4; p++)
-      acc[m][p % A] = _mm256_fmadd_ps(wp[p], _mm256_loadu_ps(x + m * x_stride + k + 8 * p), acc[m][p % A]);
+    const float s = _cvtsh_ss(scale[b]), o = Offsets ? _cvtsh_ss(offset[b]) : -8.f * s;
+    if (kTwo && b % 2) q4_block<M>(w, x, x_stride, k, s, acc1);
+    else q4_block<M>(w, x, x_stride, k, s, acc0);
+    FOR_EACH_ROW(m) shift[m] += o * x_sums[m * sums_stride + b];
   }
-  FOR_EACH_ROW(m) {
-    __m256 total = acc[m][0];
-    for (int a = 1; a < A; a++) total = _mm256_add_ps(total, acc[m][a]);
-    out[m] = reduce_add(total);
-  }
+  FOR_EACH_ROW(m) out[m] = reduce_add(kTwo ? _mm256_add_ps(acc0[m], acc1[m]) : acc0[m]) + shift[m];
 }
 
 }  // namespace avx2

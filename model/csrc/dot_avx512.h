@@ -100,11 +100,14 @@ void dot_q8(const int8_t* w, const int16_t* x, int64_t x_stride, const float* sc
   FOR_EACH_ROW(m) out[m] = _mm512_reduce_add_ps(total[m]);
 }
 
-// int4 w (portable::dot_q4's blocks), fp32 x. A block's 16 bytes widened to 16 int32 lanes hold its
-// first 16 weights in their low nibbles and its last 16 in their high nibbles; both halves become fp32
-// weights (q * scale + offset) once for all M rows. Scales and offsets are widened to
-// fp32 kQ4Chunk blocks at a time (16 per instruction), so a block broadcasts them from L1.
-constexpr int64_t kQ4Chunk = 64;
+// int4 w (portable::dot_q4's blocks), int16 x, two blocks a step. Their 32 bytes widened to 32 int16
+// lanes hold, in their low nibbles, weights 0-15 of each block and, in their high nibbles, weights
+// 16-31 of each: matvec.cpp lays x out to match (kQ4PairedX), each 64 values of x with their middle
+// 16s swapped, so that two vpdpwssd (vpmaddwd + add without AVX-512 VNNI) give both blocks' integer
+// dot products, the first block's in int32 lanes 0-7 and the second's in 8-15, each scaled once in
+// fp32. Blocks' offsets (Q4_0: -8 scale) multiply their sums of x, 16 blocks at a time.
+constexpr bool kQ4PairedX = true;
+constexpr int64_t kQ4Chunk = 64;  // blocks whose fp16 scales and offsets are widened together
 
 // n fp16 values -> fp32, 16 at a time.
 inline void widen_fp16(const uint16_t* from, float* to, int64_t n) {
@@ -114,33 +117,36 @@ inline void widen_fp16(const uint16_t* from, float* to, int64_t n) {
   }
 }
 
-// One block (weights k..k+31) into the accumulators lo (its first 16 weights) and hi (its last 16).
-// The block's 16 possible weights q * s + o (q = 0..15) are one multiply-add into a register, and each
-// lane of bytes picks its weight from it with vpermps, which reads only the index's low 4 bits: the low
-// nibble as it is, the high one after a shift (no mask, no int -> float conversion).
+inline __m512i dot_int16(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+// Two blocks (their 32 bytes widened to int16: `bytes`, the second block's half zero for a last odd
+// block) at x (paired order) into acc, lanes 0-7 scaled by the first block's scale, 8-15 the second's.
 template <int M>
-inline void q4_block(const uint8_t* w, const float* x, int64_t x_stride, int64_t k, float s, float o,
-                     __m512 (&lo_acc)[M], __m512 (&hi_acc)[M]) {
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
-  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 table = _mm512_fmadd_ps(levels, _mm512_set1_ps(s), _mm512_set1_ps(o));
-  const __m512 lo = _mm512_permutexvar_ps(bytes, table);
-  const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+inline void q4_pair(__m512i bytes, const int16_t* x, int64_t x_stride, __m512 scales, __m512 (&acc)[M]) {
+  const __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F)), hi = _mm512_srli_epi16(bytes, 4);
   FOR_EACH_ROW(m) {
-    lo_acc[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + m * x_stride + k), lo_acc[m]);
-    hi_acc[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + m * x_stride + k + 16), hi_acc[m]);
+    const int16_t* xm = x + m * x_stride;
+    const __m512i dot = dot_int16(_mm512_madd_epi16(lo, _mm512_loadu_si512(xm)), hi, _mm512_loadu_si512(xm + 32));
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc[m]);
   }
 }
 
-// With one or two rows, odd blocks go to a second pair of accumulators: each multiply-add waits for the
-// one before it on the same accumulator, and a block's instructions take less time than that wait.
+// With one or two rows, every other pair goes to a second accumulator: each multiply-add waits for
+// the one before it on the same accumulator.
 template <int M, bool Offsets>
-void dot_q4(const uint8_t* w, const float* x, int64_t x_stride, const uint16_t* scale, const uint16_t* offset,
-            int64_t len, float* out) {
-  constexpr bool kTwoPairs = M <= 2;
-  __m512 lo0[M], hi0[M], lo1[M], hi1[M];
-  FOR_EACH_ROW(m) lo0[m] = hi0[m] = lo1[m] = hi1[m] = _mm512_setzero_ps();
-  alignas(64) float s[kQ4Chunk], o[kQ4Chunk];
+void dot_q4(const uint8_t* w, const int16_t* x, int64_t x_stride, const float* x_sums, int64_t sums_stride,
+            const uint16_t* scale, const uint16_t* offset, int64_t len, float* out) {
+  constexpr bool kTwo = M <= 2;
+  __m512 acc0[M], acc1[M], shift[M];
+  FOR_EACH_ROW(m) acc0[m] = acc1[m] = shift[m] = _mm512_setzero_ps();
+  alignas(64) float s[kQ4Chunk + 16], o[kQ4Chunk];  // + 16: a pair's scales are read as 16 lanes
+  const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const int64_t blocks = len / portable::kQ4Block;
   for (int64_t c = 0; c < blocks; c += kQ4Chunk) {
     const int64_t n = std::min(kQ4Chunk, blocks - c);
@@ -151,19 +157,30 @@ void dot_q4(const uint8_t* w, const float* x, int64_t x_stride, const uint16_t* 
     widen_fp16(scale + c, s, n);
     if (Offsets) widen_fp16(offset + c, o, n);
     else for (int64_t b = 0; b < n; b++) o[b] = -8.f * s[b];
+    for (int64_t b = 0; b < n; b += 16) {  // the offsets' share: o[b] * (block b's sum of x)
+      const __mmask16 lanes = n - b >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - b)) - 1);
+      const __m512 ov = _mm512_maskz_loadu_ps(lanes, o + b);
+      FOR_EACH_ROW(m)
+        shift[m] = _mm512_fmadd_ps(ov, _mm512_maskz_loadu_ps(lanes, x_sums + m * sums_stride + c + b), shift[m]);
+    }
     int64_t b = 0;
     for (; b + 2 <= n; b += 2) {
       const int64_t k = (c + b) * portable::kQ4Block;
       if (b % 4 == 0) prefetch_ahead(w + k / 2);  // one cache line: 4 blocks
-      q4_block<M>(w, x, x_stride, k, s[b], o[b], lo0, hi0);
-      if (kTwoPairs) q4_block<M>(w, x, x_stride, k + portable::kQ4Block, s[b + 1], o[b + 1], lo1, hi1);
-      else q4_block<M>(w, x, x_stride, k + portable::kQ4Block, s[b + 1], o[b + 1], lo0, hi0);
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k / 2)));
+      const __m512 scales = _mm512_permutexvar_ps(pair_lanes, _mm512_loadu_ps(s + b));
+      if (kTwo && b % 4) q4_pair<M>(bytes, x + k, x_stride, scales, acc1);
+      else q4_pair<M>(bytes, x + k, x_stride, scales, acc0);
     }
-    if (b < n) q4_block<M>(w, x, x_stride, (c + b) * portable::kQ4Block, s[b], o[b], lo0, hi0);
+    if (b < n) {  // a last odd block: its 16 bytes, the other half zero
+      const int64_t k = (c + b) * portable::kQ4Block;
+      const __m128i last = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2));
+      q4_pair<M>(_mm512_cvtepu8_epi16(_mm256_zextsi128_si256(last)), x + k, x_stride, _mm512_set1_ps(s[b]), acc0);
+    }
   }
   FOR_EACH_ROW(m) {
-    const __m512 total = _mm512_add_ps(lo0[m], hi0[m]);
-    out[m] = _mm512_reduce_add_ps(kTwoPairs ? _mm512_add_ps(total, _mm512_add_ps(lo1[m], hi1[m])) : total);
+    const __m512 total = _mm512_add_ps(acc0[m], shift[m]);
+    out[m] = _mm512_reduce_add_ps(kTwo ? _mm512_add_ps(total, acc1[m]) : total);
   }
 }
 

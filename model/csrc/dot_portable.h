@@ -93,13 +93,16 @@ void dot_q8(const int8_t* w, const int16_t* x, int64_t x_stride, const float* sc
 // 16 + j (high nibble), with an fp16 scale and offset: weight = q * scale + offset, or Q4_0's
 // (q - 8) * scale where Offsets is false (offset is then unused).
 constexpr int64_t kQ4Block = 32;
+constexpr bool kQ4PairedX = false;  // x in its own order (see avx512::kQ4PairedX)
 
 // out[m] = w . x[m] for `len` int4 weights (len a multiple of kQ4Block; w, scale and offset at the
-// piece's first block) and fp32 x. Each block is dequantized to fp32 once, for all M rows of x.
+// piece's first block) and x rounded to int16 (as for int8 weights). Per block b of a row of x:
+//   sum_j (q_j s_b + o_b) x_j = s_b (q . x over the block) + o_b x_sums[b],
+// the first an integer dot product, x_sums[b] the block's sum of x (row m at x_sums + m * sums_stride).
 template <int M, bool Offsets>
-void dot_q4(const uint8_t* w, const float* x, int64_t x_stride, const uint16_t* scale, const uint16_t* offset,
-            int64_t len, float* out) {
-  float part[M][kQ4Block] = {};
+void dot_q4(const uint8_t* w, const int16_t* x, int64_t x_stride, const float* x_sums, int64_t sums_stride,
+            const uint16_t* scale, const uint16_t* offset, int64_t len, float* out) {
+  float sum[M] = {};
   for (int64_t k = 0, b = 0; k < len; k += kQ4Block, b++) {
     const uint8_t* bytes = w + k / 2;
     prefetch_ahead(bytes);
@@ -108,19 +111,14 @@ void dot_q4(const uint8_t* w, const float* x, int64_t x_stride, const uint16_t* 
       if (Offsets) prefetch_block_values(offset + b);
     }
     const float s = fp16_to_float(scale[b]), o = Offsets ? fp16_to_float(offset[b]) : -8.f * s;
-    float wf[kQ4Block];
-    for (int j = 0; j < kQ4Block / 2; j++) {
-      wf[j] = static_cast<float>(bytes[j] & 0x0F) * s + o;
-      wf[j + kQ4Block / 2] = static_cast<float>(bytes[j] >> 4) * s + o;
+    for (int m = 0; m < M; m++) {  // the block's 16 bytes stay in L1 after the first row of x
+      const int16_t* xm = x + m * x_stride + k;
+      int32_t dot = 0;
+      for (int j = 0; j < kQ4Block / 2; j++) dot += (bytes[j] & 0x0F) * xm[j] + (bytes[j] >> 4) * xm[j + 16];
+      sum[m] += static_cast<float>(dot) * s + o * x_sums[m * sums_stride + b];
     }
-    for (int m = 0; m < M; m++)
-      for (int j = 0; j < kQ4Block; j++) part[m][j] += wf[j] * x[m * x_stride + k + j];
   }
-  for (int m = 0; m < M; m++) {
-    float sum = 0.f;
-    for (int j = 0; j < kQ4Block; j++) sum += part[m][j];
-    out[m] = sum;
-  }
+  for (int m = 0; m < M; m++) out[m] = sum[m];
 }
 
 }  // namespace portable

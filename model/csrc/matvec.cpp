@@ -180,6 +180,24 @@ at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws) {
   return y;
 }
 
+// Each row m of x rounded to int16 with its own scale, x_scale[m] = max |x[m]| / 32767, so that
+// products with integer weights are exact integer multiply-adds and the scale is applied once per
+// output: (rows, K) int16, an error of at most half a step per element.
+std::vector<int16_t> round_to_int16(const at::Tensor& x, int64_t rows, float* x_scale) {
+  const at::Tensor xf = x.to(at::kFloat);  // no copy when x is fp32
+  const float* xp = xf.data_ptr<float>();
+  const int64_t k_dim = x.size(-1);
+  std::vector<int16_t> xq(rows * k_dim);
+  for (int64_t m = 0; m < rows; m++) {
+    float x_max = 0.f;
+    for (int64_t k = 0; k < k_dim; k++) x_max = std::max(x_max, std::abs(xp[m * k_dim + k]));
+    x_scale[m] = x_max > 0.f ? x_max / 32767.f : 1.f;
+    for (int64_t k = 0; k < k_dim; k++)
+      xq[m * k_dim + k] = static_cast<int16_t>(std::nearbyint(xp[m * k_dim + k] / x_scale[m]));
+  }
+  return xq;
+}
+
 at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList scales) {
   const int64_t rows = check("matvec_int8", x, ws, at::kChar);
   const int64_t k_dim = x.size(-1);
@@ -204,18 +222,8 @@ at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList sc
     n_groups.push_back(scale.size(1));
     align = std::lcm(align, groups.back());
   }
-  // Each row of x rounded to int16 with its own scale, so products within a group are integers.
-  const at::Tensor xf = x.to(at::kFloat);
-  const float* xp = xf.data_ptr<float>();
-  std::vector<int16_t> xq(rows * k_dim);
   float x_scale[kMaxRows];
-  for (int64_t m = 0; m < rows; m++) {
-    float x_max = 0.f;
-    for (int64_t k = 0; k < k_dim; k++) x_max = std::max(x_max, std::abs(xp[m * k_dim + k]));
-    x_scale[m] = x_max > 0.f ? x_max / 32767.f : 1.f;
-    for (int64_t k = 0; k < k_dim; k++)
-      xq[m * k_dim + k] = static_cast<int16_t>(std::nearbyint(xp[m * k_dim + k] / x_scale[m]));
-  }
+  const std::vector<int16_t> xq = round_to_int16(x, rows, x_scale);
   at::Tensor y;
   with_rows(rows, [&](auto m_rows) {
     constexpr int M = decltype(m_rows)::value;
@@ -239,13 +247,15 @@ const uint16_t* block_values(const char* what, size_t i, const at::Tensor& t, in
 }
 
 // int4 weights (model/quantize.py's layout): w uint8 (N, K / 2), scale and offset fp16 (N, K / 32) per
-// matrix, offset None for Q4_0's symmetric blocks. x is widened to fp32 (each block of weights becomes
-// fp32 in registers, so the result is that of the dequantized matrix, up to fp32 rounding).
+// matrix, offset None for Q4_0's symmetric blocks. x is rounded to int16 as for int8 weights, and each
+// block's integer dot product is scaled in fp32 (see portable::dot_q4): the result is that of the
+// dequantized matrix times x rounded to int16.
 at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList scales, llama::Offsets offsets) {
+  constexpr int64_t kBlock = portable::kQ4Block;
   const int64_t rows = check("matvec_int4", x, ws, at::kByte, 2);
-  const int64_t k_dim = x.size(-1), blocks = k_dim / portable::kQ4Block;
-  TORCH_CHECK(k_dim % portable::kQ4Block == 0, "matvec_int4: K=", k_dim, " is not a multiple of the block of ",
-              portable::kQ4Block, " weights");
+  const int64_t k_dim = x.size(-1), blocks = k_dim / kBlock;
+  TORCH_CHECK(k_dim % kBlock == 0, "matvec_int4: K=", k_dim, " is not a multiple of the block of ", kBlock,
+              " weights");
   TORCH_CHECK(scales.size() == ws.size() && offsets.size() == ws.size(), "matvec_int4: ", ws.size(),
               " weight matrices, ", scales.size(), " scale tensors and ", offsets.size(),
               " offsets; expected one of each per matrix");
@@ -256,18 +266,34 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
     s.push_back(block_values("scale", i, scales[i], ws[i].size(0), blocks));
     o.push_back(offsets[i].has_value() ? block_values("offset", i, *offsets[i], ws[i].size(0), blocks) : nullptr);
   }
-  const at::Tensor xf = x.to(at::kFloat);  // no copy when x is fp32
-  const float* xp = xf.data_ptr<float>();
-  const float ones[kMaxRows] = {1, 1, 1, 1, 1, 1, 1, 1};
+  float x_scale[kMaxRows];
+  const std::vector<int16_t> xq = round_to_int16(x, rows, x_scale);
+  std::vector<float> x_sums(rows * blocks, 0.f);  // (rows, blocks): each block's sum of x
+  for (int64_t m = 0; m < rows; m++)
+    for (int64_t k = 0; k < k_dim; k++) x_sums[m * blocks + k / kBlock] += xq[m * k_dim + k];
+  // x in the order the instruction set's loop reads it: as it is, or (isa::kQ4PairedX) each 64
+  // values (two blocks) with their middle 16s swapped, rows padded with zeros to whole pairs.
+  const int64_t x_stride = isa::kQ4PairedX ? (k_dim + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock) : k_dim;
+  std::vector<int16_t> paired;
+  if (isa::kQ4PairedX) {
+    paired.assign(rows * x_stride, 0);
+    for (int64_t m = 0; m < rows; m++)
+      for (int64_t k = 0; k < k_dim; k++) {
+        const int64_t quarter = k % (2 * kBlock) / (kBlock / 2);  // 0-3: which 16 of its 64
+        const int64_t to = k + (quarter == 1 ? kBlock / 2 : quarter == 2 ? -kBlock / 2 : 0);
+        paired[m * x_stride + to] = xq[m * k_dim + k];
+      }
+  }
+  const int16_t* xp = isa::kQ4PairedX ? paired.data() : xq.data();
   at::Tensor y;
   with_rows(rows, [&](auto m_rows) {
     constexpr int M = decltype(m_rows)::value;
-    y = rows_to<M>(x, ws, 1, 4, portable::kQ4Block, ones,
-                   [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+    y = rows_to<M>(x, ws, 1, 2, 2 * kBlock, x_scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
       const uint8_t* row = w[i] + r * (k_dim / 2) + k0 / 2;
-      const int64_t first = r * blocks + k0 / portable::kQ4Block;  // the piece's first block
-      if (o[i]) isa::dot_q4<M, true>(row, xp + k0, k_dim, s[i] + first, o[i] + first, len, out);
-      else isa::dot_q4<M, false>(row, xp + k0, k_dim, s[i] + first, nullptr, len, out);
+      const int64_t first = r * blocks + k0 / kBlock;  // the piece's first block
+      const float* sums = x_sums.data() + k0 / kBlock;
+      if (o[i]) isa::dot_q4<M, true>(row, xp + k0, x_stride, sums, blocks, s[i] + first, o[i] + first, len, out);
+      else isa::dot_q4<M, false>(row, xp + k0, x_stride, sums, blocks, s[i] + first, nullptr, len, out);
     });
   });
   return y;

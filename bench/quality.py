@@ -103,7 +103,8 @@ def main() -> None:
         row = f"| {name} | {same(tokens, fp32[0])}/{len(PROMPTS)} | {same(tokens, bf16[0])}/{len(PROMPTS)} | " \
               f"{agreeing(tokens, bf16[0]):.1f} |"
         for i in range(2):  # prefill, decode
-            row += f" {ppl[i]:.3f} | {(ppl[i] / fp32[1][i] - 1) * 100:+.2f}% | {(ppl[i] / bf16[1][i] - 1) * 100:+.2f}% |"
+            vs_fp32, vs_bf16 = ppl[i] / fp32[1][i] - 1, ppl[i] / bf16[1][i] - 1
+            row += f" {ppl[i]:.3f} | {vs_fp32 * 100:+.2f}% | {vs_bf16 * 100:+.2f}% |"
         print(row)
 
 

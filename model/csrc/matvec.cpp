@@ -180,22 +180,50 @@ at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws) {
   return y;
 }
 
-// Each row m of x rounded to int16 with its own scale, x_scale[m] = max |x[m]| / 32767, so that
-// products with integer weights are exact integer multiply-adds and the scale is applied once per
-// output: (rows, K) int16, an error of at most half a step per element.
-std::vector<int16_t> round_to_int16(const at::Tensor& x, int64_t rows, float* x_scale) {
+// x rounded to int16 for integer weights, a row at a time with its own scale, scale[m] = max |x[m]| /
+// 32767, so that products with the weights are exact integer multiply-adds and the scale is applied
+// once per output (an error of at most half a step per element). Optionally (int4) each block of 32's
+// sum of x, and x in avx512::dot_q4's paired order: each 64 values with their middle 16s swapped, rows
+// padded with zeros to whole 64s. The buffers are the calling thread's, reused from call to call.
+struct Int16Rows {
+  const int16_t* values;  // (rows, stride)
+  int64_t stride;
+  const float* block_sums;  // (rows, K / 32), or null
+  float scale[kMaxRows];
+};
+
+Int16Rows round_to_int16(const at::Tensor& x, int64_t rows, bool block_sums = false, bool paired = false) {
+  constexpr int64_t kBlock = portable::kQ4Block, kQuarter = kBlock / 2;  // paired: 16s of 64s
+  thread_local std::vector<int16_t> values;
+  thread_local std::vector<float> sums;
   const at::Tensor xf = x.to(at::kFloat);  // no copy when x is fp32
   const float* xp = xf.data_ptr<float>();
-  const int64_t k_dim = x.size(-1);
-  std::vector<int16_t> xq(rows * k_dim);
+  const int64_t k_dim = x.size(-1), blocks = k_dim / kBlock;
+  Int16Rows out{};
+  out.stride = paired ? (k_dim + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock) : k_dim;
+  values.assign(rows * out.stride, 0);
+  if (block_sums) sums.assign(rows * blocks, 0.f);
   for (int64_t m = 0; m < rows; m++) {
+    const float* row = xp + m * k_dim;
     float x_max = 0.f;
-    for (int64_t k = 0; k < k_dim; k++) x_max = std::max(x_max, std::abs(xp[m * k_dim + k]));
-    x_scale[m] = x_max > 0.f ? x_max / 32767.f : 1.f;
-    for (int64_t k = 0; k < k_dim; k++)
-      xq[m * k_dim + k] = static_cast<int16_t>(std::nearbyint(xp[m * k_dim + k] / x_scale[m]));
+    for (int64_t k = 0; k < k_dim; k++) x_max = std::max(x_max, std::abs(row[k]));
+    const float scale = x_max > 0.f ? x_max / 32767.f : 1.f;
+    out.scale[m] = scale;
+    for (int64_t k0 = 0; k0 < k_dim; k0 += kQuarter) {  // 16 values at a time
+      const int64_t quarter = k0 / kQuarter % 4, n = std::min(kQuarter, k_dim - k0);
+      const int64_t to = !paired ? k0 : quarter == 1 ? k0 + kQuarter : quarter == 2 ? k0 - kQuarter : k0;
+      int16_t* q = values.data() + m * out.stride + to;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < n; j++) {
+        q[j] = static_cast<int16_t>(std::nearbyint(row[k0 + j] / scale));
+        sum += q[j];
+      }
+      if (block_sums) sums[m * blocks + k0 / kBlock] += static_cast<float>(sum);
+    }
   }
-  return xq;
+  out.values = values.data();
+  out.block_sums = block_sums ? sums.data() : nullptr;
+  return out;
 }
 
 at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList scales) {
@@ -222,16 +250,15 @@ at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList sc
     n_groups.push_back(scale.size(1));
     align = std::lcm(align, groups.back());
   }
-  float x_scale[kMaxRows];
-  const std::vector<int16_t> xq = round_to_int16(x, rows, x_scale);
+  const Int16Rows xq = round_to_int16(x, rows);
   at::Tensor y;
   with_rows(rows, [&](auto m_rows) {
     constexpr int M = decltype(m_rows)::value;
-    y = rows_to<M>(x, ws, 1, 2, align, x_scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+    y = rows_to<M>(x, ws, 1, 2, align, xq.scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
       const int8_t* row = w[i] + r * k_dim + k0;
       const float* row_scale = s[i] + r * n_groups[i] + (k0 == 0 ? 0 : k0 / groups[i]);
-      if (groups[i] % isa::kQ8Step == 0) isa::dot_q8<M>(row, xq.data() + k0, k_dim, row_scale, len, groups[i], out);
-      else portable::dot_q8<M>(row, xq.data() + k0, k_dim, row_scale, len, groups[i], out);
+      if (groups[i] % isa::kQ8Step == 0) isa::dot_q8<M>(row, xq.values + k0, k_dim, row_scale, len, groups[i], out);
+      else portable::dot_q8<M>(row, xq.values + k0, k_dim, row_scale, len, groups[i], out);
     });
   });
   return y;
@@ -266,34 +293,17 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
     s.push_back(block_values("scale", i, scales[i], ws[i].size(0), blocks));
     o.push_back(offsets[i].has_value() ? block_values("offset", i, *offsets[i], ws[i].size(0), blocks) : nullptr);
   }
-  float x_scale[kMaxRows];
-  const std::vector<int16_t> xq = round_to_int16(x, rows, x_scale);
-  std::vector<float> x_sums(rows * blocks, 0.f);  // (rows, blocks): each block's sum of x
-  for (int64_t m = 0; m < rows; m++)
-    for (int64_t k = 0; k < k_dim; k++) x_sums[m * blocks + k / kBlock] += xq[m * k_dim + k];
-  // x in the order the instruction set's loop reads it: as it is, or (isa::kQ4PairedX) each 64
-  // values (two blocks) with their middle 16s swapped, rows padded with zeros to whole pairs.
-  const int64_t x_stride = isa::kQ4PairedX ? (k_dim + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock) : k_dim;
-  std::vector<int16_t> paired;
-  if (isa::kQ4PairedX) {
-    paired.assign(rows * x_stride, 0);
-    for (int64_t m = 0; m < rows; m++)
-      for (int64_t k = 0; k < k_dim; k++) {
-        const int64_t quarter = k % (2 * kBlock) / (kBlock / 2);  // 0-3: which 16 of its 64
-        const int64_t to = k + (quarter == 1 ? kBlock / 2 : quarter == 2 ? -kBlock / 2 : 0);
-        paired[m * x_stride + to] = xq[m * k_dim + k];
-      }
-  }
-  const int16_t* xp = isa::kQ4PairedX ? paired.data() : xq.data();
+  const Int16Rows xq = round_to_int16(x, rows, /*block_sums=*/true, isa::kQ4PairedX);
   at::Tensor y;
   with_rows(rows, [&](auto m_rows) {
     constexpr int M = decltype(m_rows)::value;
-    y = rows_to<M>(x, ws, 1, 2, 2 * kBlock, x_scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+    y = rows_to<M>(x, ws, 1, 2, 2 * kBlock, xq.scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
       const uint8_t* row = w[i] + r * (k_dim / 2) + k0 / 2;
       const int64_t first = r * blocks + k0 / kBlock;  // the piece's first block
-      const float* sums = x_sums.data() + k0 / kBlock;
-      if (o[i]) isa::dot_q4<M, true>(row, xp + k0, x_stride, sums, blocks, s[i] + first, o[i] + first, len, out);
-      else isa::dot_q4<M, false>(row, xp + k0, x_stride, sums, blocks, s[i] + first, nullptr, len, out);
+      const int16_t* xp = xq.values + k0;
+      const float* sums = xq.block_sums + k0 / kBlock;
+      if (o[i]) isa::dot_q4<M, true>(row, xp, xq.stride, sums, blocks, s[i] + first, o[i] + first, len, out);
+      else isa::dot_q4<M, false>(row, xp, xq.stride, sums, blocks, s[i] + first, nullptr, len, out);
     });
   });
   return y;

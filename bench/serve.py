@@ -7,9 +7,11 @@ On the random checkpoint of a preset's shape (bench/common.py), or on the defaul
 streams would show no text), in one run, every request with a prompt of its own (about 100 tokens;
 none is found in the prefix cache), greedy, `--new-tokens` new tokens:
 - `--rounds` single streams through the API server (`python -m app.api`, engine process and all),
-  each beside `model.generate` alone on the same prompt, in a process of its own loaded once and
-  asked right before or after (the order alternating): the machine's memory moves between a slow
-  and a fast state over minutes, so each pair is a ratio of its own, taken seconds apart;
+  each between two runs of `model.generate` alone on the same prompt, in a process of its own loaded
+  once, asked right before and right after: the machine's memory moves between a slow and a fast
+  state over minutes, so each round is a ratio of its own (served / the mean of the two alone), taken
+  seconds apart, and where the two runs alone differ by more than 5% the state changed within the
+  round: the median is reported over all rounds and over the steady ones;
 - 1, 2, 4 and 8 concurrent streams, `--stream-rounds` times in turn (medians; 8 streams / one stream
   is taken within each round): per stream the time to first token and the decode rate (tokens
   after the first / time from the first to the last piece, as the client sees them), and the
@@ -48,6 +50,8 @@ WORDS = ("river mountain quiet garden lantern copper meadow harbor violet engine
          "marble thunder canyon pepper willow shadow crystal falcon velvet ember glacier saddle compass "
          "thistle beacon cobalt juniper tundra pebble ribbon walnut canvas").split()
 HEALTH_EVERY_S = 0.025
+# A round's two runs alone agree within this when the machine's memory kept its state through the round.
+STEADY = 0.05
 
 
 def prompts(n: int, words: int, seed: int = 0) -> list[str]:
@@ -109,8 +113,8 @@ def worker_transformers(spec: dict) -> dict:
 
 
 class Alone:
-    """model.generate in a process of its own, loaded once, generating when asked: each round's run
-    alone comes seconds before or after its served run (the machine's memory moves between a slow
+    """model.generate in a process of its own, loaded once, generating when asked: each round's runs
+    alone come seconds before and after its served run (the machine's memory moves between a slow
     and a fast state over minutes: see docs/benchmarks.md, "A long-lived process")."""
 
     def __init__(self, spec: dict):
@@ -235,18 +239,19 @@ def serve_runs(args, folder: Path, spec: dict) -> dict:
         probe = HealthProbe(server.url)
         pairs = []
         alone_process = Alone(spec)
-        for round in range(args.rounds):
+        for round in range(args.rounds):  # alone, served, alone: the served stream between two runs alone
             text = prompts(1, args.prompt_words, seed=100 + round)
-            if round % 2 == 0:  # which goes first alternates
-                alone = alone_process.generate(text[0])
-                served = concurrent(server.url, text, args.new_tokens)[0]
-            else:
-                served = concurrent(server.url, text, args.new_tokens)[0]
-                alone = alone_process.generate(text[0])
-            pairs.append({"alone": {k: alone[k] for k in ("ttft_s", "decode_tps")},
+            before = alone_process.generate(text[0])
+            served = concurrent(server.url, text, args.new_tokens)[0]
+            after = alone_process.generate(text[0])
+            runs = [before, after]
+            alone = {k: statistics.mean(run[k] for run in runs) for k in ("ttft_s", "decode_tps")}
+            steady = abs(before["decode_tps"] / after["decode_tps"] - 1) <= STEADY
+            pairs.append({"alone": alone, "alone_runs": [run["decode_tps"] for run in runs], "steady": steady,
                           "served": {k: served[k] for k in ("ttft_s", "decode_tps")}})
-            print(f"  round {round + 1}: alone {alone['decode_tps']:.2f} tok/s, served {served['decode_tps']:.2f} "
-                  f"tok/s ({served['decode_tps'] / alone['decode_tps']:.3f}x)", flush=True)
+            print(f"  round {round + 1}: alone {before['decode_tps']:.2f} and {after['decode_tps']:.2f} tok/s, served "
+                  f"{served['decode_tps']:.2f} tok/s ({served['decode_tps'] / alone['decode_tps']:.3f}x"
+                  f"{'' if steady else ', memory state changed'})", flush=True)
         alone_process.close()
         runs: dict[str, list[dict]] = {str(n): [] for n in args.streams}
         for round in range(args.stream_rounds):  # 1, 2, 4, 8 streams in turn, again: drift touches each alike
@@ -378,13 +383,17 @@ def chart(shape: str, served: dict, hf: dict) -> str:
 def report(served: dict, hf: dict) -> None:
     rows, pairs = served["rows"], served["single"]
     ratios = [p["served"]["decode_tps"] / p["alone"]["decode_tps"] for p in pairs]
-    print("\n| round | model.generate alone tok/s | one served stream tok/s | served / alone | TTFT alone s | "
-          "TTFT served s |")
-    print("|---|---|---|---|---|---|")
+    print("\n| round | model.generate alone tok/s, before and after | one served stream tok/s | served / alone | "
+          "memory state | TTFT alone s | TTFT served s |")
+    print("|---|---|---|---|---|---|---|")
     for i, (p, r) in enumerate(zip(pairs, ratios), 1):
-        print(f"| {i} | {p['alone']['decode_tps']:.2f} | {p['served']['decode_tps']:.2f} | {r:.3f}x | "
-              f"{p['alone']['ttft_s']:.2f} | {p['served']['ttft_s']:.2f} |")
-    print(f"one served stream / model.generate alone: median {statistics.median(ratios):.3f}x (target >= 0.95)")
+        print(f"| {i} | {' and '.join(f'{t:.2f}' for t in p['alone_runs'])} | {p['served']['decode_tps']:.2f} | "
+              f"{r:.3f}x | {'steady' if p['steady'] else 'changed'} | {p['alone']['ttft_s']:.2f} | "
+              f"{p['served']['ttft_s']:.2f} |")
+    steady = [r for p, r in zip(pairs, ratios) if p["steady"]]
+    print(f"one served stream / model.generate alone: median {statistics.median(ratios):.3f}x of all {len(ratios)} "
+          f"rounds; " + (f"{statistics.median(steady):.3f}x of the {len(steady)} rounds whose runs alone agree within "
+                         f"{STEADY:.0%}" if steady else "no round's runs alone agreed") + " (target >= 0.95)")
     print("\n| streams | aggregate tok/s | per-stream tok/s | TTFT s | aggregate / one stream |")
     print("|---|---|---|---|---|")
     one = rows.get("1", {}).get("aggregate_tps")

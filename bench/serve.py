@@ -19,7 +19,9 @@ none is found in the prefix cache), greedy, `--new-tokens` new tokens:
 - a request arriving while 7 streams decode: its time to first token against that of a prompt of
   as many words on the idle server, plus two decode steps of the batch (the target); both count
   the first token, visible text or not (logprobs on);
-- /health asked every 25 ms from a process of its own throughout: its slowest answers;
+- /health asked every 25 ms from a process of its own throughout the stream counts and the late
+  arrival (not during the single-stream rounds: 40 requests a second are a load of their own, which
+  took the default model's ratio from 0.97x to 0.93x in a test): its slowest answers;
 - the peak resident memory of the web process and of the engine process;
 - transformers' `generate` on the 8-stream run's prompts' ids, batch 1 and batch 8 (left padding),
   bf16: decode = new tokens after the first / (time for N tokens - time for 1), times the batch.
@@ -236,7 +238,6 @@ def serve_runs(args, folder: Path, spec: dict) -> dict:
         ready_s = time.monotonic() - started
         engine = engine_pid(server.process.pid)
         concurrent(server.url, prompts(1, args.prompt_words, seed=999), 8)  # warm up: the mapped weights are read
-        probe = HealthProbe(server.url)
         pairs = []
         alone_process = Alone(spec)
         for round in range(args.rounds):  # alone, served, alone: the served stream between two runs alone
@@ -253,6 +254,7 @@ def serve_runs(args, folder: Path, spec: dict) -> dict:
                   f"{served['decode_tps']:.2f} tok/s ({served['decode_tps'] / alone['decode_tps']:.3f}x"
                   f"{'' if steady else ', memory state changed'})", flush=True)
         alone_process.close()
+        probe = HealthProbe(server.url)  # from here on: the probe's 40 requests a second are a load of their own
         runs: dict[str, list[dict]] = {str(n): [] for n in args.streams}
         for round in range(args.stream_rounds):  # 1, 2, 4, 8 streams in turn, again: drift touches each alike
             for n in args.streams:

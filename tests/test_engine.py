@@ -292,6 +292,25 @@ def test_models_load_on_first_use_once_and_a_broken_one_is_reported(tiny, tmp_pa
     assert last(events).reason == "bad_request" and "nothing" in last(events).message
 
 
+def test_the_token_table_for_logprobs_is_read_while_the_model_loads(tiny, monkeypatch):
+    """Not at the first request that asks for logprobs, whose first token would wait for it."""
+    reads = []
+
+    def loader(name, path):
+        checkpoint = load_checkpoint(path)
+        read = checkpoint.tokenizer.token_bytes
+        monkeypatch.setattr(checkpoint.tokenizer, "token_bytes", lambda: reads.append(name) or read())
+        return checkpoint
+
+    h = EngineHarness(tiny, loader=loader)
+    assert reads == ["tiny"]
+    for _ in range(2):
+        events = h.ask(r := request("Hi", ReplySettings(max_new_tokens=3), logprobs=2))[r.id]
+        assert isinstance(last(events), Done)
+        assert sum(len(e.logprobs) for e in events if isinstance(e, Text)) == 3
+    assert reads == ["tiny"]
+
+
 def test_a_model_that_fails_to_load_fails_its_requests(tiny, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()

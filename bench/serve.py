@@ -281,7 +281,6 @@ def late_arrival(url: str, texts: list[str], new_tokens: int) -> dict:
     """A request on the idle server; then 7 streams decode (long replies) and, once all have their
     first tokens, an 8th request arrives. The two requests' prompts differ (neither is found in the
     prefix cache) but have as many words; both count their first token, text or not."""
-    concurrent(url, ["Hi"], 1, logprobs=True)  # the first request for logprobs builds the engine's token table
     idle = concurrent(url, texts[8:9], 16, logprobs=True)[0]
     outs = [{} for _ in range(7)]
     threads = [threading.Thread(target=stream, args=(url, t, 4 * new_tokens, o)) for t, o in zip(texts[:7], outs)]

@@ -41,7 +41,7 @@ from starlette.routing import Route  # noqa: E402
 
 from app import api, export, guard, history, users  # noqa: E402
 from app.backend import ServerBusy, open_backend  # noqa: E402
-from app.conversation import Conversation  # noqa: E402
+from app.conversation import Conversation, Message  # noqa: E402
 from app.display import ShownStream, shown  # noqa: E402
 from app.messages import Done, Failed, Loading, Queued, ReplySettings, Text, Trimmed  # noqa: E402
 from app.presets import CUSTOM, preset_of, read_presets  # noqa: E402
@@ -271,10 +271,13 @@ async def regenerate(action: cl.Action):
         await cl.Message(content="Only the last answer can be regenerated.").send()
         return
     conversation.messages.pop()  # the prompt up to the user's turn is a prefix the engine has cached
-    await action.remove()
-    for message_id in (last.id, action.forId):  # the answer and its statistics line
-        if message_id:
-            await cl.Message(content="", id=message_id).remove()
+
+    async def drop_old_answer() -> None:  # once the new answer begins: before, a failure keeps the old one
+        await action.remove()
+        for message_id in (last.id, action.forId):  # the answer and its statistics line
+            if message_id:
+                await cl.Message(content="", id=message_id).remove()
+
     regenerated = (cl.user_session.get("regenerated") or 0) + 1
     cl.user_session.set("regenerated", regenerated)
     settings = cl.user_session.get("reply_settings") or ReplySettings()
@@ -283,7 +286,7 @@ async def regenerate(action: cl.Action):
     await emitter.task_start()  # the Stop button, as for a message (an action has no task of its own)
     try:
         async with cl.Step(name="on_message", type="run"):  # as a message's reply is, so it gets a copy button
-            await reply(conversation, settings)
+            await reply(conversation, settings, replacing=last, on_first_text=drop_old_answer)
     finally:
         await emitter.task_end()
 
@@ -331,12 +334,26 @@ def current_conversation() -> Conversation:
     return conversation
 
 
-async def reply(conversation: Conversation, settings: ReplySettings | None = None) -> None:
-    """Stream the answer to the conversation's last message, then a line of statistics."""
+async def reply(conversation: Conversation, settings: ReplySettings | None = None, *,
+                replacing: Message | None = None, on_first_text=None) -> None:
+    """Stream the answer to the conversation's last message, then a line of statistics.
+
+    A regenerated answer is `replacing` the one taken off the history: until its first text comes (and
+    `on_first_text()` takes the old one off the page), a failure, a busy server or Stop puts the old
+    one back, and the question stays answered."""
+
+    asked = conversation.messages[-1]
+
+    def not_answered() -> None:
+        if replacing is not None and on_first_text is not None:  # nothing of the new answer came
+            conversation.messages.append(replacing)
+        elif replacing is None:  # leave the question out of the history
+            conversation.messages = [m for m in conversation.messages if m is not asked]
+
     try:
         request = BACKEND.stream(conversation, settings or cl.user_session.get("reply_settings") or ReplySettings())
     except ServerBusy:
-        conversation.messages.pop()  # not answered: leave it out of the history
+        not_answered()
         await cl.ErrorMessage(content=BUSY_NOTE).send()
         return
     cl.user_session.set("request", request)
@@ -349,6 +366,9 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
                 if status is not None:
                     await status.remove()
                     status = None
+                if on_first_text is not None:
+                    await on_first_text()
+                    on_first_text = None
                 piece, whole = display.feed(event.text)
                 if piece or whole:
                     await answer.stream_token(piece, is_sequence=whole)
@@ -364,17 +384,21 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
                     cl.user_session.set("told_trimmed", True)
                     await cl.Message(content=TRIMMED_NOTE).send()
             elif isinstance(event, Done):
+                if on_first_text is not None:  # an answer without text still replaces the old one
+                    await on_first_text()
+                    on_first_text = None
                 await finish(conversation, answer, event)
             elif isinstance(event, Failed):
-                asked = request.messages[-1]  # not answered: leave it out of the history
-                conversation.messages = [m for m in conversation.messages if m is not asked]
+                not_answered()
                 if answer.content:  # cut off midway (the engine stopped): no endless cursor
                     await answer.send()
                 await cl.ErrorMessage(content=event.message).send()
     except asyncio.CancelledError:  # the Stop button: keep what was written
         request.cancel()
         done = await last_event(request)
-        if isinstance(done, Done):
+        if replacing is not None and on_first_text is not None:  # stopped before the new answer began
+            not_answered()
+        elif isinstance(done, Done):
             answer.content = done.text
             await finish(conversation, answer, done)
         else:

@@ -202,6 +202,26 @@ def test_regenerate_replaces_the_last_answer_with_another_sample(main):
     assert chat.emitter.task_start.await_count == 1 and chat.emitter.task_end.await_count == 1
 
 
+def test_a_regenerate_that_fails_before_its_first_word_keeps_the_old_answer(main):
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await chat.send("Hello")
+        [regenerate] = chat.actions("regenerate")
+        before = [(m.role, m.content, m.id) for m in chat.conversation().messages]
+        chat.conversation().model = "broken"  # the new answer cannot be written: its model does not load
+        await main.regenerate(regenerate)
+        return regenerate, before
+
+    regenerate, before = run(scenario())
+    assert len(chat.errors()) == 1 and "could not be loaded" in chat.errors()[0]
+    # the question and the old answer stay, in the history and on the page, with the old answer's button
+    assert [(m.role, m.content, m.id) for m in chat.conversation().messages] == before
+    old_ids = {regenerate.payload["answer"], regenerate.forId}
+    assert not old_ids & set(chat.removed()) and regenerate.id not in chat.removed("remove_action")
+
+
 def test_only_the_last_answer_can_be_regenerated(main):
     chat = Chat(main)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import hmac
 import json
 import logging
@@ -360,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(backend, settings.api_key)
     guard.install(app, allowed)
     log.info("%s", allowed.summary())
+    gc.freeze()  # what is loaded by now lives as long as the process: no collection walks it again (see app/main.py)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 

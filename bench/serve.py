@@ -52,6 +52,7 @@ WORDS = ("river mountain quiet garden lantern copper meadow harbor violet engine
          "marble thunder canyon pepper willow shadow crystal falcon velvet ember glacier saddle compass "
          "thistle beacon cobalt juniper tundra pebble ribbon walnut canvas").split()
 HEALTH_EVERY_S = 0.025
+PROBE_START_S = 3.0  # the /health probe's process imports httpx before it asks
 # A round's two runs alone agree within this when the machine's memory kept its state through the round.
 STEADY = 0.05
 
@@ -255,6 +256,7 @@ def serve_runs(args, folder: Path, spec: dict) -> dict:
                   f"{'' if steady else ', memory state changed'})", flush=True)
         alone_process.close()
         probe = HealthProbe(server.url)  # from here on: the probe's 40 requests a second are a load of their own
+        time.sleep(PROBE_START_S)  # its interpreter starting up took a core from the first stream count's run
         runs: dict[str, list[dict]] = {str(n): [] for n in args.streams}
         for round in range(args.stream_rounds):  # 1, 2, 4, 8 streams in turn, again: drift touches each alike
             for n in args.streams:

@@ -257,8 +257,8 @@ at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList sc
     y = rows_to<M>(x, ws, 1, 2, align, xq.scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
       const int8_t* row = w[i] + r * k_dim + k0;
       const float* row_scale = s[i] + r * n_groups[i] + (k0 == 0 ? 0 : k0 / groups[i]);
-      if (groups[i] % isa::kQ8Step == 0) isa::dot_q8<M>(row, xq.values + k0, k_dim, row_scale, len, groups[i], out);
-      else portable::dot_q8<M>(row, xq.values + k0, k_dim, row_scale, len, groups[i], out);
+      if (groups[i] % isa::kQ8Step == 0) isa::dot_q8<M>(row, xq.values + k0, xq.stride, row_scale, len, groups[i], out);
+      else portable::dot_q8<M>(row, xq.values + k0, xq.stride, row_scale, len, groups[i], out);
     });
   });
   return y;

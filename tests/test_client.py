@@ -123,6 +123,13 @@ def test_n_replies_and_a_raw_prompt(client):
     assert client.active == 0
 
 
+def test_the_engine_is_out_of_reach_of_signals_to_the_web_process_group(client):
+    """Ctrl-C or a service manager's SIGTERM to the web process's group must not stop the engine on its
+    own: the reader would take that for a crash (and start another) while the web process shuts down."""
+    assert os.getsid(client.pid) == client.pid != os.getsid(os.getpid())
+    assert os.getpgid(client.pid) != os.getpgid(os.getpid())
+
+
 def test_an_engine_that_dies_fails_its_replies_and_a_new_one_serves(tiny):
     client = EngineClient(EngineConfig(checkpoint=str(tiny), dtype="fp32", threads=1))
     try:

@@ -1,4 +1,5 @@
-"""A checkpoint folder as a GGUF file for llama.cpp: the same weights, in f32, bf16, f16 or Q8_0.
+"""A checkpoint folder as a GGUF file for llama.cpp: the same weights, in f32, bf16, f16 or Q8_0 (Q4_0 by
+llama.cpp's own quantizer, below).
 
 Written the way llama.cpp's convert_hf_to_gguf.py writes a Llama (LlamaModel in its conversion/
 llama.py): llama.* hyper-parameters with head_dim as key/value length and RoPE dimension; q/k rows
@@ -23,6 +24,12 @@ from model.config import LlamaConfig, RopeFreqFactors
 from model.rope import permute_qk_rows
 
 GGUF_TYPES = ("bf16", "f16", "q8_0", "q4_0")  # the ones the benchmark compares (every matrix in that type)
+
+# Files made by llama.cpp's own quantizer (llama-quantize, through llama-cpp-python) from the bf16 file: the
+# way users get a Q4_0 model (convert_hf_to_gguf.py writes no Q4_0). Its recipe keeps the output head (the
+# tied embedding) in Q6_K, or Q8_0 where rows are not whole 256-blocks (the 135M model's 576); "-pure"
+# is its --pure flag: every matrix Q4_0.
+LLAMA_QUANTIZE = {"q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", False), "q4_0-pure": ("LLAMA_FTYPE_MOSTLY_Q4_0", True)}
 
 GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -122,8 +129,26 @@ def write_gguf(folder: Path, path: Path, kind: str, add_vocab: Callable | None =
     return path
 
 
+def llama_quantize(source: Path, path: Path, kind: str) -> Path:
+    """`source` (a bf16 GGUF) quantized by llama.cpp's llama_model_quantize, as `llama-quantize` does."""
+    import llama_cpp
+
+    ftype, pure = LLAMA_QUANTIZE[kind]
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.pure = getattr(llama_cpp, ftype), pure
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {kind}")
+    return path
+
+
 def gguf_checkpoint(folder: Path, shape: str, kind: str) -> Path:
     """`bench/.cache/<shape>-<kind>.gguf` from the safetensors folder, written once."""
+    if kind in LLAMA_QUANTIZE:
+        path = CACHE / f"{shape}-{kind}-llama-quantize.gguf"
+        if not path.is_file():
+            source = gguf_checkpoint(folder, shape, "bf16")
+            llama_quantize(source, path.with_suffix(".partial"), kind).rename(path)
+        return path
     path = CACHE / f"{shape}-{kind}.gguf"
     if not path.is_file():
         write_gguf(folder, path.with_suffix(".partial"), kind, name=f"random {shape}").rename(path)

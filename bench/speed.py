@@ -73,7 +73,8 @@ RUNNERS = [
     Runner("llama.cpp bf16", "llama.cpp", {"gguf": "bf16"}),
     Runner("llama.cpp f16", "llama.cpp", {"gguf": "f16"}),
     Runner("llama.cpp q8_0", "llama.cpp", {"gguf": "q8_0"}),
-    Runner("llama.cpp q4_0", "llama.cpp", {"gguf": "q4_0"}),
+    Runner("llama.cpp q4_0", "llama.cpp", {"gguf": "q4_0"}),  # llama-quantize's recipe: Q6_K head
+    Runner("llama.cpp q4_0 pure", "llama.cpp", {"gguf": "q4_0-pure"}),  # every matrix Q4_0, the head too
 ]
 
 

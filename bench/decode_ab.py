@@ -1,6 +1,7 @@
 """Decode speed of several weight formats side by side in one process, their steps taken in turn.
 
     python bench/decode_ab.py [--shape llama3.2-1b] [--variants bf16,int8,int4,int4-op-by-op] [--rounds 12] [--steps 8]
+    python bench/decode_ab.py --variants int4,llama.cpp-q4_0,llama.cpp-q4_0-pure   (llama-cpp-python installed)
 
 On a machine shared with other work, runs of one format after another (bench/speed.py) see different
 loads; here each round times `--steps` decode steps of every format, one format after the other, so
@@ -8,6 +9,8 @@ they share the load of the moment. Per format: the fastest round's tokens/s (the
 the median round's, GB/s of weights read per step (bench/speed.py's decode_bytes) and the ratio to
 the first format. Random weights of the shape (bench/common.py), greedy, one sequence. Steps go
 through Llama.decode, as generation's do: the fused decode step, or with `-op-by-op` the reference.
+`llama.cpp-<kind>` is llama.cpp (llama-cpp-python) on the same weights as a GGUF file of that kind
+(bench/gguf_file.py), a token at a time through Llama.eval, its bytes a step taken as the file's size.
 """
 
 from __future__ import annotations
@@ -24,7 +27,28 @@ from speed import decode_bytes
 import model  # noqa: E402
 
 VARIANTS = {"bf16": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"}}
+LLAMA_CPP = "llama.cpp-"  # a variant's name: this + a GGUF kind of bench/gguf_file.py
 OP_BY_OP = "-op-by-op"  # a variant's name + this: the same weights, decode steps by the reference (fused=False)
+
+
+def llama_cpp_run(folder, args, kind: str) -> dict:
+    """A run whose `llm(ids)` evaluates ids in llama.cpp and returns the greedy next token."""
+    import llama_cpp
+    import numpy as np
+    from gguf_file import gguf_checkpoint
+
+    path = gguf_checkpoint(folder, args.shape, kind)
+    n_ctx = args.prompt_tokens + args.rounds * args.steps + 16
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=args.prompt_tokens, n_threads=args.threads,
+                          n_threads_batch=args.threads, verbose=False)
+    n_vocab = llm.n_vocab()
+
+    def next_token(ids: list[int]) -> int:
+        llm.eval(ids)
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
+
+    prompt = random_prompt(n_vocab, args.prompt_tokens)
+    return {"llm": next_token, "bytes": path.stat().st_size, "token": 0, "prompt": prompt, "times": []}
 
 
 def main() -> int:
@@ -43,6 +67,9 @@ def main() -> int:
     folder = random_checkpoint(args.shape)
     runs = {}
     for name in args.variants.split(","):
+        if name.startswith(LLAMA_CPP):
+            runs[name] = llama_cpp_run(folder, args, name.removeprefix(LLAMA_CPP))
+            continue
         ckpt = model.load_checkpoint(folder, dtype=torch.bfloat16, **VARIANTS[name.removesuffix(OP_BY_OP)])
         ckpt.model.fused_decode = not name.endswith(OP_BY_OP)
         config = ckpt.config
@@ -52,6 +79,9 @@ def main() -> int:
 
     @torch.inference_mode()
     def step(run: dict, ids: list[int]) -> None:
+        if "llm" in run:
+            run["token"] = run["llm"](ids)
+            return
         net, cache = run["ckpt"].model, run["cache"]
         if len(ids) == 1:  # a decode step, as generation takes it
             logits = net.decode(torch.tensor(ids), [cache])[0]
@@ -78,7 +108,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     first = next(iter(runs.values()))
     for name, run in runs.items():
-        nbytes = decode_bytes(run["ckpt"].model)
+        nbytes = run["bytes"] if "llm" in run else decode_bytes(run["ckpt"].model)
         best, median = min(run["times"]), statistics.median(run["times"])
         print(f"| {name} | {nbytes / 1e9:.2f} | {1 / best:.2f} | {1 / median:.2f} | {nbytes / best / 1e9:.1f} | "
               f"{min(first['times']) / best:.2f}x | {statistics.median(first['times']) / median:.2f}x |")

@@ -186,8 +186,8 @@ def describe(name: str) -> str:
         else:
             try:
                 summary = summarize(path)
-                DESCRIPTIONS[name] = summary.describe() + (" · int8 when loaded" if SETTINGS.quantize == "int8"
-                                                          and summary.dtype != "int8" else "")
+                quantized = SETTINGS.quantize != "off" and summary.dtype != SETTINGS.quantize  # LLAMA_QUANTIZE
+                DESCRIPTIONS[name] = summary.describe() + (f" · {SETTINGS.quantize} when loaded" if quantized else "")
             except (CheckpointError, OSError) as e:
                 DESCRIPTIONS[name] = f"not readable: {e}"
     return DESCRIPTIONS[name]

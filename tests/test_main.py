@@ -79,6 +79,14 @@ def test_profiles_are_the_checkpoints_in_the_weights_folder_and_starters_exist(m
     assert "What is the capital of France?" in [s.message for s in starters]
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_profile_says_how_llama_quantize_stores_it_once_loaded(main, monkeypatch, quantize):
+    import dataclasses
+    monkeypatch.setattr(main, "SETTINGS", dataclasses.replace(main.SETTINGS, quantize=quantize))
+    monkeypatch.setattr(main, "DESCRIPTIONS", {})
+    assert re.fullmatch(rf"\d+M parameters · \d+ MB · safetensors · fp32 · {quantize} when loaded", main.describe("tiny"))
+
+
 # ---- replies ------------------------------------------------------------------------------------
 
 def test_message_streams_a_reply_then_a_stats_line_and_keeps_the_history(main):

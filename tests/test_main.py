@@ -84,7 +84,8 @@ def test_a_profile_says_how_llama_quantize_stores_it_once_loaded(main, monkeypat
     import dataclasses
     monkeypatch.setattr(main, "SETTINGS", dataclasses.replace(main.SETTINGS, quantize=quantize))
     monkeypatch.setattr(main, "DESCRIPTIONS", {})
-    assert re.fullmatch(rf"\d+M parameters · \d+ MB · safetensors · fp32 · {quantize} when loaded", main.describe("tiny"))
+    description = main.describe("tiny")
+    assert re.fullmatch(rf"\d+M parameters · \d+ MB · safetensors · fp32 · {quantize} when loaded", description)
 
 
 # ---- replies ------------------------------------------------------------------------------------

@@ -82,10 +82,12 @@ def test_profiles_are_the_checkpoints_in_the_weights_folder_and_starters_exist(m
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_a_profile_says_how_llama_quantize_stores_it_once_loaded(main, monkeypatch, quantize):
     import dataclasses
+    run(main.chat_profiles(None))  # the engine has listed its models
     monkeypatch.setattr(main, "SETTINGS", dataclasses.replace(main.SETTINGS, quantize=quantize))
     monkeypatch.setattr(main, "DESCRIPTIONS", {})
     description = main.describe("tiny")
-    assert re.fullmatch(rf"\d+M parameters · \d+ MB · safetensors · fp32 · {quantize} when loaded", description)
+    assert re.fullmatch(rf"\d+M parameters · \d+ MB · safetensors · fp32 · {quantize} when loaded", description), \
+        description
 
 
 # ---- replies ------------------------------------------------------------------------------------

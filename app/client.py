@@ -203,9 +203,9 @@ class EngineClient:
         self._requests.connect(inbox)  # queues until the engine has bound it
         self._process = subprocess.Popen([sys.executable, "-m", "app.engine", inbox, outbox, str(os.getpid())],
                                          stdin=subprocess.PIPE, cwd=ROOT,
-                                         # A signal to the web process's group (Ctrl-C, a service manager
-                                         # stopping it) is the web process's to act on: it stops its engine
-                                         # in order; the engine stopping on its own would look like a crash.
+                                         # A signal to the web process's process group (Ctrl-C in its
+                                         # terminal, kill -- -PGID) is the web process's to act on: it stops
+                                         # its engine in order; the engine leaving first looked like a crash.
                                          start_new_session=True)
         self._process.stdin.write(msgspec.json.encode(self.config))
         self._process.stdin.close()

@@ -23,8 +23,6 @@ from common import CACHE
 from model.config import LlamaConfig, RopeFreqFactors
 from model.rope import permute_qk_rows
 
-GGUF_TYPES = ("bf16", "f16", "q8_0", "q4_0")  # the ones the benchmark compares (every matrix in that type)
-
 # Files made by llama.cpp's own quantizer (llama-quantize, through llama-cpp-python) from the bf16 file: the
 # way users get a Q4_0 model (convert_hf_to_gguf.py writes no Q4_0). Its recipe keeps the output head (the
 # tied embedding) in Q6_K, or Q8_0 where rows are not whole 256-blocks (the 135M model's 576); "-pure"

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "dot_portable.h"  // FOR_EACH_ROW, prefetch_ahead
 
@@ -107,15 +108,6 @@ void dot_q8(const int8_t* w, const int16_t* x, int64_t x_stride, const float* sc
 // dot products, the first block's in int32 lanes 0-7 and the second's in 8-15, each scaled once in
 // fp32. Blocks' offsets (Q4_0: -8 scale) multiply their sums of x, 16 blocks at a time.
 constexpr bool kQ4PairedX = true;
-constexpr int64_t kQ4Chunk = 64;  // blocks whose fp16 scales and offsets are widened together
-
-// n fp16 values -> fp32, 16 at a time.
-inline void widen_fp16(const uint16_t* from, float* to, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(to + i, lanes, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, from + i)));
-  }
-}
 
 inline __m512i dot_int16(__m512i acc, __m512i a, __m512i b) {
 #if defined(__AVX512VNNI__)
@@ -137,46 +129,48 @@ inline void q4_pair(__m512i bytes, const int16_t* x, int64_t x_stride, __m512 sc
   }
 }
 
-// With one or two rows, every other pair goes to a second accumulator: each multiply-add waits for
-// the one before it on the same accumulator.
+// The fp16 scales and offsets are widened in registers where they are used (vcvtph2ps): a pair's two
+// scales for its step, 16 offsets (Q4_0: -8 scale) at a time for their share. With one or two rows,
+// every other pair goes to a second accumulator: each multiply-add waits for the one before it on the
+// same accumulator.
 template <int M, bool Offsets>
 void dot_q4(const uint8_t* w, const int16_t* x, int64_t x_stride, const float* x_sums, int64_t sums_stride,
             const uint16_t* scale, const uint16_t* offset, int64_t len, float* out) {
   constexpr bool kTwo = M <= 2;
   __m512 acc0[M], acc1[M], shift[M];
   FOR_EACH_ROW(m) acc0[m] = acc1[m] = shift[m] = _mm512_setzero_ps();
-  alignas(64) float s[kQ4Chunk + 16], o[kQ4Chunk];  // + 16: a pair's scales are read as 16 lanes
   const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const int64_t blocks = len / portable::kQ4Block;
-  for (int64_t c = 0; c < blocks; c += kQ4Chunk) {
-    const int64_t n = std::min(kQ4Chunk, blocks - c);
-    for (int64_t b = 0; b < n; b += 32) {  // one cache line of fp16 values each
-      prefetch_block_values(scale + c + b);
-      if (Offsets) prefetch_block_values(offset + c + b);
+  for (int64_t b = 0; b < blocks; b += 16) {  // the offsets' share: offset[b] * (block b's sum of x)
+    if (b % 32 == 0) {  // one cache line of fp16 values each
+      prefetch_block_values(scale + b);
+      if (Offsets) prefetch_block_values(offset + b);
     }
-    widen_fp16(scale + c, s, n);
-    if (Offsets) widen_fp16(offset + c, o, n);
-    else for (int64_t b = 0; b < n; b++) o[b] = -8.f * s[b];
-    for (int64_t b = 0; b < n; b += 16) {  // the offsets' share: o[b] * (block b's sum of x)
-      const __mmask16 lanes = n - b >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - b)) - 1);
-      const __m512 ov = _mm512_maskz_loadu_ps(lanes, o + b);
-      FOR_EACH_ROW(m)
-        shift[m] = _mm512_fmadd_ps(ov, _mm512_maskz_loadu_ps(lanes, x_sums + m * sums_stride + c + b), shift[m]);
-    }
-    int64_t b = 0;
-    for (; b + 2 <= n; b += 2) {
-      const int64_t k = (c + b) * portable::kQ4Block;
-      if (b % 4 == 0) prefetch_ahead(w + k / 2);  // one cache line: 4 blocks
-      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k / 2)));
-      const __m512 scales = _mm512_permutexvar_ps(pair_lanes, _mm512_loadu_ps(s + b));
-      if (kTwo && b % 4) q4_pair<M>(bytes, x + k, x_stride, scales, acc1);
-      else q4_pair<M>(bytes, x + k, x_stride, scales, acc0);
-    }
-    if (b < n) {  // a last odd block: its 16 bytes, the other half zero
-      const int64_t k = (c + b) * portable::kQ4Block;
-      const __m128i last = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2));
-      q4_pair<M>(_mm512_cvtepu8_epi16(_mm256_zextsi128_si256(last)), x + k, x_stride, _mm512_set1_ps(s[b]), acc0);
-    }
+    const int64_t n = std::min<int64_t>(16, blocks - b);
+    const __mmask16 lanes = n == 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+    const __m512 ov = Offsets ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, offset + b))
+                              : _mm512_mul_ps(_mm512_set1_ps(-8.f),
+                                              _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, scale + b)));
+    FOR_EACH_ROW(m)
+      shift[m] = _mm512_fmadd_ps(ov, _mm512_maskz_loadu_ps(lanes, x_sums + m * sums_stride + b), shift[m]);
+  }
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    const int64_t k = b * portable::kQ4Block;
+    if (b % 4 == 0) prefetch_ahead(w + k / 2);  // one cache line: 4 blocks
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k / 2)));
+    uint32_t two;  // the pair's two fp16 scales
+    std::memcpy(&two, scale + b, sizeof two);
+    const __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));  // s[b], s[b + 1], 0, 0
+    const __m512 scales = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(pair));
+    if (kTwo && b % 4) q4_pair<M>(bytes, x + k, x_stride, scales, acc1);
+    else q4_pair<M>(bytes, x + k, x_stride, scales, acc0);
+  }
+  if (b < blocks) {  // a last odd block: its 16 bytes, the other half zero
+    const int64_t k = b * portable::kQ4Block;
+    const __m128i last = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2));
+    const __m512 s = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(scale[b])));
+    q4_pair<M>(_mm512_cvtepu8_epi16(_mm256_zextsi128_si256(last)), x + k, x_stride, s, acc0);
   }
   FOR_EACH_ROW(m) {
     const __m512 total = _mm512_add_ps(acc0[m], shift[m]);

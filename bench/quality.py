@@ -42,7 +42,22 @@ TEXT = (
     "under water. Farmers moved their animals to the hills, while children watched from the bridge "
     "as branches and barrels floated past. By noon the rain had stopped, the sun came out, and the "
     "water began to fall again, leaving a thin layer of mud over the roads. Within a week the fields "
-    "were green, and the people of the village said that the flood had been good for the soil."
+    "were green, and the people of the village said that the flood had been good for the soil.\n\n"
+    "To make a simple loaf of bread, mix four cups of flour with a teaspoon of salt and a packet of "
+    "yeast, then add warm water until the dough holds together. Knead it for ten minutes, cover the "
+    "bowl with a towel, and leave it somewhere warm for an hour. When it has doubled in size, shape it, "
+    "let it rise once more, and bake it at two hundred degrees for about forty minutes.\n\n"
+    "A computer keeps the programs it is running in memory, which is fast but forgets everything when "
+    "the power goes off, and keeps files on a disk, which is slower but remembers. When you open a "
+    "document, the operating system copies it from the disk into memory; when you save it, the changes "
+    "are written back. This is why unsaved work is lost if the battery dies.\n\n"
+    "\"Are you coming to the market tomorrow?\" asked Maria. \"I think so,\" said her brother, \"but "
+    "only if the bus is running. Last week it broke down halfway and we had to walk the rest of the "
+    "way.\" Maria laughed and promised to bring an umbrella, just in case it rained again.\n\n"
+    "In the early years of the railway, each town kept its own time by the sun, so clocks in two "
+    "cities a few hundred miles apart could differ by several minutes. Timetables became so confusing "
+    "that the railway companies agreed on a standard time, and within a few decades most countries had "
+    "divided the world into time zones."
 )
 
 

@@ -124,8 +124,8 @@ def test_n_replies_and_a_raw_prompt(client):
 
 
 def test_the_engine_is_out_of_reach_of_signals_to_the_web_process_group(client):
-    """Ctrl-C or a service manager's SIGTERM to the web process's group must not stop the engine on its
-    own: the reader would take that for a crash (and start another) while the web process shuts down."""
+    """Ctrl-C or a signal to the web process's process group must not stop the engine on its own: the
+    reader would take that for a crash (and start another) while the web process shuts down."""
     assert os.getsid(client.pid) == client.pid != os.getsid(os.getpid())
     assert os.getpgid(client.pid) != os.getpgid(os.getpid())
 

@@ -13,10 +13,13 @@ Tolerances, per output y[m, n], against the exact result (float64) with E = sum_
 - bf16 output (x in bf16): y is rounded to bf16 at the end, 2^-9 of |y| at most; 2^-8 allowed.
 - int8 weights: the kernel rounds each row of x to int16 with one scale (max |x[m]| / 32767), an
   error of at most half a step per element, so at most sum_k |w[n, k]| max|x[m]| / 65534 in y.
-- int4 weights: the kernel rounds x to int16 as for int8 weights (the same extra error), takes each
-  block's integer dot product with the 4-bit q exactly and scales it in fp32, adding offset times
-  the block's sum of x: against the exactly dequantized matrix, the fp32 summation bound is also
-  taken with E over |q scale| + |offset| (what those products' rounding is relative to).
+- int4 weights: the kernel rounds x to int16 as for int8 weights (the same extra error) or, in the
+  AVX-512 builds (by default; both are tested there), to int8 per block of 32 with the block's own
+  scale (max |x| of the block / 127: at most sum over k of |w[n, k]| max|x[m, block of k]| / 254 in
+  y), takes each block's integer dot product with the 4-bit q exactly and scales it in fp32, adding
+  offset times the block's sum of x as rounded: against the exactly dequantized matrix, the fp32
+  summation bound is also taken with E over |q scale| + |offset| (what those products' rounding is
+  relative to).
 """
 
 import logging
@@ -31,6 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.checkpoints import hf_model
+from support.kernels import int4_int8_x, x_in_int8_blocks
 
 import model.kernels
 from model import cpu, load_checkpoint
@@ -137,6 +141,18 @@ def test_int8_weights(ops, m, n, k, x_dtype):
     check(ours, *bound(wd, xd, x_dtype, extra=x_rounding(wd, xd)))
 
 
+def int4_x_roundings(ops, x):
+    """For each way this build's int4 kernel rounds x: (int8 x or not, x (float64) as the kernel rounds it
+    or as it is, the rounding's bound through |w|: a function of the dequantized w)."""
+    with int4_int8_x(True, ops):
+        has_int8 = ops.set_int4_int8_x(True)  # the setting before: on where the build has it
+    ways = [(False, x.double(), lambda wd: x_rounding(wd, x.double()))]
+    if has_int8:
+        rounded, either_way = x_in_int8_blocks(x)
+        ways.append((True, rounded, lambda wd: F.linear(either_way, wd.abs())))
+    return ways
+
+
 def int4_reference(packed, scale, offset, x):
     """The exactly dequantized matrix (float64) and the int4 bound's extra E: sum |q s| |x| + |o| |x|."""
     q = unpack_int4(packed).double()  # (n, blocks, 32)
@@ -155,12 +171,14 @@ def test_int4_weights(ops, m, n, k, x_dtype, symmetric):
     x = (x * torch.linspace(0.1, 3, m)[:, None]).to(x_dtype)
     packed, scale, offset = quantize_int4(w + 0.5)  # offsets of either sign
     offset = None if symmetric else offset
-    ours = ops.matvec_int4(x, [packed], [scale], [offset])
-    assert ours.shape == (m, n) and ours.dtype == x_dtype
-    wd, magnitude = int4_reference(packed, scale, offset, x.double())
+    wd, _ = int4_reference(packed, scale, offset, x.double())
     assert torch.equal(wd.float(), dequantize_int4(packed, scale, offset))
-    exact, tol = bound(wd, x.double(), x_dtype, extra=x_rounding(wd, x.double()))
-    check(ours, exact, tol + 4 * math.sqrt(k) * 2**-24 * magnitude)
+    for int8_x, xr, rounding in int4_x_roundings(ops, x):
+        with int4_int8_x(int8_x, ops):
+            ours = ops.matvec_int4(x, [packed], [scale], [offset])
+        assert ours.shape == (m, n) and ours.dtype == x_dtype
+        exact, tol = bound(wd, xr, x_dtype, extra=rounding(wd))
+        check(ours, exact, tol + 4 * math.sqrt(k) * 2**-24 * int4_reference(packed, scale, offset, xr)[1])
 
 
 @pytest.mark.parametrize("m", [1, 5, MAX_KERNEL_ROWS])
@@ -179,11 +197,14 @@ def test_several_matrices_side_by_side(ops, m):
     check(ours, exact, tol)
     q4 = [quantize_int4(w.float()) for w in ws]
     offsets = [q4[0][2], None, q4[2][2]]  # Q4_1 and Q4_0 matrices in one call
-    ours = ops.matvec_int4(x, [p for p, _, _ in q4], [s for _, s, _ in q4], offsets)
     refs = [int4_reference(p, s, o, x.double()) for (p, s, _), o in zip(q4, offsets)]
     wd = torch.cat([wd for wd, _ in refs])
-    exact, tol = bound(wd, x.double(), x.dtype, extra=x_rounding(wd, x.double()))
-    check(ours, exact, tol + 4 * math.sqrt(576) * 2**-24 * torch.cat([e for _, e in refs], dim=-1))
+    for int8_x, xr, rounding in int4_x_roundings(ops, x):
+        with int4_int8_x(int8_x, ops):
+            ours = ops.matvec_int4(x, [p for p, _, _ in q4], [s for _, s, _ in q4], offsets)
+        exact, tol = bound(wd, xr, x.dtype, extra=rounding(wd))
+        magnitude = torch.cat([int4_reference(p, s, o, xr)[1] for (p, s, _), o in zip(q4, offsets)], dim=-1)
+        check(ours, exact, tol + 4 * math.sqrt(576) * 2**-24 * magnitude)
 
 
 def test_one_dimensional_x_gives_one_dimensional_y(ops):

@@ -80,7 +80,6 @@ void dot_q8(const int8_t* w, const int16_t* x, int64_t x_stride, const float* sc
 // weights 0-15 in their low nibbles and 16-31 in their high ones: two vpmaddwd with x's two halves of
 // the block (vpdpwssd where the CPU has AVX-VNNI) give its integer dot product in 8 int32 lanes, scaled
 // once in fp32. Blocks' offsets (Q4_0: -8 scale) multiply their sums of x, a row at a time.
-constexpr bool kQ4PairedX = false;
 
 inline __m256i dot_int16(__m256i acc, __m256i a, __m256i b) {
 #if defined(__AVXVNNI__)

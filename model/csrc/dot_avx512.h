@@ -101,45 +101,31 @@ void dot_q8(const int8_t* w, const int16_t* x, int64_t x_stride, const float* sc
   FOR_EACH_ROW(m) out[m] = _mm512_reduce_add_ps(total[m]);
 }
 
-// int4 w (portable::dot_q4's blocks), int16 x, two blocks a step. Their 32 bytes widened to 32 int16
-// lanes hold, in their low nibbles, weights 0-15 of each block and, in their high nibbles, weights
-// 16-31 of each: matvec.cpp lays x out to match (kQ4PairedX), each 64 values of x with their middle
-// 16s swapped, so that two vpdpwssd (vpmaddwd + add without AVX-512 VNNI) give both blocks' integer
-// dot products, the first block's in int32 lanes 0-7 and the second's in 8-15, each scaled once in
-// fp32. Blocks' offsets (Q4_0: -8 scale) multiply their sums of x, 16 blocks at a time.
-constexpr bool kQ4PairedX = true;
+// int4 w with x rounded to int8 per block of 32 (its own scale each, as llama.cpp's Q8 activations), four
+// blocks a step: their 64 bytes hold weights 0-15 of each block in the low nibbles and 16-31 in the
+// high ones. matvec.cpp lays x out to match (HAVE_Q4_INT8_X): per 128 values, the first 16 of each of the four
+// blocks, then the second 16 of each, each row padded with zero blocks to whole 128s; and beside it
+// each block's x scale four times (x_scales: 16 floats per 128 values, zero for padding). An unsigned
+// nibble times a signed x byte, four to an int32 lane (vpdpbusd), gives a block's integer dot product
+// in four lanes (block j in lanes 4j..4j+3); scaled by the block's weight scale and x scale in fp32.
+// Without AVX-512 VNNI: vpmaddubsw into int16 pairs (at most 2 * 15 * 127, no saturation) + vpmaddwd.
+constexpr int64_t kQ4Group = 128;  // values of x per step: four blocks
 
-inline __m512i dot_int16(__m512i acc, __m512i a, __m512i b) {
+inline __m512i dot_u8_s8(__m512i acc, __m512i u, __m512i s) {
 #if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, a, b);
+  return _mm512_dpbusd_epi32(acc, u, s);
 #else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 #endif
 }
 
-// Two blocks (their 32 bytes widened to int16: `bytes`, the second block's half zero for a last odd
-// block) at x (paired order) into acc, lanes 0-7 scaled by the first block's scale, 8-15 the second's.
-template <int M>
-inline void q4_pair(__m512i bytes, const int16_t* x, int64_t x_stride, __m512 scales, __m512 (&acc)[M]) {
-  const __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F)), hi = _mm512_srli_epi16(bytes, 4);
-  FOR_EACH_ROW(m) {
-    const int16_t* xm = x + m * x_stride;
-    const __m512i dot = dot_int16(_mm512_madd_epi16(lo, _mm512_loadu_si512(xm)), hi, _mm512_loadu_si512(xm + 32));
-    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc[m]);
-  }
-}
-
-// The fp16 scales and offsets are widened in registers where they are used (vcvtph2ps): a pair's two
-// scales for its step, 16 offsets (Q4_0: -8 scale) at a time for their share. With one or two rows,
-// every other pair goes to a second accumulator: each multiply-add waits for the one before it on the
-// same accumulator.
 template <int M, bool Offsets>
-void dot_q4(const uint8_t* w, const int16_t* x, int64_t x_stride, const float* x_sums, int64_t sums_stride,
-            const uint16_t* scale, const uint16_t* offset, int64_t len, float* out) {
+void dot_q4_x8(const uint8_t* w, const int8_t* x, int64_t x_stride, const float* x_scales,
+               int64_t scales_stride, const float* x_sums, int64_t sums_stride, const uint16_t* scale,
+               const uint16_t* offset, int64_t len, float* out) {
   constexpr bool kTwo = M <= 2;
   __m512 acc0[M], acc1[M], shift[M];
   FOR_EACH_ROW(m) acc0[m] = acc1[m] = shift[m] = _mm512_setzero_ps();
-  const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const int64_t blocks = len / portable::kQ4Block;
   for (int64_t b = 0; b < blocks; b += 16) {  // the offsets' share: offset[b] * (block b's sum of x)
     if (b % 32 == 0) {  // one cache line of fp16 values each
@@ -154,23 +140,30 @@ void dot_q4(const uint8_t* w, const int16_t* x, int64_t x_stride, const float* x
     FOR_EACH_ROW(m)
       shift[m] = _mm512_fmadd_ps(ov, _mm512_maskz_loadu_ps(lanes, x_sums + m * sums_stride + b), shift[m]);
   }
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    const int64_t k = b * portable::kQ4Block;
-    if (b % 4 == 0) prefetch_ahead(w + k / 2);  // one cache line: 4 blocks
-    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k / 2)));
-    uint32_t two;  // the pair's two fp16 scales
-    std::memcpy(&two, scale + b, sizeof two);
-    const __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));  // s[b], s[b + 1], 0, 0
-    const __m512 scales = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(pair));
-    if (kTwo && b % 4) q4_pair<M>(bytes, x + k, x_stride, scales, acc1);
-    else q4_pair<M>(bytes, x + k, x_stride, scales, acc0);
-  }
-  if (b < blocks) {  // a last odd block: its 16 bytes, the other half zero
-    const int64_t k = b * portable::kQ4Block;
-    const __m128i last = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2));
-    const __m512 s = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(scale[b])));
-    q4_pair<M>(_mm512_cvtepu8_epi16(_mm256_zextsi128_si256(last)), x + k, x_stride, s, acc0);
+  const __m512i quads = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0, g = 0; b < blocks; b += 4, g++) {
+    const int64_t k = b * portable::kQ4Block, n = std::min<int64_t>(4, blocks - b);
+    prefetch_ahead(w + k / 2);  // one cache line: this step's
+    __m512i bytes;
+    __m128i four;  // the step's fp16 scales
+    if (n == 4) {
+      bytes = _mm512_loadu_si512(w + k / 2);
+      four = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + b));
+    } else {  // the last blocks of a row: the rest of the step zero
+      bytes = _mm512_maskz_loadu_epi8((1ull << (16 * n)) - 1, w + k / 2);
+      four = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << n) - 1), scale + b);
+    }
+    const __m512 scales = _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(_mm_cvtph_ps(four)));
+    const __m512i lo = _mm512_and_si512(bytes, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+    FOR_EACH_ROW(m) {
+      const int8_t* xm = x + m * x_stride + k;
+      const __m512i dot = dot_u8_s8(dot_u8_s8(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xm)), hi,
+                                    _mm512_loadu_si512(xm + 64));
+      const __m512 both = _mm512_mul_ps(scales, _mm512_loadu_ps(x_scales + m * scales_stride + 16 * g));
+      if (kTwo && g % 2) acc1[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), both, acc1[m]);
+      else acc0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), both, acc0[m]);
+    }
   }
   FOR_EACH_ROW(m) {
     const __m512 total = _mm512_add_ps(acc0[m], shift[m]);

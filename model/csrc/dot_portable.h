@@ -93,7 +93,6 @@ void dot_q8(const int8_t* w, const int16_t* x, int64_t x_stride, const float* sc
 // 16 + j (high nibble), with an fp16 scale and offset: weight = q * scale + offset, or Q4_0's
 // (q - 8) * scale where Offsets is false (offset is then unused).
 constexpr int64_t kQ4Block = 32;
-constexpr bool kQ4PairedX = false;  // x in its own order (see avx512::kQ4PairedX)
 
 // out[m] = w . x[m] for `len` int4 weights (len a multiple of kQ4Block; w, scale and offset at the
 // piece's first block) and x rounded to int16 (as for int8 weights). Per block b of a row of x:

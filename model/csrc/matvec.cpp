@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
@@ -31,6 +32,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include "dot_avx512.h"
 namespace isa = avx512;
+namespace int16_q4 = portable;  // int4 with x in int16, where int4_int8_x is off
+#define HAVE_Q4_INT8_X 1  // int4 weights take x rounded to int8 per block (avx512::dot_q4_x8)
 #if defined(__AVX512BF16__)
 #define HAVE_BF16_DOT 1
 constexpr const char* kPath = "AVX-512 BF16";
@@ -40,9 +43,11 @@ constexpr const char* kPath = "AVX-512";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "dot_avx2.h"
 namespace isa = avx2;
+namespace int16_q4 = avx2;
 constexpr const char* kPath = "AVX2";
 #else
 namespace isa = portable;
+namespace int16_q4 = portable;
 constexpr const char* kPath = "portable";
 #endif
 
@@ -183,8 +188,7 @@ at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws) {
 // x rounded to int16 for integer weights, a row at a time with its own scale, scale[m] = max |x[m]| /
 // 32767, so that products with the weights are exact integer multiply-adds and the scale is applied
 // once per output (an error of at most half a step per element). Optionally (int4) each block of 32's
-// sum of x, and x in avx512::dot_q4's paired order: each 64 values with their middle 16s swapped, rows
-// padded with zeros to whole 64s. The buffers are the calling thread's, reused from call to call.
+// sum of x. The buffers are the calling thread's, reused from call to call.
 struct Int16Rows {
   const int16_t* values;  // (rows, stride)
   int64_t stride;
@@ -212,34 +216,52 @@ inline int32_t round_16(const float* x, float inv, int64_t n, int16_t* q) {
   return sum;
 }
 
-Int16Rows round_to_int16(const at::Tensor& x, int64_t rows, bool block_sums = false, bool paired = false) {
-  constexpr int64_t kBlock = portable::kQ4Block, kQuarter = kBlock / 2;  // paired: 16s of 64s
+#ifdef HAVE_Q4_INT8_X
+// int4 weights take x rounded to int8 per block of 32 (dot_q4_x8, the default) or, switched off, to int16
+// per row as in the AVX2 and portable builds (through the portable loops: slower, for the tests that
+// compare the fused decode step with the reference, where one x value rounded the other way moves an
+// output by 1/127 of the block's largest |x| in int8 and by 1/32767 of the row's in int16).
+std::atomic<bool> int4_int8_x{true};
+#endif
+
+// Switches int4's int8 x on or off; returns the setting before. Builds without it: always false.
+bool set_int4_int8_x(bool on) {
+#ifdef HAVE_Q4_INT8_X
+  return int4_int8_x.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
+// The float values of row m of x: x's own for fp32, else widened into `buffer` (reused from call to call).
+const float* float_row(const at::Tensor& x, int64_t m, std::vector<float>& buffer) {
+  const int64_t k_dim = x.size(-1);
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>() + m * k_dim;
+  buffer.resize(k_dim);
+  const BFloat16* xb = x.data_ptr<BFloat16>() + m * k_dim;
+  for (int64_t k = 0; k < k_dim; k++) buffer[k] = static_cast<float>(xb[k]);
+  return buffer.data();
+}
+
+Int16Rows round_to_int16(const at::Tensor& x, int64_t rows, bool block_sums = false) {
+  constexpr int64_t kBlock = portable::kQ4Block, kStep = 16;
   thread_local std::vector<int16_t> values;
   thread_local std::vector<float> sums, widened;
   const int64_t k_dim = x.size(-1), blocks = k_dim / kBlock;
   Int16Rows out{};
-  out.stride = paired ? (k_dim + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock) : k_dim;
-  values.resize(rows * out.stride);
+  out.stride = k_dim;
+  values.resize(rows * k_dim);
   if (block_sums) sums.assign(rows * blocks, 0.f);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (bf16) widened.resize(k_dim);
   for (int64_t m = 0; m < rows; m++) {
-    const float* row = bf16 ? widened.data() : x.data_ptr<float>() + m * k_dim;
-    if (bf16) {
-      const BFloat16* xb = x.data_ptr<BFloat16>() + m * k_dim;
-      for (int64_t k = 0; k < k_dim; k++) widened[k] = static_cast<float>(xb[k]);
-    }
+    const float* row = float_row(x, m, widened);
     float x_max = 0.f;
     for (int64_t k = 0; k < k_dim; k++) x_max = std::max(x_max, std::abs(row[k]));
     const float scale = x_max > 0.f ? x_max / 32767.f : 1.f;
     out.scale[m] = scale;
     const float inv = 1.f / scale;
-    int16_t* q = values.data() + m * out.stride;
-    std::fill(q + k_dim / (2 * kBlock) * (2 * kBlock), q + out.stride, int16_t{0});  // a last paired 64: its gaps
-    for (int64_t k0 = 0; k0 < k_dim; k0 += kQuarter) {  // 16 values at a time
-      const int64_t quarter = k0 / kQuarter % 4;
-      const int64_t to = !paired ? k0 : quarter == 1 ? k0 + kQuarter : quarter == 2 ? k0 - kQuarter : k0;
-      const int32_t sum = round_16(row + k0, inv, std::min(kQuarter, k_dim - k0), q + to);
+    for (int64_t k0 = 0; k0 < k_dim; k0 += kStep) {
+      const int32_t sum = round_16(row + k0, inv, std::min(kStep, k_dim - k0), values.data() + m * k_dim + k0);
       if (block_sums) sums[m * blocks + k0 / kBlock] += static_cast<float>(sum);
     }
   }
@@ -247,6 +269,56 @@ Int16Rows round_to_int16(const at::Tensor& x, int64_t rows, bool block_sums = fa
   out.block_sums = block_sums ? sums.data() : nullptr;
   return out;
 }
+
+#ifdef HAVE_Q4_INT8_X
+// x rounded to int8 per block of 32 for int4 weights where the build's kernel takes it (HAVE_Q4_INT8_X): each
+// block with its own scale, max |x| / 127 (at most half a step of it per element), in that kernel's
+// order (avx512::dot_q4_x8: per 128 values the first 16 of each of four blocks, then the second 16 of
+// each), rows padded with zero blocks to whole 128s; beside them each block's scale four times (16
+// floats per 128 values) and each block's sum of x as rounded (its scale times the sum of its int8s).
+struct Int8Blocks {
+  const int8_t* values;  // (rows, stride)
+  const float* scales;  // (rows, stride / 8)
+  const float* sums;  // (rows, K / 32)
+  int64_t stride;
+};
+
+Int8Blocks round_to_int8_blocks(const at::Tensor& x, int64_t rows) {
+  constexpr int64_t kBlock = portable::kQ4Block, kGroup = 4 * kBlock, kHalf = kBlock / 2;
+  thread_local std::vector<int8_t> values;
+  thread_local std::vector<float> scales, sums, widened;
+  const int64_t k_dim = x.size(-1), blocks = k_dim / kBlock;
+  const int64_t stride = (k_dim + kGroup - 1) / kGroup * kGroup, scales_stride = stride / kGroup * 16;
+  values.resize(rows * stride);
+  scales.resize(rows * scales_stride);
+  sums.resize(rows * blocks);
+  for (int64_t m = 0; m < rows; m++) {
+    const float* row = float_row(x, m, widened);
+    int8_t* q = values.data() + m * stride;
+    float* s = scales.data() + m * scales_stride;
+    std::fill(q + blocks / 4 * kGroup, q + stride, int8_t{0});  // a last partial 128: its missing blocks
+    std::fill(s + blocks / 4 * 16, s + scales_stride, 0.f);
+    for (int64_t b = 0; b < blocks; b++) {
+      const float* xb = row + b * kBlock;
+      float x_max = 0.f;
+      for (int j = 0; j < kBlock; j++) x_max = std::max(x_max, std::abs(xb[j]));
+      const float scale = x_max / 127.f, inv = x_max > 0.f ? 127.f / x_max : 0.f;
+      int8_t* first = q + b / 4 * kGroup + b % 4 * kHalf;  // and the second 16 at first + 64
+      int32_t sum = 0;
+      for (int half = 0; half < 2; half++) {
+        for (int j = 0; j < kHalf; j++) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(xb[half * kHalf + j] * inv));
+          first[half * 64 + j] = static_cast<int8_t>(v);
+          sum += v;
+        }
+      }
+      std::fill_n(s + b / 4 * 16 + b % 4 * 4, 4, scale);
+      sums[m * blocks + b] = scale * static_cast<float>(sum);
+    }
+  }
+  return {values.data(), scales.data(), sums.data(), stride};
+}
+#endif
 
 at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList scales) {
   const int64_t rows = check("matvec_int8", x, ws, at::kChar);
@@ -296,9 +368,10 @@ const uint16_t* block_values(const char* what, size_t i, const at::Tensor& t, in
 }
 
 // int4 weights (model/quantize.py's layout): w uint8 (N, K / 2), scale and offset fp16 (N, K / 32) per
-// matrix, offset None for Q4_0's symmetric blocks. x is rounded to int16 as for int8 weights, and each
-// block's integer dot product is scaled in fp32 (see portable::dot_q4): the result is that of the
-// dequantized matrix times x rounded to int16.
+// matrix, offset None for Q4_0's symmetric blocks. x is rounded to int8 per block of 32 where the build
+// has AVX-512 (round_to_int8_blocks, avx512::dot_q4_x8), else to int16 as for int8 weights (see
+// portable::dot_q4), and each block's integer dot product is scaled in fp32: the result is that of the
+// dequantized matrix times x so rounded.
 at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList scales, llama::Offsets offsets) {
   constexpr int64_t kBlock = portable::kQ4Block;
   const int64_t rows = check("matvec_int4", x, ws, at::kByte, 2);
@@ -315,8 +388,29 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
     s.push_back(block_values("scale", i, scales[i], ws[i].size(0), blocks));
     o.push_back(offsets[i].has_value() ? block_values("offset", i, *offsets[i], ws[i].size(0), blocks) : nullptr);
   }
-  const Int16Rows xq = round_to_int16(x, rows, /*block_sums=*/true, isa::kQ4PairedX);
   at::Tensor y;
+#ifdef HAVE_Q4_INT8_X
+  if (int4_int8_x) {
+    const Int8Blocks xq = round_to_int8_blocks(x, rows);
+    const float ones[kMaxRows] = {1, 1, 1, 1, 1, 1, 1, 1};
+    with_rows(rows, [&](auto m_rows) {
+      constexpr int M = decltype(m_rows)::value;
+      // x_bytes 2: a value's int8 and its share of the block scales (half a byte), rounded up
+      y = rows_to<M>(x, ws, 1, 2, isa::kQ4Group, ones, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+        const uint8_t* row = w[i] + r * (k_dim / 2) + k0 / 2;
+        const int64_t first = r * blocks + k0 / kBlock;  // the piece's first block
+        const int8_t* xp = xq.values + k0;
+        const float* xs = xq.scales + k0 / 8;
+        const float* sums = xq.sums + k0 / kBlock;
+        const int64_t s_stride = xq.stride / 8;
+        if (o[i]) isa::dot_q4_x8<M, true>(row, xp, xq.stride, xs, s_stride, sums, blocks, s[i] + first, o[i] + first, len, out);
+        else isa::dot_q4_x8<M, false>(row, xp, xq.stride, xs, s_stride, sums, blocks, s[i] + first, nullptr, len, out);
+      });
+    });
+    return y;
+  }
+#endif
+  const Int16Rows xq = round_to_int16(x, rows, /*block_sums=*/true);
   with_rows(rows, [&](auto m_rows) {
     constexpr int M = decltype(m_rows)::value;
     y = rows_to<M>(x, ws, 1, 2, 2 * kBlock, xq.scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
@@ -324,8 +418,8 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
       const int64_t first = r * blocks + k0 / kBlock;  // the piece's first block
       const int16_t* xp = xq.values + k0;
       const float* sums = xq.block_sums + k0 / kBlock;
-      if (o[i]) isa::dot_q4<M, true>(row, xp, xq.stride, sums, blocks, s[i] + first, o[i] + first, len, out);
-      else isa::dot_q4<M, false>(row, xp, xq.stride, sums, blocks, s[i] + first, nullptr, len, out);
+      if (o[i]) int16_q4::dot_q4<M, true>(row, xp, xq.stride, sums, blocks, s[i] + first, o[i] + first, len, out);
+      else int16_q4::dot_q4<M, false>(row, xp, xq.stride, sums, blocks, s[i] + first, nullptr, len, out);
     });
   });
   return y;
@@ -361,6 +455,7 @@ DEFINE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("matvec_int8(Tensor x, Tensor[] w, Tensor[] scale) -> Tensor");
   m.def("matvec_int4(Tensor x, Tensor[] w, Tensor[] scale, Tensor?[] offset) -> Tensor");
   m.def("path() -> str", &path);  // which of the code paths above this build compiled
+  m.def("set_int4_int8_x(bool on) -> bool", &set_int4_int8_x);
 }
 
 IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) {

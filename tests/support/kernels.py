@@ -1,0 +1,44 @@
+"""How the int4 kernel rounds x, switched for a test: int8 blocks (the AVX-512 builds' default) or int16 rows."""
+
+from contextlib import contextmanager
+
+import torch
+
+from model.kernels import kernels
+
+
+@contextmanager
+def int4_int8_x(on: bool, *builds):
+    """While inside, int4 weights take x rounded to int8 per block of 32 (on) or to int16 per row (off)
+    in the kernel builds given (their ops) and in the one linears() uses (csrc/matvec.cpp,
+    set_int4_int8_x; the AVX2 and portable builds always round to int16). With int16, one x value
+    rounded the other way moves an output by 1/32767 of the row's largest |x| instead of 1/127 of its
+    block's: two paths whose activations differ in the last bits stay close to the last bits."""
+    ops = [b for b in (*builds, kernels()) if b is not None]
+    before = [b.set_int4_int8_x(on) for b in ops]
+    try:
+        yield
+    finally:
+        for b, was in zip(reversed(ops), reversed(before)):
+            b.set_int4_int8_x(was)
+
+
+def int8_x_is_on(ops) -> bool:
+    """Whether this build's int4 kernel rounds x to int8 blocks now (set_int4_int8_x left as it was)."""
+    on = ops.set_int4_int8_x(True)
+    ops.set_int4_int8_x(on)
+    return on
+
+
+def x_in_int8_blocks(x):
+    """x (m, k) as the kernel rounds it for int4 weights in the AVX-512 builds (float64), and per element
+    the step by which it may round the other way: per block of 32, q = round(x * (127 / max |x|)) in fp32
+    (halves to even) times the block's scale max |x| / 127; the compiler may compute 127 / max |x| as
+    127 * (1 / max |x|), so a value within 1e-4 of a step of halfway may go either way."""
+    blocks = x.float().unflatten(-1, (-1, 32))  # (m, k / 32, 32)
+    x_max = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(x_max > 0, 127 / x_max, torch.zeros_like(x_max))
+    steps = blocks * inv
+    step = (x_max / 127).double()
+    either_way = ((steps - steps.floor() - 0.5).abs() < 1e-4).double() * step
+    return (torch.round(steps).double() * step).flatten(-2), either_way.flatten(-2)

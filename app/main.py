@@ -341,14 +341,16 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
 
     A regenerated answer is `replacing` the one taken off the history: until its first text comes (and
     `on_first_text()` takes the old one off the page), a failure, a busy server or Stop puts the old
-    one back, and the question stays answered."""
+    one back, and the question stays answered. Stopped after its first text, an answer stays as far as
+    it came, in the history too; failed, it stays on the page but the question leaves the history, as
+    when nothing came: the error asks to send it again."""
 
     asked = conversation.messages[-1]
 
     def not_answered() -> None:
         if replacing is not None and on_first_text is not None:  # nothing of the new answer came
             conversation.messages.append(replacing)
-        elif replacing is None:  # leave the question out of the history
+        else:  # leave the question out of the history (the old answer, if any, went): it is to be sent again
             conversation.messages = [m for m in conversation.messages if m is not asked]
 
     try:
@@ -392,6 +394,7 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
             elif isinstance(event, Failed):
                 not_answered()
                 if answer.content:  # cut off midway (the engine stopped): no endless cursor
+                    answer.content = display.end()  # with a last "$..." held back, if any
                     await answer.send()
                 await cl.ErrorMessage(content=event.message).send()
     except asyncio.CancelledError:  # the Stop button: keep what was written
@@ -403,8 +406,9 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
             answer.content = done.text
             await finish(conversation, answer, done)
         else:
+            answer.content = display.end()  # with a last "$..." held back, if any
             await answer.send()
-            conversation.add("assistant", answer.content, id=answer.id)
+            conversation.add("assistant", display.raw, id=answer.id)  # as written, not as shown (app.display)
         raise
     finally:
         request.cancel()  # a no-op once it is done

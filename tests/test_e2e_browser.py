@@ -252,13 +252,8 @@ def test_presets_context_copy_regenerate_and_export(page, server):
         shot(tab, "10-context")
 
         # Copy: the button under the answer puts the answer on the clipboard.
-        step = tab.locator('.step[data-step-type="assistant_message"]').filter(has_text="Paris").first
-        step.hover()
-        step.locator("button:has(svg.lucide-copy)").first.click()
-        step.locator("button:has(svg.lucide-check)").first.wait_for()  # the button says it copied
-        deadline, copied = time.monotonic() + 5, ""
-        while not copied and time.monotonic() < deadline:  # the page writes the clipboard asynchronously
-            copied = tab.evaluate("navigator.clipboard.readText()")
+        paris = tab.locator('.step[data-step-type="assistant_message"]').filter(has_text="Paris").first
+        copied = copy_answer(tab, paris)
         assert copied.strip() == answer.strip()
         shot(tab, "11-copied")
 
@@ -310,6 +305,18 @@ def test_presets_context_copy_regenerate_and_export(page, server):
     assert "Traceback" not in server.log()
 
 
+def copy_answer(tab, step) -> str:
+    """Click the copy button under an answer (its step): what the clipboard then holds."""
+    tab.evaluate("navigator.clipboard.writeText('')")
+    step.hover()
+    step.locator("button:has(svg.lucide-copy)").first.click()
+    step.locator("button:has(svg.lucide-check)").first.wait_for()  # the button says it copied
+    deadline, copied = time.monotonic() + 5, ""
+    while not copied and time.monotonic() < deadline:  # the page writes the clipboard asynchronously
+        copied = tab.evaluate("navigator.clipboard.readText()")
+    return copied
+
+
 def test_a_model_is_chosen_loaded_and_its_math_rendered(page, server):
     tab = new_tab(page, server)
     try:
@@ -335,6 +342,10 @@ def test_a_model_is_chosen_loaded_and_its_math_rendered(page, server):
         assert "$x$" in reply.locator("pre, code").first.inner_text()
         assert re.search(r"[\d,]+ / 8,192 tokens", stats)
         shot(tab, "16-latex")
+
+        # Copied, the answer is what the model wrote: "$5", not the "\$5" that keeps LaTeX off it.
+        assert copy_answer(tab, tab.locator('.step[data-step-type="assistant_message"]').filter(
+            has_text="Tickets cost").last) == SCRIPTED_SAYS
     finally:
         tab.context.close()
     assert "Traceback" not in server.log()

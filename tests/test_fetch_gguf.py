@@ -22,6 +22,7 @@ import transformers
 from safetensors import safe_open
 from support.checkpoints import hf_model, prompt_ids
 from support.gguf_checkpoints import CHAT_TEMPLATE, as_stored, write_llama3_gguf
+from support.kernels import int4_int8_x
 
 import model.convert.gguf as gguf_module
 import model.convert.gguf_tensors as tensors_module
@@ -113,13 +114,16 @@ def test_q8_0_greedy_decode_matches_transformers_on_the_dequantized_weights(impo
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
 def test_q4_greedy_decode_matches_transformers_on_the_dequantized_weights(imported, kind):
     """fp32 activations: the int4 decode kernel (Q4_0's blocks without offsets, Q4_1's with) and the int4
-    embedding give the tokens transformers picks on gguf.quants.dequantize's weights."""
+    embedding give the tokens transformers picks on gguf.quants.dequantize's weights. x in int16 (as the
+    AVX2 build rounds it): on random weights of 128k logits a near-tie is never far, and one x value
+    rounded the other way in int8 blocks moves outputs by 1/127 of a block's largest |x|."""
     _, folder, source = imported(kind)
     ckpt = load_checkpoint(folder, dtype=torch.float32)
     ids = [128000, 9906, 11, 856, 836, 374]
-    reply = generate(ckpt, ids, max_new_tokens=16, temperature=0.0)
-    for _ in reply:
-        pass
+    with int4_int8_x(False):
+        reply = generate(ckpt, ids, max_new_tokens=16, temperature=0.0)
+        for _ in reply:
+            pass
     expected = as_stored(source, kind).generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
     assert reply.tokens == expected[0, len(ids):].tolist()
 

@@ -233,6 +233,65 @@ def test_a_regenerate_that_fails_before_its_first_word_keeps_the_old_answer(main
     assert not old_ids & set(chat.removed()) and regenerate.id not in chat.removed("remove_action")
 
 
+class CutOff:
+    """A backend's stream that gives some text and then fails, as when the engine process dies mid-answer."""
+
+    def __init__(self, *pieces: str):
+        self.pieces = pieces
+
+    def __aiter__(self):
+        return self.events()
+
+    async def events(self):
+        from app.messages import Failed, Text
+        for piece in self.pieces:
+            yield Text(id="cut", text=piece)
+        yield Failed(id="cut", message="The engine process stopped; starting a new one.", reason="engine")
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_an_answer_cut_off_by_a_failure_stays_on_the_page_as_written_and_its_question_leaves_the_history(
+        main, monkeypatch):
+    """The error asks to send the message again: the history goes on without it (tested with a real engine
+    dying below); the page keeps what came, whole (a last amount held back while streaming included)."""
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        with monkeypatch.context() as patch:
+            patch.setattr(main.BACKEND, "stream", lambda conversation, settings: CutOff("It costs ", "$5 and $10"))
+            await chat.send("How much?")
+
+    run(scenario())
+    assert len(chat.errors()) == 1 and "engine process stopped" in chat.errors()[0]
+    assert chat.replies()[0] == r"It costs \$5 and \$10"  # shown with LaTeX on (app.display)
+    assert chat.conversation().messages == []
+
+
+def test_a_regenerate_cut_off_after_its_first_words_leaves_the_question_to_be_sent_again(main, monkeypatch):
+    """The old answer went from the page when the new one began: the question leaves the history too, as
+    for any reply that failed (before, it stayed there without an answer, and was asked twice when sent
+    again)."""
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await chat.send("Hello")
+        [regenerate] = chat.actions("regenerate")
+        with monkeypatch.context() as patch:
+            patch.setattr(main.BACKEND, "stream", lambda conversation, settings: CutOff("Half an ", "answer"))
+            await main.regenerate(regenerate)
+        await chat.send("Hello again")
+        return regenerate
+
+    regenerate = run(scenario())
+    assert len(chat.errors()) == 1
+    assert regenerate.payload["answer"] in chat.removed() and "Half an answer" in chat.replies()
+    assert [m.content for m in chat.conversation().messages if m.role == "user"] == ["Hello again"]
+
+
 def test_only_the_last_answer_can_be_regenerated(main):
     chat = Chat(main)
 

@@ -309,8 +309,8 @@ def copy_answer(tab, step) -> str:
     """Click the copy button under an answer (its step): what the clipboard then holds."""
     tab.evaluate("navigator.clipboard.writeText('')")
     step.hover()
-    step.locator("button:has(svg.lucide-copy)").first.click()
-    step.locator("button:has(svg.lucide-check)").first.wait_for()  # the button says it copied
+    step.locator("button:has(svg.lucide-copy)").last.click()  # the answer's, after a code block's own
+    step.locator("button:has(svg.lucide-check)").last.wait_for()  # the button says it copied
     deadline, copied = time.monotonic() + 5, ""
     while not copied and time.monotonic() < deadline:  # the page writes the clipboard asynchronously
         copied = tab.evaluate("navigator.clipboard.readText()")

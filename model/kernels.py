@@ -41,7 +41,8 @@ class KernelBuildError(RuntimeError):
 @dataclass(frozen=True)
 class Kernels:
     """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws), matvec_int8(x, ws, scales),
-    matvec_int4(x, ws, scales, offsets) and decode_layers(...) (model/decode_step.py calls it)."""
+    matvec_int4(x, ws, scales, offsets), decode_layers(...) (model/decode_step.py calls it), path() and
+    set_int4_int8_x(on) (AVX-512 builds round x to int8 blocks for int4 weights; off: int16, for tests)."""
 
     march: str
     name: str  # the library's and the ops' namespace: one per -march, so builds load side by side

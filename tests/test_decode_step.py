@@ -424,7 +424,7 @@ def test_the_default_model_in_int4_with_x_in_int8_blocks_picks_the_reference_tok
     next by under 1% of the scale. Asked: within 15%, and the same token wherever the lead is over 2%."""
     with int4_int8_x(True):
         if not model.decode_step.kernels().set_int4_int8_x(True):  # the setting before: on where the build has it
-            pytest.skip("this CPU's kernel build rounds x to int16 for int4 weights (no AVX-512): the tests above")
+            pytest.skip("this CPU's kernel build rounds x to int16 for int4 (no AVX-512): the tests above")
         _, _, logits = default_model_steps(monkeypatch, torch.float32, forced=True, quantize="int4")
     decided = agree = 0
     for ours, theirs in logits:

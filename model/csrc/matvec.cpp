@@ -218,7 +218,7 @@ inline int32_t round_16(const float* x, float inv, int64_t n, int16_t* q) {
 
 #ifdef HAVE_Q4_INT8_X
 // int4 weights take x rounded to int8 per block of 32 (dot_q4_x8, the default) or, switched off, to int16
-// per row as in the AVX2 and portable builds (through the portable loops: slower, for the tests that
+// per row as the AVX2 and portable builds do (through the portable loops: slower, for the tests that
 // compare the fused decode step with the reference, where one x value rounded the other way moves an
 // output by 1/127 of the block's largest |x| in int8 and by 1/32767 of the row's in int16).
 std::atomic<bool> int4_int8_x{true};
@@ -403,8 +403,9 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
         const float* xs = xq.scales + k0 / 8;
         const float* sums = xq.sums + k0 / kBlock;
         const int64_t s_stride = xq.stride / 8;
-        if (o[i]) isa::dot_q4_x8<M, true>(row, xp, xq.stride, xs, s_stride, sums, blocks, s[i] + first, o[i] + first, len, out);
-        else isa::dot_q4_x8<M, false>(row, xp, xq.stride, xs, s_stride, sums, blocks, s[i] + first, nullptr, len, out);
+        const uint16_t *scale = s[i] + first, *offset = o[i] ? o[i] + first : nullptr;
+        if (o[i]) isa::dot_q4_x8<M, true>(row, xp, xq.stride, xs, s_stride, sums, blocks, scale, offset, len, out);
+        else isa::dot_q4_x8<M, false>(row, xp, xq.stride, xs, s_stride, sums, blocks, scale, offset, len, out);
       });
     });
     return y;

@@ -1,4 +1,5 @@
-"""How the int4 kernel rounds x, switched for a test: int8 blocks (the AVX-512 builds' default) or int16 rows."""
+"""How the int4 kernel rounds x, switched for a test: int8 blocks (the AVX-512 builds' default) or int16
+rows."""
 
 from contextlib import contextmanager
 
@@ -31,8 +32,8 @@ def int8_x_is_on(ops) -> bool:
 
 
 def x_in_int8_blocks(x):
-    """x (m, k) as the kernel rounds it for int4 weights in the AVX-512 builds (float64), and per element
-    the step by which it may round the other way: per block of 32, q = round(x * (127 / max |x|)) in fp32
+    """x (m, k) as the kernel rounds it for int4 weights in the AVX-512 builds (float64), and per
+    element the step by which it may round the other way: per block of 32, q = round(x * (127 / max |x|)) in fp32
     (halves to even) times the block's scale max |x| / 127; the compiler may compute 127 / max |x| as
     127 * (1 / max |x|), so a value within 1e-4 of a step of halfway may go either way."""
     blocks = x.float().unflatten(-1, (-1, 32))  # (m, k / 32, 32)

@@ -60,6 +60,7 @@ namespace {
 using c10::BFloat16;
 
 constexpr int64_t kMaxRows = 8;  // rows of x per call: model/linear.py's MAX_KERNEL_ROWS
+constexpr float kOnes[kMaxRows] = {1, 1, 1, 1, 1, 1, 1, 1};  // the row scales of x that is not rescaled
 
 // Calls f(std::integral_constant<int, M>{}) for the runtime rows = M in 1..kMaxRows, so each M gets
 // its own compiled loop with its accumulators in registers.
@@ -160,14 +161,13 @@ at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws) {
   const int64_t k_dim = x.size(-1);
   std::vector<const uint16_t*> w;
   for (const at::Tensor& t : ws) w.push_back(reinterpret_cast<const uint16_t*>(t.data_ptr()));
-  const float ones[kMaxRows] = {1, 1, 1, 1, 1, 1, 1, 1};
   at::Tensor y;
 #ifdef HAVE_BF16_DOT
   if (x.scalar_type() == at::kBFloat16) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
     with_rows(rows, [&](auto m_rows) {
       constexpr int M = decltype(m_rows)::value;
-      y = rows_to<M>(x, ws, 2, 2, 32, ones, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+      y = rows_to<M>(x, ws, 2, 2, 32, kOnes, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
         isa::dot_bf16_bf16<M>(w[i] + r * k_dim + k0, xp + k0, k_dim, len, out);
       });
     });
@@ -178,7 +178,7 @@ at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws) {
   const float* xp = xf.data_ptr<float>();
   with_rows(rows, [&](auto m_rows) {
     constexpr int M = decltype(m_rows)::value;
-    y = rows_to<M>(x, ws, 2, 4, 32, ones, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+    y = rows_to<M>(x, ws, 2, 4, 32, kOnes, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
       isa::dot_bf16<M>(w[i] + r * k_dim + k0, xp + k0, k_dim, len, out);
     });
   });
@@ -392,11 +392,10 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
 #ifdef HAVE_Q4_INT8_X
   if (int4_int8_x) {
     const Int8Blocks xq = round_to_int8_blocks(x, rows);
-    const float ones[kMaxRows] = {1, 1, 1, 1, 1, 1, 1, 1};
-    with_rows(rows, [&](auto m_rows) {
+      with_rows(rows, [&](auto m_rows) {
       constexpr int M = decltype(m_rows)::value;
       // x_bytes 2: a value's int8 and its share of the block scales (half a byte), rounded up
-      y = rows_to<M>(x, ws, 1, 2, isa::kQ4Group, ones, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+      y = rows_to<M>(x, ws, 1, 2, isa::kQ4Group, kOnes, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
         const uint8_t* row = w[i] + r * (k_dim / 2) + k0 / 2;
         const int64_t first = r * blocks + k0 / kBlock;  // the piece's first block
         const int8_t* xp = xq.values + k0;

@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.checkpoints import hf_model
-from support.kernels import int4_int8_x, x_in_int8_blocks
+from support.kernels import has_int8_x, int4_int8_x, x_in_int8_blocks
 
 import model.kernels
 from model import cpu, load_checkpoint
@@ -144,10 +144,8 @@ def test_int8_weights(ops, m, n, k, x_dtype):
 def int4_x_roundings(ops, x):
     """For each way this build's int4 kernel rounds x: (int8 x or not, x (float64) as the kernel rounds it
     or as it is, the rounding's bound through |w|: a function of the dequantized w)."""
-    with int4_int8_x(True, ops):
-        has_int8 = ops.set_int4_int8_x(True)  # the setting before: on where the build has it
     ways = [(False, x.double(), lambda wd: x_rounding(wd, x.double()))]
-    if has_int8:
+    if has_int8_x(ops):
         rounded, either_way = x_in_int8_blocks(x)
         ways.append((True, rounded, lambda wd: F.linear(either_way, wd.abs())))
     return ways

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.checkpoints import hf_model, prompt_ids
-from support.kernels import int8_x_is_on, x_in_int8_blocks
+from support.kernels import has_int8_x, x_in_int8_blocks
 
 import model.linear
 from model import generate, load_checkpoint
@@ -70,7 +70,7 @@ def test_up_to_eight_rows_go_to_the_kernel_in_any_leading_shape(spy, shape, kind
     assert spy.calls == [(rows, 576)]
     assert ours.shape == (*shape[:-1], 7)
     assert torch.equal(ours.reshape(rows, 7), direct(spy.ops, x.reshape(rows, 576), weight, scale, offset))
-    if kind == "int4" and int8_x_is_on(spy.ops):  # x rounded to int8 per block of 32 (AVX-512 builds)
+    if kind == "int4" and has_int8_x(spy.ops):  # x rounded to int8 per block of 32 (AVX-512 builds)
         x = x_in_int8_blocks(x.reshape(rows, 576))[0].float().reshape(shape)
     plain = F.linear(x, dequantize(weight, scale, offset))
     assert (ours - plain).norm() < 1e-4 * plain.norm()  # test_kernels.py bounds the error per output

@@ -24,11 +24,10 @@ def int4_int8_x(on: bool, *builds):
             b.set_int4_int8_x(was)
 
 
-def int8_x_is_on(ops) -> bool:
-    """Whether this build's int4 kernel rounds x to int8 blocks now (set_int4_int8_x left as it was)."""
-    on = ops.set_int4_int8_x(True)
-    ops.set_int4_int8_x(on)
-    return on
+def has_int8_x(ops) -> bool:
+    """Whether this build's int4 kernel can round x to int8 blocks (its setting left as it was)."""
+    with int4_int8_x(True, ops):
+        return ops.set_int4_int8_x(True)  # the setting before: on where the build has it
 
 
 def x_in_int8_blocks(x):

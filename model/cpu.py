@@ -21,16 +21,18 @@ def cache_dir() -> Path:
 
 
 @functools.cache
-def _cpuinfo() -> tuple[str, frozenset[str]]:
-    """(model name, feature flags) of the first CPU listed; ("", {}) where there is no /proc/cpuinfo."""
+def _cpuinfo() -> tuple[str, str, frozenset[str]]:
+    """(model name, vendor, feature flags) of the first CPU listed; ("", "", {}) where there is no /proc/cpuinfo."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return "", frozenset()
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+        return "", "", frozenset()
+
+    def field(*keys: str) -> str:
+        return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(keys)), "")
+
     # x86 lists "flags", ARM "Features".
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith(("flags", "Features"))), [])
-    return name, frozenset(flags)
+    return field("model name"), field("vendor_id"), frozenset(field("flags", "Features").split())
 
 
 def model_name() -> str:
@@ -38,7 +40,12 @@ def model_name() -> str:
 
 
 def flags() -> frozenset[str]:
-    return _cpuinfo()[1]
+    return _cpuinfo()[2]
+
+
+def is_intel() -> bool:
+    """An Intel CPU: the decode kernel asks for its weights ahead into L2 there, not L1 (model/kernels.py)."""
+    return _cpuinfo()[1] == "GenuineIntel"
 
 
 def has_avx512() -> bool:
@@ -68,6 +75,6 @@ def has_native_bf16() -> bool:
 
 def cpu_tag() -> str:
     """A short hash of the CPU model and its flags: code built with -march=native runs only on this kind of CPU."""
-    name, found = _cpuinfo()
+    name, _, found = _cpuinfo()
     text = name + " " + " ".join(sorted(found)) if found else model_name()
     return hashlib.sha256(text.encode()).hexdigest()[:12]

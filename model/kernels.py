@@ -27,11 +27,17 @@ from pathlib import Path
 
 import torch
 
-from .cpu import cache_dir, cpu_tag
+from .cpu import cache_dir, cpu_tag, is_intel
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "matvec.cpp", CSRC / "decode_step.cpp"]  # matvec.cpp includes the dot_*.h beside it
 FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fvisibility=hidden"]  # and -march=...; hidden: no calls through the PLT
+
+
+def cflags(march: str) -> list[str]:
+    """The compiler's flags for a build: FLAGS, -march, and where the weights are prefetched to
+    (csrc/dot_portable.h: into L2 on Intel CPUs, where that decoded 1.05-1.36x faster than into L1)."""
+    return [*FLAGS, f"-march={march}", *(["-DLLAMA_PREFETCH_L2"] if is_intel() else [])]
 
 
 class KernelBuildError(RuntimeError):
@@ -108,8 +114,7 @@ def build_folder(march: str, csrc: Path = CSRC) -> Path:
     for file in sorted(csrc.iterdir()):
         if file.suffix in (".cpp", ".h"):
             digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
-    digest.update(" ".join([*FLAGS, f"-march={march}", cpu_tag(), torch.__version__,
-                            platform.python_version()]).encode())
+    digest.update(" ".join([*cflags(march), cpu_tag(), torch.__version__, platform.python_version()]).encode())
     return cache_dir() / "kernels" / f"{_name(march)}-{digest.hexdigest()[:16]}"
 
 
@@ -141,7 +146,7 @@ def _compile(name: str, march: str, folder: Path) -> None:
     scratch = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     scratch.mkdir(parents=True, exist_ok=True)
     try:
-        load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=[*FLAGS, f"-march={march}"],
+        load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=cflags(march),
              build_directory=str(scratch), is_python_module=False, verbose=False)  # builds and loads
     except Exception as e:  # no compiler, an -march it does not know, or an unsupported platform
         shutil.rmtree(scratch, ignore_errors=True)

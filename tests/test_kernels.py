@@ -252,6 +252,23 @@ def test_build_folder_is_keyed_by_sources_flags_and_cpu_not_by_the_checkout(tmp_
     assert build_folder("native") != folder
 
 
+def test_weights_are_prefetched_into_l2_only_on_intel_cpus(monkeypatch):
+    from model.kernels import cflags
+
+    for intel in (True, False):
+        monkeypatch.setattr(model.kernels, "is_intel", lambda: intel)
+        assert ("-DLLAMA_PREFETCH_L2" in cflags("native")) == intel
+        assert "-march=native" in cflags("native")
+    on_amd = build_folder("native")
+    monkeypatch.setattr(model.kernels, "is_intel", lambda: True)
+    assert build_folder("native") != on_amd  # the define is part of the build's key
+
+
+def test_cpu_vendor_is_read_from_cpuinfo():
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    assert cpu.is_intel() == ("GenuineIntel" in text.split("\n\n")[0])
+
+
 def test_another_checkout_loads_the_cached_build_without_compiling(tmp_path):
     """The first reply of a fresh checkout must not compile: its build is found by the hash."""
     native = build("native")

@@ -30,7 +30,7 @@ import torch
 from .cpu import cache_dir, cpu_tag, is_intel
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "matvec.cpp", CSRC / "decode_step.cpp"]  # matvec.cpp includes the dot_*.h beside it
+SOURCES = [CSRC / "matvec.cpp", CSRC / "decode_step.cpp", CSRC / "dequantize.cpp"]  # matvec.cpp includes dot_*.h
 FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fvisibility=hidden"]  # and -march=...; hidden: no calls through the PLT
 
 
@@ -135,6 +135,9 @@ def _build(march: str) -> Kernels:
     torch.library.register_fake(f"{name}::matvec_int8")(lambda x, ws, scales: _fake_output(x, ws))
     torch.library.register_fake(f"{name}::decode_layers")(lambda x, *rest: torch.empty_like(x))
     torch.library.register_fake(f"{name}::matvec_int4")(lambda x, ws, scales, offsets: _fake_output(x, ws))
+    torch.library.register_fake(f"{name}::dequantize_int4")(
+        lambda w, scale, offset, dtype: w.new_empty(w.shape[0], w.shape[1] * 2, dtype=dtype))
+    torch.library.register_fake(f"{name}::dequantize_int8")(lambda w, scale, dtype: w.new_empty(w.shape, dtype=dtype))
     return Kernels(march=march, name=name, ops=ops, path=ops.path(), folder=folder)
 
 

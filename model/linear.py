@@ -67,14 +67,28 @@ def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor 
     n, k = weight.shape[0], x.shape[-1]
     block = max(1, DEQUANTIZE_BLOCK_BYTES // (k * x.element_size()))
     if block >= n:
-        return F.linear(x, dequantize(weight, scale, offset, x.dtype))
+        return F.linear(x, widen(weight, scale, offset, x.dtype))
     y = x.new_empty(*x.shape[:-1], n)
     for i in range(0, n, block):
         rows = slice(i, i + block)
-        part = dequantize(weight[rows], None if scale is None else scale[rows],
-                          None if offset is None else offset[rows], x.dtype)
+        part = widen(weight[rows], None if scale is None else scale[rows],
+                     None if offset is None else offset[rows], x.dtype)
         y[..., rows] = F.linear(x, part)  # (..., block)
     return y
+
+
+def widen(weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None,
+          dtype: torch.dtype) -> torch.Tensor:
+    """A stored matrix as `dtype`: int8 and int4 through the kernel's one-pass loops where it is built
+    (csrc/dequantize.cpp), else model/quantize.py's dequantize, which those loops are tested against."""
+    ops = kernels() if scale is not None and weight.device.type == "cpu" else None
+    if ops and dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous():
+        if weight.dtype == torch.uint8:
+            return ops.dequantize_int4(weight, scale.half().contiguous(),
+                                       None if offset is None else offset.half().contiguous(), dtype)
+        if weight.dtype == torch.int8:
+            return ops.dequantize_int8(weight, scale.float().contiguous(), dtype)
+    return dequantize(weight, scale, offset, dtype)
 
 
 def project(x: torch.Tensor, *layers: Linear) -> torch.Tensor:

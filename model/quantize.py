@@ -49,9 +49,10 @@ def quantize_int8(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor,
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """The (N, K) matrix that int8 q with group scales (N, K // group) stands for."""
+    """The (N, K) matrix that int8 q with group scales (N, K // group) stands for, computed in fp32 and
+    returned in `dtype` (each weight rounded once, as the kernel's loops do)."""
     n, k = q.shape
-    return (q.view(n, scale.shape[1], -1).to(dtype) * scale.to(dtype)[..., None]).view(n, k)
+    return (q.view(n, scale.shape[1], -1).float() * scale.float()[..., None]).view(n, k).to(dtype)
 
 
 def can_quantize_int4(weight: torch.Tensor) -> bool:

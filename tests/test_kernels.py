@@ -239,6 +239,45 @@ def test_bad_input_is_refused_with_what_was_expected(ops):
         ops.matvec_int4(torch.zeros(1, 64), [packed], [scale], [])
 
 
+@pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (129, 576), (5, 2048)])
+@pytest.mark.parametrize("with_offset", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_int4_gives_the_reference_matrix(ops, n, k, with_offset, dtype):
+    packed, scale, offset = quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)))
+    offset = offset if with_offset else None  # none: Q4_0's symmetric blocks
+    reference = dequantize_int4(packed, scale, offset)  # fp32
+    ours = ops.dequantize_int4(packed, scale, offset, dtype)
+    assert ours.dtype == dtype and ours.shape == (n, k)
+    # fp32: the same up to one multiply-add's rounding; bf16: the reference rounded, give or take one step
+    tol = 1e-6 * reference.abs() + 1e-7 if dtype == torch.float32 else 2**-8 * reference.abs() + 1e-7
+    assert ((ours.float() - reference).abs() <= tol).all()
+    if dtype == torch.bfloat16:  # rounded to nearest: mostly exactly the reference's bf16
+        assert (ours == reference.bfloat16()).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("n,k", [(1, 64), (7, 576), (33, 2048), (3, 96), (2, 5)])  # groups of 64, 64, 64, 48, 5
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_int8_gives_the_reference_matrix(ops, n, k, dtype):
+    q, scale = quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(k)))
+    reference = dequantize_int8(q, scale)
+    ours = ops.dequantize_int8(q, scale, dtype)
+    assert ours.dtype == dtype and ours.shape == (n, k)
+    if dtype == torch.float32:
+        assert torch.equal(ours, reference)
+    else:
+        assert torch.equal(ours, reference.bfloat16())
+
+
+def test_dequantize_ops_refuse_what_they_cannot_read(ops):
+    packed, scale, offset = quantize_int4(torch.randn(4, 64))
+    with pytest.raises(RuntimeError, match=r"scale must be contiguous float16 \(4, 2\)"):
+        ops.dequantize_int4(packed, scale.float(), offset, torch.float32)
+    with pytest.raises(RuntimeError, match=r"to float32 or bfloat16, not Half"):
+        ops.dequantize_int4(packed, scale, offset, torch.float16)
+    with pytest.raises(RuntimeError, match=r"weights must be contiguous int8"):
+        ops.dequantize_int8(packed, scale.float(), torch.float32)
+
+
 def test_build_folder_is_keyed_by_sources_flags_and_cpu_not_by_the_checkout(tmp_path, monkeypatch):
     copy = tmp_path / "elsewhere" / "csrc"
     shutil.copytree(CSRC, copy)

@@ -99,8 +99,8 @@ def test_prefill_dequantizes_a_block_of_rows_at_a_time(monkeypatch, kind, x_dtyp
     """Many rows: F.linear on blocks of the dequantized matrix, each of at most DEQUANTIZE_BLOCK_BYTES."""
     monkeypatch.setattr(model.linear, "DEQUANTIZE_BLOCK_BYTES", 10 * 64 * x_dtype.itemsize)  # blocks of 10 rows
     widened = []
-    real = model.linear.dequantize
-    monkeypatch.setattr(model.linear, "dequantize", lambda *a: widened.append(a[0].shape[0]) or real(*a))
+    real = model.linear.widen
+    monkeypatch.setattr(model.linear, "widen", lambda *a: widened.append(a[0].shape[0]) or real(*a))
     w, x = torch.randn(25, 64), torch.randn(3, 12, 64).to(x_dtype)
     weight, scale, offset = stored(w, kind)
     ours = linear(x, weight, scale, offset)
@@ -108,12 +108,34 @@ def test_prefill_dequantizes_a_block_of_rows_at_a_time(monkeypatch, kind, x_dtyp
     torch.testing.assert_close(ours, F.linear(x, dequantize(weight, scale, offset, x_dtype)))  # dtype's tolerance
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4", "q4_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_widen_takes_the_kernels_loops_where_built_and_the_reference_elsewhere(monkeypatch, kind, dtype):
+    w = torch.randn(40, 96)
+    weight, scale, offset = stored(w, "int4" if kind == "q4_0" else kind)
+    offset = None if kind == "q4_0" else offset
+    reference = dequantize(weight, scale, offset, torch.float32)
+    called = []
+    ops = model.linear.kernels()
+    if ops is not None:  # the kernel's op is what runs
+        for name in ("dequantize_int4", "dequantize_int8"):
+            monkeypatch.setattr(ops, name, lambda *a, real=getattr(ops, name), name=name: called.append(name) or real(*a),
+                                raising=False)
+    ours = model.linear.widen(weight, scale, offset, dtype)
+    assert ours.dtype == dtype
+    if ops is not None:
+        assert called == ["dequantize_int8" if kind == "int8" else "dequantize_int4"]
+    torch.testing.assert_close(ours.float(), reference, rtol=2**-8 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+    monkeypatch.setattr(model.linear, "kernels", lambda: None)  # no kernel built: model/quantize.py's loops
+    assert torch.equal(model.linear.widen(weight, scale, offset, dtype), dequantize(weight, scale, offset, dtype))
+
+
 def test_prefill_widens_bf16_weights_for_fp32_activations_a_block_of_rows_at_a_time(monkeypatch):
     """CPUs without bf16 arithmetic compute in fp32: the bf16 matrix is never held whole in fp32."""
     monkeypatch.setattr(model.linear, "DEQUANTIZE_BLOCK_BYTES", 10 * 64 * 4)  # blocks of 10 fp32 rows
     widened = []
-    real = model.linear.dequantize
-    monkeypatch.setattr(model.linear, "dequantize", lambda *a: widened.append(a[0].shape[0]) or real(*a))
+    real = model.linear.widen
+    monkeypatch.setattr(model.linear, "widen", lambda *a: widened.append(a[0].shape[0]) or real(*a))
     w, x = torch.randn(25, 64).bfloat16(), torch.randn(3, 12, 64)
     ours = linear(x, w)
     assert widened == [10, 10, 5] and ours.dtype == torch.float32

@@ -20,9 +20,9 @@
 constexpr int64_t kPrefetchBytes = 8192;
 
 // Into L1 (prefetcht0), as measured above on AMD; into L2 (prefetcht1) where model/kernels.py builds
-// with LLAMA_PREFETCH_L2, on Intel CPUs. On Sapphire Rapids a prefetch into L1 holds one of the core's
-// few L1 miss buffers until its line arrives, which capped a core's stream; into L2 one row of x
-// decoded the 1B shape 1.35x faster in bf16, 1.15x in int8 and 1.05x in int4 (docs/benchmarks.md).
+// with LLAMA_PREFETCH_L2, on Intel CPUs. On Sapphire Rapids a prefetch into L1 most likely holds one
+// of the core's few L1 miss buffers until its line arrives; into L2, one sequence decoded the 1B
+// shape 1.36x faster in bf16, 1.15x in int8 and 1.05x in int4 (docs/benchmarks.md).
 #if defined(LLAMA_PREFETCH_L2)
 constexpr int kPrefetchLocality = 2;
 #else

@@ -1,0 +1,119 @@
+// Quantized weight matrices widened to fp32 or bf16 for prefill, which multiplies hundreds of rows of x
+// by each matrix and so goes to F.linear (oneDNN) rather than to the decode kernel. model/linear.py
+// widens a block of rows at a time (blockwise_linear); model/quantize.py's dequantize_int8/_int4 are
+// the reference these loops are tested against. In ATen ops the same work took several passes over
+// an fp32 copy (unpack the nibbles, multiply, add, convert); here it is one pass, rows split across
+// threads, that writes each weight once in the dtype F.linear takes.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+inline float fp16_to_float(uint16_t v) { return c10::detail::fp16_ieee_to_fp32_value(v); }
+
+// fp32 -> bf16, rounded to nearest even (the weights are finite: no NaN case).
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// out (N, K) in fp32 or bf16; fill(r, row) writes row r's K weights in fp32 into a buffer of the
+// thread's own (no aliasing with the inputs, so the compiler vectorizes both loops).
+template <typename Fill>
+at::Tensor widen(int64_t n, int64_t k, at::ScalarType dtype, Fill fill) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize: to float32 or bfloat16, not ", dtype);
+  at::Tensor out = at::empty({n, k}, at::TensorOptions().dtype(dtype));
+  const bool bf16 = dtype == at::kBFloat16;
+  float* f32 = bf16 ? nullptr : out.data_ptr<float>();
+  uint16_t* b16 = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(k);
+    float* __restrict row = buffer.data();
+    for (int64_t r = begin; r < end; r++) {
+      fill(r, row);
+      if (bf16) {
+        uint16_t* __restrict dst = b16 + r * k;
+        for (int64_t j = 0; j < k; j++) dst[j] = float_to_bf16(row[j]);
+      } else {
+        std::memcpy(f32 + r * k, row, k * sizeof(float));
+      }
+    }
+  });
+  return out;
+}
+
+// int4 blocks of 32 (model/quantize.py): byte j of a block holds weight j in its low nibble and
+// weight 16 + j in its high one; weight = q * scale + offset, offset -8 * scale where there is none.
+at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
+                           at::ScalarType dtype) {
+  constexpr int64_t kBlock = 32;
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "dequantize_int4: packed weights must be contiguous uint8 (N, K / 2)");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2, blocks = k / kBlock;
+  TORCH_CHECK(k % kBlock == 0, "dequantize_int4: K = ", k, " is not whole blocks of ", kBlock);
+  auto check = [&](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 2 && t.size(0) == n &&
+                    t.size(1) == blocks,
+                "dequantize_int4: ", what, " must be contiguous float16 (", n, ", ", blocks, ")");
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
+  };
+  const uint16_t* s = check(scale, "scale");
+  const uint16_t* o = offset.has_value() ? check(*offset, "offset") : nullptr;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  return widen(n, k, dtype, [&](int64_t r, float* __restrict dst) {
+    for (int64_t b = 0; b < blocks; b++) {
+      const float sc = fp16_to_float(s[r * blocks + b]);
+      const float off = o ? fp16_to_float(o[r * blocks + b]) : -8.f * sc;
+      const uint8_t* __restrict bytes = w + (r * blocks + b) * (kBlock / 2);
+      float* __restrict out = dst + b * kBlock;
+      for (int j = 0; j < kBlock / 2; j++) out[j] = static_cast<float>(bytes[j] & 0x0F) * sc + off;
+      for (int j = 0; j < kBlock / 2; j++) out[j + kBlock / 2] = static_cast<float>(bytes[j] >> 4) * sc + off;
+    }
+  });
+}
+
+// int8 weights with one fp32 scale per group of a row: weight = q * scale.
+at::Tensor dequantize_int8(const at::Tensor& q, const at::Tensor& scale, at::ScalarType dtype) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(),
+              "dequantize_int8: weights must be contiguous int8 (N, K)");
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == n &&
+                  scale.size(1) > 0 && k % scale.size(1) == 0,
+              "dequantize_int8: scale must be contiguous float32 (", n, ", groups of K = ", k, ")");
+  const int64_t groups = scale.size(1), group = k / groups;
+  const int8_t* w = q.data_ptr<int8_t>();
+  const float* s = scale.data_ptr<float>();
+  return widen(n, k, dtype, [&](int64_t r, float* __restrict dst) {
+    for (int64_t g = 0; g < groups; g++) {
+      const float sc = s[r * groups + g];
+      const int8_t* __restrict in = w + r * k + g * group;
+      float* __restrict out = dst + g * group;
+      for (int64_t j = 0; j < group; j++) out[j] = static_cast<float>(in[j]) * sc;
+    }
+  });
+}
+
+}  // namespace
+
+// As in matvec.cpp: a macro between, so that TORCH_EXTENSION_NAME is expanded before it is pasted.
+#define FRAGMENT_LIBRARY(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define IMPL_LIBRARY(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+FRAGMENT_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def("dequantize_int4(Tensor w, Tensor scale, Tensor? offset, ScalarType dtype) -> Tensor");
+  m.def("dequantize_int8(Tensor w, Tensor scale, ScalarType dtype) -> Tensor");
+}
+
+IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) {
+  m.impl("dequantize_int4", dequantize_int4);
+  m.impl("dequantize_int8", dequantize_int8);
+}

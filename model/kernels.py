@@ -47,7 +47,8 @@ class KernelBuildError(RuntimeError):
 @dataclass(frozen=True)
 class Kernels:
     """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws), matvec_int8(x, ws, scales),
-    matvec_int4(x, ws, scales, offsets), decode_layers(...) (model/decode_step.py calls it), path() and
+    matvec_int4(x, ws, scales, offsets), decode_layers(...) (model/decode_step.py calls it),
+    dequantize_int4(w, scale, offset, dtype) and dequantize_int8(w, scale, dtype) (prefill), path() and
     set_int4_int8_x(on) (AVX-512 builds round x to int8 blocks for int4 weights; off: int16, for tests)."""
 
     march: str

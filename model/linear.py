@@ -2,10 +2,9 @@
 
 Prefill (many rows) goes to `F.linear`; a quantized matrix is dequantized a block of rows at a time
 into the activations' dtype (`widen`: the kernel's C++ loops, or model/quantize.py's), so it never
-exists whole in that dtype. Decode (one row per sequence,
-up to MAX_KERNEL_ROWS) is bound by memory bandwidth: the decode kernel (model/kernels.py) streams
-the 16-, 8- or 4-bit weights once for all rows, several matrices of the same input in one call
-(q|k|v, gate|up).
+exists whole in that dtype. Decode (one row per sequence, up to MAX_KERNEL_ROWS) is bound by memory
+bandwidth: the decode kernel (model/kernels.py) streams the 16-, 8- or 4-bit weights once for all
+rows, several matrices of the same input in one call (q|k|v, gate|up).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ inline uint16_t float_to_bf16(float f) {
 }
 
 // out (N, K) in fp32 or bf16; fill(r, row) writes row r's K weights in fp32 into a buffer of the
-// thread's own (no aliasing with the inputs, so the compiler vectorizes both loops).
+// thread's own, which is then rounded to bf16 or copied into the output.
 template <typename Fill>
 at::Tensor widen(int64_t n, int64_t k, at::ScalarType dtype, Fill fill) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize: to float32 or bfloat16, not ", dtype);

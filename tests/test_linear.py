@@ -119,7 +119,8 @@ def test_widen_takes_the_kernels_loops_where_built_and_the_reference_elsewhere(m
     ops = model.linear.kernels()
     if ops is not None:  # the kernel's op is what runs
         for name in ("dequantize_int4", "dequantize_int8"):
-            monkeypatch.setattr(ops, name, lambda *a, real=getattr(ops, name), name=name: called.append(name) or real(*a),
+            real = getattr(ops, name)
+            monkeypatch.setattr(ops, name, lambda *a, real=real, name=name: called.append(name) or real(*a),
                                 raising=False)
     ours = model.linear.widen(weight, scale, offset, dtype)
     assert ours.dtype == dtype

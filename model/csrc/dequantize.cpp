@@ -7,7 +7,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/Half.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -15,16 +15,11 @@
 #include <optional>
 #include <vector>
 
+#include "dot_portable.h"  // fp16_to_float
+
 namespace {
 
-inline float fp16_to_float(uint16_t v) { return c10::detail::fp16_ieee_to_fp32_value(v); }
-
-// fp32 -> bf16, rounded to nearest even (the weights are finite: no NaN case).
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
+using portable::fp16_to_float;
 
 // out (N, K) in fp32 or bf16; fill(r, row) writes row r's K weights in fp32 into a buffer of the
 // thread's own, which is then rounded to bf16 or copied into the output.
@@ -34,15 +29,15 @@ at::Tensor widen(int64_t n, int64_t k, at::ScalarType dtype, Fill fill) {
   at::Tensor out = at::empty({n, k}, at::TensorOptions().dtype(dtype));
   const bool bf16 = dtype == at::kBFloat16;
   float* f32 = bf16 ? nullptr : out.data_ptr<float>();
-  uint16_t* b16 = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  c10::BFloat16* b16 = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(k);
     float* __restrict row = buffer.data();
     for (int64_t r = begin; r < end; r++) {
       fill(r, row);
       if (bf16) {
-        uint16_t* __restrict dst = b16 + r * k;
-        for (int64_t j = 0; j < k; j++) dst[j] = float_to_bf16(row[j]);
+        c10::BFloat16* __restrict dst = b16 + r * k;
+        for (int64_t j = 0; j < k; j++) dst[j] = c10::BFloat16(row[j]);  // rounded to nearest even
       } else {
         std::memcpy(f32 + r * k, row, k * sizeof(float));
       }

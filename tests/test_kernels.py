@@ -205,6 +205,35 @@ def test_several_matrices_side_by_side(ops, m):
         check(ours, exact, tol + 4 * math.sqrt(576) * 2**-24 * magnitude)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_any_split_of_the_rows_across_threads_gives_the_same_outputs(ops, threads):
+    """Threads take the rows a task at a time and take over the rest of a slower thread's share
+    (matvec.cpp, parallel_rows): more threads than cores are taken off their cores all the time, so
+    the tasks change hands in every call. Each output is one thread's sum: the same bits as on one
+    thread, and none left out (the outputs start uninitialized)."""
+    g = torch.Generator().manual_seed(threads)
+    x = torch.randn(3, 576, generator=g)
+    ws = [torch.randn(n, 576, generator=g) for n in (1003, 192, 2051)]  # tasks across the matrices' seams
+    bf16 = [w.bfloat16() for w in ws]
+    q8 = [quantize_int8(w) for w in ws]
+    q4 = [quantize_int4(w) for w in ws]
+    products = {
+        "bf16": lambda: ops.matvec_bf16(x, bf16),
+        "int8": lambda: ops.matvec_int8(x, [q for q, _ in q8], [s for _, s in q8]),
+        "int4": lambda: ops.matvec_int4(x, [p for p, _, _ in q4], [s for _, s, _ in q4], [o for _, _, o in q4]),
+    }
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = {name: product() for name, product in products.items()}
+        torch.set_num_threads(threads)
+        for _ in range(20):
+            for name, product in products.items():
+                torch.testing.assert_close(product(), alone[name], rtol=0, atol=0, msg=name)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_one_dimensional_x_gives_one_dimensional_y(ops):
     w, x = data(9, 64, 1, seed=3)
     y = ops.matvec_bf16(x[0], [w.bfloat16()])

@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <type_traits>
@@ -79,9 +80,63 @@ void with_rows(int64_t rows, F&& f) {
   }
 }
 
-// Weight rows per task: at least ~64 KB of weights, so a thread's share is worth waking it for.
-int64_t grain(int64_t k_dim, int64_t bytes_per_weight) {
-  return std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, k_dim * bytes_per_weight));
+// Threads for a product of `bytes` of weights: at least ~64 KB each, so a share is worth waking one for.
+int64_t threads_for(int64_t bytes) {
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), bytes / (64 * 1024)));
+}
+
+// f(begin, end) over rows [0, n), `task` rows at a time, on `threads` threads. Each thread starts on
+// a contiguous share, as at::parallel_for would give it, but takes it a task at a time, and a thread
+// whose share is done takes the back half of what is left of another's. Why not parallel_for's
+// fixed shares: with as many threads as cores, any other process that wakes up (the web server, a
+// client, the desktop) takes a core from one of them for a while, and the others then waited for
+// that thread's whole share; now they go on with it (a served stream, docs/benchmarks.md).
+template <typename F>
+void parallel_rows(int64_t n, int64_t task, int64_t threads, const F& f) {
+  const int64_t tasks = (n + task - 1) / task;
+  threads = std::min(threads, tasks);
+  if (threads <= 1 || at::in_parallel_region()) {
+    f(0, n);
+    return;
+  }
+  TORCH_CHECK(tasks < (int64_t(1) << 31), "parallel_rows: ", tasks, " tasks");
+  // A thread's tasks still to take, [first, end), as first << 32 | end; one cache line each.
+  struct alignas(64) Share {
+    std::atomic<uint64_t> tasks;
+  };
+  std::unique_ptr<Share[]> shares(new Share[threads]);
+  for (int64_t t = 0; t < threads; t++)
+    shares[t].tasks = uint64_t(tasks * t / threads) << 32 | uint64_t(tasks * (t + 1) / threads);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t me = begin; me < end; me++) {
+      std::atomic<uint64_t>& mine = shares[me].tasks;
+      for (;;) {
+        uint64_t v = mine.load(std::memory_order_relaxed);
+        int64_t first = v >> 32, last = v & 0xffffffffu;
+        if (first < last) {  // the next task of my share
+          if (mine.compare_exchange_weak(v, uint64_t(first + 1) << 32 | last))
+            f(first * task, std::min(n, (first + 1) * task));
+          continue;
+        }
+        bool stole = false;  // mine is done: the back half of another's, which becomes mine
+        for (int64_t k = 1; k < threads && !stole; k++) {
+          std::atomic<uint64_t>& other = shares[(me + k) % threads].tasks;
+          uint64_t w = other.load(std::memory_order_relaxed);
+          for (;;) {
+            const int64_t lo = w >> 32, hi = w & 0xffffffffu;
+            if (lo >= hi) break;
+            const int64_t mid = lo + (hi - lo) / 2;  // one task left: take it
+            if (other.compare_exchange_weak(w, uint64_t(lo) << 32 | mid)) {
+              mine.store(uint64_t(mid) << 32 | hi);
+              stole = true;
+              break;
+            }
+          }
+        }
+        if (!stole) break;
+      }
+    }
+  });
 }
 
 // x is (K,) or (M, K); returns M. Each w is (N, K / per_byte): per_byte weights in a byte (int4: 2).
@@ -109,6 +164,8 @@ int64_t check(const char* op, const at::Tensor& x, at::TensorList ws, at::Scalar
 // weight rows of a thread's share are taken kBlockRows at a time, piece by piece.
 constexpr int64_t kXBytes = 32 * 1024;
 constexpr int64_t kBlockRows = 8;
+// Rows a thread takes at a time (parallel_rows), in bytes of weights: one compare-and-swap per task.
+constexpr int64_t kTaskBytes = 32 * 1024;
 
 // Weights per piece of K: K itself where M rows of x fit in kXBytes, else the largest multiple of
 // `align` (the step of the loops, or the int8 group) whose x fits.
@@ -131,7 +188,10 @@ at::Tensor rows_to(const at::Tensor& x, at::TensorList ws, int64_t bytes_per_wei
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   BFloat16* yb = bf16 ? y.data_ptr<BFloat16>() : nullptr;
-  at::parallel_for(0, n_total, grain(k_dim, bytes_per_weight), [&](int64_t begin, int64_t end) {
+  // Tasks of whole blocks of rows, at least kTaskBytes of weights each.
+  const int64_t row_bytes = k_dim * bytes_per_weight;
+  const int64_t task = (std::max<int64_t>(1, kTaskBytes / row_bytes) + kBlockRows - 1) / kBlockRows * kBlockRows;
+  parallel_rows(n_total, task, threads_for(n_total * row_bytes), [&](int64_t begin, int64_t end) {
     float out[M], sums[kBlockRows][M];
     size_t block_matrix = 0;
     for (int64_t n0 = begin; n0 < end; n0 += kBlockRows) {

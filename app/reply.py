@@ -3,7 +3,7 @@
 Either backend (the local engine or a remote server) hands events to `deliver()` from any thread;
 the caller iterates them on its own event loop. Text pieces that arrive faster than one per
 `stream_interval` are joined, so the browser re-renders a message about 20 times a second, not once
-per token.
+per token; the last piece, once the backend has delivered the reply's end, comes at once.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Reply:
             event = await self._events.get()
         if isinstance(event, Text):
             wait = self._last_text + self.stream_interval - time.monotonic()
-            if wait > 0:
+            if wait > 0 and not self.ended:  # at the end nothing more is coming to join: no wait
                 await asyncio.sleep(wait)
             pieces = [event]
             while not self._events.empty():

@@ -55,7 +55,7 @@ def test_a_reply_streams_text_then_done(client):
     assert "".join(e.text for _, e in texts) == done.text
     assert len(texts) < done.stats.new_tokens / 3  # many tokens per UI update
     gaps = [later - earlier for (earlier, _), (later, _) in zip(texts, texts[1:])]
-    assert min(gaps) >= 0.19
+    assert min(gaps[:-1]) >= 0.19  # the last piece comes with the reply's end, not held back (test_reply.py)
 
 
 def test_models_defaults_and_limits_come_from_the_engine(client, tiny):

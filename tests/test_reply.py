@@ -1,0 +1,55 @@
+"""app/reply.py: text pieces joined to one event per stream_interval, and a reply's end not held back."""
+
+import asyncio
+import threading
+import time
+
+from app.conversation import Conversation
+from app.messages import Done, ReplySettings, Stats, Text
+from app.reply import Reply
+
+INTERVAL = 0.4
+
+
+def reply() -> Reply:
+    return Reply(Conversation(), ReplySettings(), "tiny", on_cancel=lambda r: None, stream_interval=INTERVAL)
+
+
+def later(seconds: float, *calls) -> None:
+    """Deliver from another thread, as the backends do."""
+    def run():
+        time.sleep(seconds)
+        for call in calls:
+            call()
+    threading.Thread(target=run).start()
+
+
+def test_pieces_closer_than_the_interval_are_joined_into_one_event():
+    async def scenario():
+        r = reply()
+        r.deliver(Text(r.id, "a"))
+        first = await r.__anext__()
+        started = time.monotonic()
+        for piece in "bcd":
+            r.deliver(Text(r.id, piece))
+        second = await r.__anext__()
+        return first, second, time.monotonic() - started
+
+    first, second, waited = asyncio.run(scenario())
+    assert first.text == "a" and second.text == "bcd"
+    assert waited >= INTERVAL * 0.9  # the second event waited for the interval
+
+
+def test_the_last_piece_comes_as_soon_as_the_reply_ends():
+    async def scenario():
+        r = reply()
+        r.deliver(Text(r.id, "a"))
+        await r.__anext__()
+        started = time.monotonic()
+        later(0.05, lambda: r.deliver(Text(r.id, "b")), lambda: r.deliver(Done(r.id, "ab", "stop", Stats())))
+        events = await r.events()
+        return events, time.monotonic() - started
+
+    events, waited = asyncio.run(scenario())
+    assert [type(e) for e in events] == [Text, Done] and events[0].text == "b"
+    assert waited < INTERVAL / 2  # not held back for the rest of the interval

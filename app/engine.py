@@ -6,7 +6,7 @@ The web process (`app.client`) starts it, sends it `Generate`/`Cancel`/`Load` me
 socket and reads back each request's events (`app.messages`). Its loop, one step at a time: take
 new messages, admit waiting requests into the batch, prefill prompt chunks within a token budget,
 decode one token for every running sequence in one forward pass, send what came out (a new reply's
-first token as soon as it is sampled, further text pieces at most every 25 ms: app/outbox.py).
+first token as soon as it is sampled, further text pieces at most every 50 ms: app/outbox.py).
 Models load on a thread of their own, so streams keep running while another model loads.
 
 `Engine` is the loop's state and step without the sockets, so tests can drive it directly.

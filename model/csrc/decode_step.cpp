@@ -29,9 +29,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
+#include "dot_portable.h"  // prefetch_ahead
 #include "matvec.h"
 
 #ifndef TORCH_EXTENSION_NAME  // set by torch.utils.cpp_extension to the name the build was given
@@ -46,6 +48,7 @@ using c10::BFloat16;
 // LAYER_MATRICES. q|k|v and w1|w3 are neighbours, so each group is one slice and one kernel call.
 enum Matrix : int64_t { kWq, kWk, kWv, kWo, kW1, kW3, kW2, kLayerMatrices };
 constexpr int64_t kMaxRows = 8;  // sequences per step: the decode kernel's rows
+constexpr int64_t kMaxGroups = 64;  // query heads per KV head
 
 inline float f32(float v) { return v; }
 inline float f32(BFloat16 v) { return static_cast<float>(v); }
@@ -77,12 +80,101 @@ void apply_rope(T* head, const T* cos, const T* sin, int64_t head_dim) {
   }
 }
 
-// The `groups` query heads q (groups, head_dim) that share one KV head, against its first n keys
-// and values k, v (n, head_dim): out (groups, head_dim) = softmax(q k^T / sqrt(head_dim)) v, the
-// scores and softmax in fp32. `scratch` holds groups * (head_dim + n) floats.
+// Sixteen floats as one value of the compiler's vector extension: one AVX-512 register, two AVX2
+// ones, four SSE or NEON ones, whatever the build's -march has, from one piece of code.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f32x16 load16(const BFloat16* p) {  // bf16 is the top half of an fp32
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+inline float sum16(f32x16 v) {  // halves added as vectors: a chain of 16 scalar adds was the dot products' cost
+  f32x8 lo8, hi8;
+  std::memcpy(&lo8, &v, sizeof lo8);
+  std::memcpy(&hi8, reinterpret_cast<const char*>(&v) + sizeof lo8, sizeof hi8);
+  const f32x8 s8 = lo8 + hi8;
+  f32x4 lo4, hi4;
+  std::memcpy(&lo4, &s8, sizeof lo4);
+  std::memcpy(&hi4, reinterpret_cast<const char*>(&s8) + sizeof lo4, sizeof hi4);
+  const f32x4 s4 = lo4 + hi4;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// One task of attention: the `groups` query heads q (groups, head_dim) that share one KV head,
+// against n of its cached keys and values k, v (n, head_dim), from the softmax's point of view a
+// piece of the positions: its scores' maximum top[g], sum[g] = sum of exp(score - top[g]) and
+// acc[g] = sum of exp(score - top[g]) v (groups, head_dim); merge() puts the pieces together
+// (FlashAttention's running maximum; ATen's CPU flash attention splits the keys the same way).
+// Scores and softmax in fp32, each exp rounded to T before it weights a value, as ATen does.
+struct Partial {
+  float* top;
+  float* sum;
+  float* acc;
+};
+
+// head_dim is C pieces of 16 (Llama's 64 and 128: 4 and 8). Each key and each value is read once
+// for all the groups, in order, and asked for from memory 8 KB ahead as the weights are
+// (dot_portable.h). Written element by element (attend_any), the compiler kept the sums in memory
+// and reduced each dot product with a chain of scalar adds (docs/benchmarks.md). `scores` holds
+// groups * n floats.
+template <int C, typename T>
+void attend_vectors(const T* q, const T* k, const T* v, int64_t groups, int64_t n, float* scores, Partial out) {
+  constexpr int64_t head_dim = 16 * C;
+  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  f32x16 acc[kMaxGroups][C];  // the queries, then the weighted sums of values
+  for (int64_t g = 0; g < groups; g++)
+    for (int c = 0; c < C; c++) acc[g][c] = load16(q + g * head_dim + 16 * c) * scale;
+  for (int64_t j = 0; j < n; j++) {
+    const T* key = k + j * head_dim;
+    prefetch_ahead(key);
+    f32x16 kj[C];
+    for (int c = 0; c < C; c++) kj[c] = load16(key + 16 * c);
+    for (int64_t g = 0; g < groups; g++) {
+      f32x16 dot = acc[g][0] * kj[0];
+      for (int c = 1; c < C; c++) dot += acc[g][c] * kj[c];
+      scores[g * n + j] = sum16(dot);
+    }
+  }
+  for (int64_t g = 0; g < groups; g++) {
+    float* p = scores + g * n;
+    const float top = *std::max_element(p, p + n);
+    for (int64_t j = 0; j < n; j++) p[j] = std::exp(p[j] - top);  // three loops the compiler vectorizes
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; j++) sum += p[j];  // the sum of the exps as they are, each weight rounded (as ATen)
+    for (int64_t j = 0; j < n; j++) p[j] = stored<T>(p[j]);
+    out.top[g] = top;
+    out.sum[g] = sum;
+    for (int c = 0; c < C; c++) acc[g][c] = f32x16{};
+  }
+  for (int64_t j = 0; j < n; j++) {
+    const T* value = v + j * head_dim;
+    prefetch_ahead(value);
+    f32x16 vj[C];
+    for (int c = 0; c < C; c++) vj[c] = load16(value + 16 * c);
+    for (int64_t g = 0; g < groups; g++)
+      for (int c = 0; c < C; c++) acc[g][c] += scores[g * n + j] * vj[c];
+  }
+  for (int64_t g = 0; g < groups; g++)
+    for (int c = 0; c < C; c++) std::memcpy(out.acc + g * head_dim + 16 * c, &acc[g][c], sizeof(f32x16));
+}
+
+// The same for any head_dim, element by element. `scratch` holds groups * (head_dim + n) floats.
 template <typename T>
-void attend_one(const T* q, const T* k, const T* v, int64_t groups, int64_t n, int64_t head_dim, float* scratch,
-                T* out) {
+void attend_any(const T* q, const T* k, const T* v, int64_t groups, int64_t n, int64_t head_dim, float* scratch,
+                Partial out) {
   float* q_f = scratch;                       // (groups, head_dim)
   float* scores = scratch + groups * head_dim;  // (groups, n)
   const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
@@ -98,19 +190,47 @@ void attend_one(const T* q, const T* k, const T* v, int64_t groups, int64_t n, i
   for (int64_t g = 0; g < groups; g++) {
     float* p = scores + g * n;
     const float top = *std::max_element(p, p + n);
+    for (int64_t j = 0; j < n; j++) p[j] = std::exp(p[j] - top);  // three loops the compiler vectorizes
     float sum = 0.f;
-    for (int64_t j = 0; j < n; j++) {
-      p[j] = std::exp(p[j] - top);
-      sum += p[j];
-    }
-    float* acc = q_f + g * head_dim;  // this head's query is no longer needed: its weighted sum of values
+    for (int64_t j = 0; j < n; j++) sum += p[j];  // the sum of the exps as they are, each weight rounded (as ATen)
+    for (int64_t j = 0; j < n; j++) p[j] = stored<T>(p[j]);
+    out.top[g] = top;
+    out.sum[g] = sum;
+    float* acc = out.acc + g * head_dim;
     std::fill(acc, acc + head_dim, 0.f);
     for (int64_t j = 0; j < n; j++) {
-      const float weight = stored<T>(p[j]);
       const T* value = v + j * head_dim;
-      for (int64_t d = 0; d < head_dim; d++) acc[d] += weight * f32(value[d]);
+      for (int64_t d = 0; d < head_dim; d++) acc[d] += p[j] * f32(value[d]);
     }
-    for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] = T(acc[d] / sum);
+  }
+}
+
+template <typename T>
+void attend(const T* q, const T* k, const T* v, int64_t groups, int64_t n, int64_t head_dim,
+            std::vector<float>& scratch, Partial out) {
+  scratch.resize(groups * (head_dim + n));
+  switch (head_dim) {
+    case 16: return attend_vectors<1>(q, k, v, groups, n, scratch.data(), out);
+    case 32: return attend_vectors<2>(q, k, v, groups, n, scratch.data(), out);
+    case 64: return attend_vectors<4>(q, k, v, groups, n, scratch.data(), out);
+    case 128: return attend_vectors<8>(q, k, v, groups, n, scratch.data(), out);
+    default: return attend_any(q, k, v, groups, n, head_dim, scratch.data(), out);
+  }
+}
+
+// out (head_dim) = the softmax-weighted sum of values of one query head from its `pieces` partial
+// results, each rescaled from its own maximum to the largest.
+template <typename T>
+void merge(const float* top, const float* sum, const float* acc, int64_t pieces, int64_t stride, int64_t head_dim,
+           T* out) {
+  float best = top[0];
+  for (int64_t i = 1; i < pieces; i++) best = std::max(best, top[i * stride]);
+  float total = 0.f;
+  for (int64_t i = 0; i < pieces; i++) total += sum[i * stride] * std::exp(top[i * stride] - best);
+  for (int64_t d = 0; d < head_dim; d++) {
+    float value = 0.f;
+    for (int64_t i = 0; i < pieces; i++) value += acc[i * stride * head_dim + d] * std::exp(top[i * stride] - best);
+    out[d] = T(value / total);
   }
 }
 
@@ -134,26 +254,59 @@ struct Step {
   }
 };
 
-// Rotate sequence s's new query and key heads of KV head `kv`, write its key and value at the
-// sequence's position, and attend: `qkv` row s is (n_heads + 2 n_kv_heads, head_dim), `out` row s
-// (n_heads, head_dim).
+// Rotate sequence s's new query and key heads and write its keys and values at the sequence's
+// position: `qkv` row s is (n_heads + 2 n_kv_heads, head_dim).
 template <typename T>
-void attention(const Step& st, int64_t layer, int64_t s, int64_t kv, T* qkv, const T* cos, const T* sin,
-               std::vector<float>& scratch, T* out) {
-  const int64_t d = st.head_dim, groups = st.n_heads / st.n_kv_heads, pos = st.positions[s];
+void rotate_and_cache(const Step& st, int64_t layer, int64_t s, T* qkv, const T* cos, const T* sin) {
+  const int64_t d = st.head_dim, pos = st.positions[s];
   T* row = qkv + s * (st.n_heads + 2 * st.n_kv_heads) * d;
-  T* q = row + kv * groups * d;  // the query heads kv * groups .. (kv + 1) * groups - 1 share this KV head
-  T* k_new = row + (st.n_heads + kv) * d;
-  const T* v_new = row + (st.n_heads + st.n_kv_heads + kv) * d;
-  for (int64_t g = 0; g < groups; g++) apply_rope(q + g * d, cos + s * d, sin + s * d, d);
-  apply_rope(k_new, cos + s * d, sin + s * d, d);
-  const int64_t head = (layer * st.n_kv_heads + kv) * st.max_len[s] * d;  // this layer's and head's (max_len, d)
-  T* k = static_cast<T*>(st.k_caches[s]) + head;
-  T* v = static_cast<T*>(st.v_caches[s]) + head;
-  std::copy(k_new, k_new + d, k + pos * d);
-  std::copy(v_new, v_new + d, v + pos * d);
-  scratch.resize(groups * (d + pos + 1));
-  attend_one(q, k, v, groups, pos + 1, d, scratch.data(), out + (s * st.n_heads + kv * groups) * d);
+  for (int64_t h = 0; h < st.n_heads + st.n_kv_heads; h++) apply_rope(row + h * d, cos + s * d, sin + s * d, d);
+  for (int64_t kv = 0; kv < st.n_kv_heads; kv++) {
+    const int64_t head = (layer * st.n_kv_heads + kv) * st.max_len[s] * d;  // this layer's and head's (max_len, d)
+    const T* k_new = row + (st.n_heads + kv) * d;
+    std::copy(k_new, k_new + d, static_cast<T*>(st.k_caches[s]) + head + pos * d);
+    std::copy(row + (st.n_heads + st.n_kv_heads + kv) * d, row + (st.n_heads + st.n_kv_heads + kv + 1) * d,
+              static_cast<T*>(st.v_caches[s]) + head + pos * d);
+  }
+}
+
+// Positions of one attention task: a long context is split so that both threads (or all) get a
+// share of every layer's attention (by KV head alone, the default model's 3 heads went 2 and 1).
+constexpr int64_t kPositionsPerTask = 256;
+
+// attn (b, n_heads * head_dim) = each sequence's attention over its cache, in tasks of
+// (sequence, KV head, up to kPositionsPerTask positions) across the threads, merged per query head.
+template <typename T>
+void attention(const Step& st, int64_t layer, const T* qkv, T* attn) {
+  const int64_t d = st.head_dim, groups = st.n_heads / st.n_kv_heads;
+  std::vector<int64_t> first{0};  // first[s]: sequence s's first task; (kv, piece) within it
+  std::vector<int64_t> pieces;
+  for (int64_t s = 0; s < st.batch; s++) {
+    pieces.push_back((st.positions[s] + kPositionsPerTask) / kPositionsPerTask);  // of positions 0..pos
+    first.push_back(first.back() + st.n_kv_heads * pieces.back());
+  }
+  const int64_t tasks = first.back();
+  std::vector<float> top(tasks * groups), sum(tasks * groups), acc(tasks * groups * d);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    int64_t s = 0;
+    for (int64_t task = begin; task < end; task++) {
+      while (task >= first[s + 1]) s++;
+      const int64_t kv = (task - first[s]) / pieces[s], piece = (task - first[s]) % pieces[s];
+      const int64_t from = piece * kPositionsPerTask, n = std::min(kPositionsPerTask, st.positions[s] + 1 - from);
+      const int64_t head = (layer * st.n_kv_heads + kv) * st.max_len[s] * d;
+      const T* q = qkv + (s * (st.n_heads + 2 * st.n_kv_heads) + kv * groups) * d;  // the heads that share kv
+      attend(q, static_cast<const T*>(st.k_caches[s]) + head + from * d,
+             static_cast<const T*>(st.v_caches[s]) + head + from * d, groups, n, d, scratch,
+             Partial{&top[task * groups], &sum[task * groups], &acc[task * groups * d]});
+    }
+  });
+  for (int64_t s = 0; s < st.batch; s++)
+    for (int64_t kv = 0; kv < st.n_kv_heads; kv++)
+      for (int64_t g = 0; g < groups; g++) {
+        const int64_t at = (first[s] + kv * pieces[s]) * groups + g;  // its first piece
+        merge(&top[at], &sum[at], &acc[at * d], pieces[s], groups, d, attn + (s * st.n_heads + kv * groups + g) * d);
+      }
 }
 
 template <typename T>
@@ -179,11 +332,8 @@ at::Tensor run(const Step& st, const at::Tensor& x_in, const at::Tensor& cos_t, 
     at::Tensor qkv = st.matvec(h, layer, kWq, 3);  // (b, (n_heads + 2 n_kv_heads) head_dim)
     T* qkv_p = qkv.data_ptr<T>();
     T* attn_p = attn.data_ptr<T>();
-    at::parallel_for(0, b * st.n_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch;
-      for (int64_t task = begin; task < end; task++)
-        attention<T>(st, layer, task / st.n_kv_heads, task % st.n_kv_heads, qkv_p, cos, sin, scratch, attn_p);
-    });
+    for (int64_t s = 0; s < b; s++) rotate_and_cache(st, layer, s, qkv_p, cos, sin);
+    attention(st, layer, qkv_p, attn_p);
     residual(st.matvec(attn, layer, kWo, 1));
 
     for (int64_t s = 0; s < b; s++) rms_norm(xp + s * dim, ffn_norm, dim, st.eps, hp + s * dim);
@@ -246,8 +396,9 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorLi
               "decode_layers: cos must be (b, head_dim) with an even head_dim; got ", cos.sizes());
   st.n_kv_heads = k_caches.empty() ? 0 : k_caches[0].size(2);
   st.ffn_dim = weights[kW1].size(0);
-  TORCH_CHECK(st.n_kv_heads >= 1 && n_heads % st.n_kv_heads == 0, "decode_layers: ", st.n_kv_heads,
-              " KV heads do not divide ", n_heads, " query heads");
+  TORCH_CHECK(st.n_kv_heads >= 1 && n_heads % st.n_kv_heads == 0 && n_heads / st.n_kv_heads <= kMaxGroups,
+              "decode_layers: ", st.n_kv_heads, " KV heads for ", n_heads, " query heads; expected a divisor, with at ",
+              "most ", kMaxGroups, " query heads to a KV head");
   check_tensor("x", x, dtype, {st.batch, st.dim});
   check_tensor("cos", cos, dtype, {st.batch, st.head_dim});
   check_tensor("sin", sin, dtype, {st.batch, st.head_dim});

@@ -14,6 +14,8 @@ def test_temperature_zero_is_argmax():
     for seed in range(20):
         logits = logits_fixture(seed=seed)
         assert int(sample(logits, temperature=0.0)) == int(logits.argmax())
+    ties = torch.tensor([1.0, 3.0, -2.0, 3.0, 3.0]).bfloat16()  # bf16 logits often tie: the first of them
+    assert int(sample(ties, temperature=0.0)) == 1
 
 
 def test_top_k_never_leaves_the_top_k():

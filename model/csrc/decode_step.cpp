@@ -125,6 +125,19 @@ struct Partial {
   float* acc;
 };
 
+// One group's scores p (n) -> exp(p - top), rounded to T as the weights of the values, with top their
+// maximum and sum the sum of the exps before rounding (as ATen). Three loops the compiler vectorizes.
+template <typename T>
+void softmax_piece(float* p, int64_t n, float* top, float* sum) {
+  const float best = *std::max_element(p, p + n);
+  for (int64_t j = 0; j < n; j++) p[j] = std::exp(p[j] - best);
+  float total = 0.f;
+  for (int64_t j = 0; j < n; j++) total += p[j];
+  for (int64_t j = 0; j < n; j++) p[j] = stored<T>(p[j]);
+  *top = best;
+  *sum = total;
+}
+
 // head_dim is C pieces of 16 (Llama's 64 and 128: 4 and 8). Each key and each value is read once
 // for all the groups, in order, and asked for from memory 8 KB ahead as the weights are
 // (dot_portable.h). Written element by element (attend_any), the compiler kept the sums in memory
@@ -150,13 +163,7 @@ void attend_vectors(const T* q, const T* k, const T* v, int64_t groups, int64_t 
   }
   for (int64_t g = 0; g < groups; g++) {
     float* p = scores + g * n;
-    const float top = *std::max_element(p, p + n);
-    for (int64_t j = 0; j < n; j++) p[j] = std::exp(p[j] - top);  // three loops the compiler vectorizes
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; j++) sum += p[j];  // the sum of the exps as they are, each weight rounded (as ATen)
-    for (int64_t j = 0; j < n; j++) p[j] = stored<T>(p[j]);
-    out.top[g] = top;
-    out.sum[g] = sum;
+    softmax_piece<T>(p, n, &out.top[g], &out.sum[g]);
     for (int c = 0; c < C; c++) acc[g][c] = f32x16{};
   }
   for (int64_t j = 0; j < n; j++) {
@@ -189,13 +196,7 @@ void attend_any(const T* q, const T* k, const T* v, int64_t groups, int64_t n, i
   }
   for (int64_t g = 0; g < groups; g++) {
     float* p = scores + g * n;
-    const float top = *std::max_element(p, p + n);
-    for (int64_t j = 0; j < n; j++) p[j] = std::exp(p[j] - top);  // three loops the compiler vectorizes
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; j++) sum += p[j];  // the sum of the exps as they are, each weight rounded (as ATen)
-    for (int64_t j = 0; j < n; j++) p[j] = stored<T>(p[j]);
-    out.top[g] = top;
-    out.sum[g] = sum;
+    softmax_piece<T>(p, n, &out.top[g], &out.sum[g]);
     float* acc = out.acc + g * head_dim;
     std::fill(acc, acc + head_dim, 0.f);
     for (int64_t j = 0; j < n; j++) {

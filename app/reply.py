@@ -9,6 +9,7 @@ per token; the last piece, once the backend has delivered the reply's end, comes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -37,6 +38,7 @@ class Reply:
         self._on_cancel = on_cancel
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._all_delivered = asyncio.Event()  # set on the caller's loop after the last event is queued
         self._ahead: Event | None = None  # read while joining text pieces, returned next
         self._last_text = 0.0
         self._finished = False
@@ -56,6 +58,8 @@ class Reply:
         self.ended = self.ended or isinstance(event, Failed) or self._open == 0
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+            if self.ended:
+                self._loop.call_soon_threadsafe(self._all_delivered.set)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
             self.cancelled = True
 
@@ -71,8 +75,9 @@ class Reply:
             event = await self._events.get()
         if isinstance(event, Text):
             wait = self._last_text + self.stream_interval - time.monotonic()
-            if wait > 0 and not self.ended:  # at the end nothing more is coming to join: no wait
-                await asyncio.sleep(wait)
+            if wait > 0:  # the rest of the interval, unless the reply ends meanwhile: then nothing more to join
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._all_delivered.wait(), wait)
             pieces = [event]
             while not self._events.empty():
                 following = self._events.get_nowait()

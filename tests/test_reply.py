@@ -46,7 +46,9 @@ def test_the_last_piece_comes_as_soon_as_the_reply_ends():
         r.deliver(Text(r.id, "a"))
         await r.__anext__()
         started = time.monotonic()
-        later(0.05, lambda: r.deliver(Text(r.id, "b")), lambda: r.deliver(Done(r.id, "ab", "stop", Stats())))
+        # The end comes a moment after the piece: the piece is already waiting out the interval by then.
+        later(0.05, lambda: r.deliver(Text(r.id, "b")), lambda: time.sleep(0.05),
+              lambda: r.deliver(Done(r.id, "ab", "stop", Stats())))
         events = await r.events()
         return events, time.monotonic() - started
 

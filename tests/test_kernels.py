@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.checkpoints import hf_model
-from support.kernels import has_int8_x, int4_int8_x, x_in_int8_blocks
+from support.kernels import amx_tiles, has_int8_x, int4_int8_x, x_in_int8_blocks
 
 import model.kernels
 from model import cpu, load_checkpoint
@@ -64,6 +64,8 @@ NEEDS = {"znver3": {"avx2", "fma", "f16c"}, "skylake-avx512": {"avx512f", "avx51
 
 def native_path() -> str:
     if cpu.has_avx512():
+        if cpu.has_amx():
+            return "AVX-512 BF16 + AMX"
         return "AVX-512 BF16" if cpu.has_avx512_bf16() else "AVX-512"
     return "AVX2" if cpu.has_avx2() else "portable"
 
@@ -120,6 +122,39 @@ def test_bf16_weights(ops, m, n, k, x_dtype):
     ours = ops.matvec_bf16(x, [w])
     assert ours.shape == (m, n) and ours.dtype == x_dtype
     check(ours, *bound(w.double(), x.double(), x_dtype))
+
+
+# bf16 x of 2+ rows takes AMX tiles where the CPU has them, for matrices of N in whole tiles of 16 rows
+# and K a multiple of 32, at least 1024 (csrc/tiles_amx.h); the other shapes above keep to the loops.
+TILE_SHAPES = [(1040, 1024), (48, 8192), (16, 2048)]
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", TILE_SHAPES)
+def test_bf16_batches_in_tiles_and_in_loops_give_the_product(ops, m, n, k):
+    """Both paths of bf16 x, the AMX tiles (where this build and CPU have them) and the AVX-512 or
+    other loops, within the bound of the exact product; elsewhere both runs take the same loop."""
+    w, x = data(n, k, m, seed=n + k + m)
+    w, x = w.bfloat16(), x.bfloat16()
+    exact, tol = bound(w.double(), x.double(), x.dtype)
+    for tiles in (True, False):
+        with amx_tiles(tiles, ops):
+            ours = ops.matvec_bf16(x, [w])
+        assert ours.shape == (m, n) and ours.dtype == torch.bfloat16
+        check(ours, exact, tol)
+
+
+def test_tiles_take_the_batches_of_bf16_x_where_the_cpu_has_amx(ops, kernels):
+    """Where the build says AMX, a batch's bf16 product is not the loop's to the last bit (another
+    order of sums), and a single row is (the tiles start at 2 rows); without AMX the switch changes nothing."""
+    w, x = data(2048, 2048, 8, seed=5)
+    w, x = w.bfloat16(), x.bfloat16()
+    with amx_tiles(True, ops):
+        tiles, one = ops.matvec_bf16(x, [w]), ops.matvec_bf16(x[:1], [w])
+    with amx_tiles(False, ops):
+        loops, one_loop = ops.matvec_bf16(x, [w]), ops.matvec_bf16(x[:1], [w])
+    assert torch.equal(one, one_loop)
+    assert torch.equal(tiles, loops) == ("AMX" not in kernels.path)
 
 
 def x_rounding(wd, x):
@@ -205,6 +240,17 @@ def test_several_matrices_side_by_side(ops, m):
         check(ours, exact, tol + 4 * math.sqrt(576) * 2**-24 * magnitude)
 
 
+@pytest.mark.parametrize("m", [2, 5, MAX_KERNEL_ROWS])
+def test_several_matrices_side_by_side_in_tiles(ops, m):
+    """q|k|v of the 1B shape's layout in one call, where bf16 batches take the AMX tiles: 16-row
+    blocks of each matrix, outputs side by side."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 1024, generator=g).bfloat16()
+    ws = [torch.randn(n, 1024, generator=g).bfloat16() for n in (1024, 256, 256)]
+    exact, tol = bound(torch.cat(ws).double(), x.double(), x.dtype)
+    check(ops.matvec_bf16(x, ws), exact, tol)
+
+
 @pytest.mark.parametrize("threads", [2, 3, 7])
 def test_any_split_of_the_rows_across_threads_gives_the_same_outputs(ops, threads):
     """Threads take the rows a task at a time and take over the rest of a slower thread's share
@@ -217,8 +263,11 @@ def test_any_split_of_the_rows_across_threads_gives_the_same_outputs(ops, thread
     bf16 = [w.bfloat16() for w in ws]
     q8 = [quantize_int8(w) for w in ws]
     q4 = [quantize_int4(w) for w in ws]
+    x_tiles = torch.randn(3, 1024, generator=g).bfloat16()
+    tiles = [torch.randn(n, 1024, generator=g).bfloat16() for n in (1008, 192, 2048)]
     products = {
         "bf16": lambda: ops.matvec_bf16(x, bf16),
+        "bf16 tiles": lambda: ops.matvec_bf16(x_tiles, tiles),  # AMX where there is
         "int8": lambda: ops.matvec_int8(x, [q for q, _ in q8], [s for _, s in q8]),
         "int4": lambda: ops.matvec_int4(x, [p for p, _, _ in q4], [s for _, s, _ in q4], [o for _, _, o in q4]),
     }

@@ -9,7 +9,8 @@
 // their outputs side by side (q|k|v, gate|up in one call and one parallel region).
 //
 // The instruction set is chosen when this file is compiled: AVX-512 (with vdpbf16ps where the CPU
-// has AVX-512 BF16), else AVX2 + FMA, else plain loops the compiler vectorizes (dot_*.h).
+// has AVX-512 BF16), else AVX2 + FMA, else plain loops the compiler vectorizes (dot_*.h). Where the
+// CPU has AMX, bf16 products of several rows of x take its tiles (tiles_amx.h).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -51,6 +52,8 @@ namespace isa = portable;
 namespace int16_q4 = portable;
 constexpr const char* kPath = "portable";
 #endif
+
+#include "tiles_amx.h"  // defines HAVE_AMX where the build's -march has AMX tiles with bf16
 
 #ifndef TORCH_EXTENSION_NAME  // set by torch.utils.cpp_extension to the name the build was given
 #define TORCH_EXTENSION_NAME llama_kernels
@@ -216,6 +219,71 @@ at::Tensor rows_to(const at::Tensor& x, at::TensorList ws, int64_t bytes_per_wei
   return y;
 }
 
+#ifdef HAVE_AMX
+// Where bf16 x takes the tiles. Measured on Sapphire Rapids, weights from memory (docs/benchmarks.md):
+// with K >= 1536 the tiles streamed as fast as the AVX-512 loop at 2 rows and 1.1-1.9x faster at
+// 3-8, where that loop runs out of arithmetic; with rows of K = 576 (the default model) they were
+// 0.84-0.96x at 3-6 rows and 1.01-1.03x at 8, so short rows keep to the AVX-512 loop.
+constexpr int64_t kAmxMinRows = 2, kAmxMinK = 1024;
+std::atomic<bool> use_amx{true};
+
+// Shapes the tiles take whole and fast: K a multiple of 32 and at least kAmxMinK, every matrix's N
+// a multiple of 16 (every Llama matrix but those of K = 576).
+bool amx_fits(at::TensorList ws, int64_t k_dim) {
+  if (k_dim % amx::kTileK != 0 || k_dim < kAmxMinK) return false;
+  for (const at::Tensor& w : ws)
+    if (w.size(0) % amx::kTileRows != 0) return false;
+  return true;
+}
+
+// y = x W_i^T for bf16 x of 2-8 rows with AMX tiles (tiles_amx.h), 16 weight rows at a time, the
+// blocks split across threads as in rows_to.
+at::Tensor matvec_amx(const at::Tensor& x, at::TensorList ws, int64_t rows) {
+  const int64_t k_dim = x.size(-1);
+  std::vector<int64_t> first{0};  // first[i]: the output index of matrix i's row 0
+  std::vector<const uint16_t*> w;
+  for (const at::Tensor& t : ws) {
+    first.push_back(first.back() + t.size(0));
+    w.push_back(reinterpret_cast<const uint16_t*>(t.data_ptr()));
+  }
+  const int64_t n_total = first.back();
+  thread_local std::vector<uint32_t> buffer;  // the calling thread's, reused from call to call
+  buffer.resize(k_dim / 2 * rows);
+  amx::pair_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k_dim, buffer.data());
+  const uint32_t* pairs = buffer.data();  // (the workers see their own thread_local, not this one)
+  at::Tensor y = x.dim() == 1 ? at::empty({n_total}, x.options()) : at::empty({rows, n_total}, x.options());
+  BFloat16* yb = y.data_ptr<BFloat16>();
+  const int64_t row_bytes = k_dim * 2;
+  const int64_t task = (std::max<int64_t>(1, kTaskBytes / row_bytes) + amx::kTileRows - 1) / amx::kTileRows *
+                       amx::kTileRows;
+  parallel_rows(n_total, task, threads_for(n_total * row_bytes), [&](int64_t begin, int64_t end) {
+    const amx::Config config(rows);
+    _tile_loadconfig(&config);
+    float out[amx::kTileRows * amx::kMaxRows];  // (16, rows)
+    size_t i = 0;
+    for (int64_t n0 = begin; n0 < end; n0 += amx::kTileRows) {
+      while (n0 >= first[i + 1]) i++;
+      amx::rows_times_x(w[i] + (n0 - first[i]) * k_dim, k_dim, pairs, rows, out);
+      for (int64_t r = 0; r < amx::kTileRows; r++)
+        for (int64_t m = 0; m < rows; m++) yb[m * n_total + n0 + r] = BFloat16(out[r * rows + m]);
+    }
+    _tile_release();
+  });
+  return y;
+}
+#endif
+
+// Switches the AMX tiles on or off for bf16 products (tests and benchmarks compare the two paths);
+// returns the setting before. Builds without them: always false.
+bool set_amx(bool on) {
+#ifdef HAVE_AMX
+  return use_amx.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws) {
   const int64_t rows = check("matvec_bf16", x, ws, at::kBFloat16);
   const int64_t k_dim = x.size(-1);
@@ -224,6 +292,9 @@ at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws) {
   at::Tensor y;
 #ifdef HAVE_BF16_DOT
   if (x.scalar_type() == at::kBFloat16) {
+#ifdef HAVE_AMX
+    if (rows >= kAmxMinRows && use_amx && amx_fits(ws, k_dim) && amx::enabled()) return matvec_amx(x, ws, rows);
+#endif
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
     with_rows(rows, [&](auto m_rows) {
       constexpr int M = decltype(m_rows)::value;
@@ -491,7 +562,13 @@ at::Tensor matvec_int4_op(const at::Tensor& x, at::TensorList ws, at::TensorList
   return matvec_int4(x, ws, scales, offsets.vec());
 }
 
-std::string path() { return kPath; }
+// The build's instruction set, and " + AMX" where bf16 batches take the tiles.
+std::string path() {
+#ifdef HAVE_AMX
+  if (amx::enabled()) return std::string(kPath) + " + AMX";
+#endif
+  return kPath;
+}
 
 }  // namespace
 
@@ -516,6 +593,7 @@ DEFINE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("matvec_int4(Tensor x, Tensor[] w, Tensor[] scale, Tensor?[] offset) -> Tensor");
   m.def("path() -> str", &path);  // which of the code paths above this build compiled
   m.def("set_int4_int8_x(bool on) -> bool", &set_int4_int8_x);
+  m.def("set_amx(bool on) -> bool", &set_amx);
 }
 
 IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) {

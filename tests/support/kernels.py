@@ -1,5 +1,5 @@
-"""How the int4 kernel rounds x, switched for a test: int8 blocks (the AVX-512 builds' default) or int16
-rows."""
+"""Switches of the kernel builds, set for a test: how the int4 kernel rounds x (int8 blocks, the AVX-512
+builds' default, or int16 rows), and whether bf16 batches take the AMX tiles."""
 
 from contextlib import contextmanager
 
@@ -22,6 +22,17 @@ def int4_int8_x(on: bool, *builds):
     finally:
         for b, was in zip(reversed(ops), reversed(before)):
             b.set_int4_int8_x(was)
+
+
+@contextmanager
+def amx_tiles(on: bool, ops):
+    """While inside, bf16 products of several rows take AMX tiles where the build and the CPU have them
+    (on, the default) or the AVX-512 loop (off) in the build given (csrc/matvec.cpp, set_amx)."""
+    before = ops.set_amx(on)
+    try:
+        yield
+    finally:
+        ops.set_amx(before)
 
 
 def has_int8_x(ops) -> bool:

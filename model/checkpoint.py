@@ -21,13 +21,8 @@ are (model/quantize.py describes the layouts):
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
-import functools
 import json
 import logging
-import os
 import pickle
 import re
 from dataclasses import dataclass, field
@@ -41,6 +36,7 @@ from .cpu import has_native_bf16
 from .kernels import decode_path, kernels
 from .linear import OUTPUT_HEAD, QUANTIZE, quantize_model
 from .llama import Llama
+from .memory import move_to_huge_pages, release_pages, scratch_returned
 from .quantize import INT4_GROUP, can_quantize_int4, quantize_int4, quantize_int8
 from .rope import permute_qk_rows
 from .tokenizer import load_tokenizer
@@ -286,57 +282,6 @@ def take_quantized(state: dict[str, torch.Tensor], files: CheckpointFiles,
     return {name: Quantized(scales[name], offsets.get(name)) for name in scales}
 
 
-def release_pages(mapped: torch.Tensor) -> None:
-    """Drop the resident file pages behind a memory-mapped tensor once a converted copy replaces it.
-
-    Only whole pages inside the tensor are dropped; the mapping is private and never written, so
-    a later read would simply fault the pages in again from the file. Linux only; a no-op elsewhere.
-    """
-    if mapped.device.type != "cpu" or not hasattr(os, "sysconf") or _libc() is None:
-        return
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = -(-mapped.data_ptr() // page) * page
-    end = (mapped.data_ptr() + mapped.nbytes) // page * page
-    if end > start:
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
-
-
-MADV_DONTNEED = 4
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-
-
-@contextlib.contextmanager
-def scratch_returned():
-    """While converting weights, have glibc give every freed block of 1 MB or more straight back.
-
-    Quantizing at load allocates and frees fp32 scratch of 4-40 MB a matrix. By default glibc raises
-    its mmap threshold after the first such block is freed, so later ones come from its heap and stay
-    there: over a model's hundred matrices that grew the peak by 0.1-0.6 GB, differently from run to
-    run. Afterwards blocks under 32 MB come from the heap again (what glibc's own adjustment settles
-    at): mapping each of prefill's activations afresh made prefill 20% slower. A no-op where the C
-    library is not glibc."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt"):
-        yield
-        return
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
-    try:
-        yield
-    finally:
-        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-        libc.mallopt(M_TRIM_THRESHOLD, 64 << 20)
-
-
-@functools.cache
-def _libc():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
 def _some(items: list[str], n: int = 5) -> str:
     return ", ".join(items[:n]) + (f" (and {len(items) - n} more)" if len(items) > n else "")
 
@@ -425,6 +370,9 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dty
         model.decode = torch.compile(model.decode, dynamic=True)
     model.setup_rope(min(config.max_seq_len, DEFAULT_MAX_CONTEXT))
     model.eval().requires_grad_(False)
+    if device.type == "cpu":
+        moved = move_to_huge_pages(model.state_dict().values())
+        log.info("weights in 2 MB pages: %.0f MB", moved / 1e6)
 
     tok = _load_tokenizer(files, tokenizer)
     if tok.vocab_size > config.vocab_size:

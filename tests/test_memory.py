@@ -33,10 +33,10 @@ def huge_bytes_in(start: int, end: int) -> int:
 
 
 def test_stretches_join_neighbours_and_leave_gaps():
-    big = torch.empty(4 << 20, dtype=torch.uint8)
-    a, b, far = big[:1000], big[1000 + NEAR // 2: 2000 + NEAR // 2], big[3 << 20:]
+    big = torch.empty(4 * NEAR, dtype=torch.uint8)
+    a, b, far = big[:1000], big[1000 + NEAR // 2: 2000 + NEAR // 2], big[3 * NEAR + 3000:]
     start = big.data_ptr()
-    joined = [(start, start + 2000 + NEAR // 2), (start + (3 << 20), start + (4 << 20))]
+    joined = [(start, start + 2000 + NEAR // 2), (start + 3 * NEAR + 3000, start + 4 * NEAR)]
     assert stretches([a, b, far, torch.empty(0)]) == joined
     assert stretches([b, a, a]) == stretches([a, b])  # order and repeats do not matter
 

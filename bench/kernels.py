@@ -14,8 +14,9 @@ row. Before each row the script waits (up to --idle-wait s) for other processes 
 load" is the cores they used during the row.
 
 Columns, per build: "bf16" = bf16 weights with bf16 x (vdpbf16ps, native AVX-512 BF16 builds only:
-other CPUs run fp32 activations), "bf16/fp32" = bf16 weights with fp32 x, "int8" = int8 weights with
-fp32 x, "int4" = int4 weights (model/quantize.py: 4 bits, fp16 scale and offset per 32) with fp32 x;
+other CPUs run fp32 activations; on CPUs with AMX, 2+ rows of K >= 1024 take the tiles), "bf16 loop" =
+the same with the tiles switched off (AMX builds only), "bf16/fp32" = bf16 weights with fp32 x,
+"int8" = int8 weights with fp32 x, "int4" = int4 weights (model/quantize.py: 4 bits, fp16 scale and offset per 32) with fp32 x;
 "int4 x" = how many times faster the first build's int4 call is than its bf16 call (bf16 x where the
 build has vdpbf16ps, else fp32 x), by time. F.linear is bf16 x bf16 weights (oneDNN), the path without
 the kernel. Results: a table on
@@ -67,6 +68,15 @@ def measure(call, copies: list, repeats: int, probe: torch.Tensor) -> tuple[floa
     return nbytes / best_op / 1e9, probe.nbytes / best_probe / 1e9
 
 
+def without_tiles(ops, x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    """The bf16 product through the AVX-512 loop where the build would take the AMX tiles."""
+    before = ops.set_amx(False)
+    try:
+        return ops.matvec_bf16(x, ws)
+    finally:
+        ops.set_amx(before)
+
+
 def flat(items) -> list[torch.Tensor]:
     if isinstance(items, torch.Tensor):
         return [items]
@@ -104,8 +114,13 @@ def main() -> int:
     print(f"{info['cpu']}, {args.threads} threads, torch {info['torch']}; builds: "
           + ", ".join(f"{m} = {b.path}" for m, b in builds.items()), flush=True)
     probe_x = torch.ones(int(args.footprint * 1e6 / 4))  # fp32, as many bytes as the weights of a row
+    def bf16_x(b) -> list[str]:  # the bf16-x columns of a build: with AMX, its loop beside the tiles
+        if not b.path.startswith("AVX-512 BF16"):
+            return []
+        return ["bf16", "bf16 loop"] if "AMX" in b.path else ["bf16"]
+
     columns = ["F.linear"] + [f"{march} {op}" for march, b in builds.items()
-                              for op in (["bf16"] if b.path == "AVX-512 BF16" else []) + ["bf16/fp32", "int8", "int4"]]
+                              for op in bf16_x(b) + ["bf16/fp32", "int8", "int4"]]
     first = next(iter(builds), None)
     print("| model | call | N x K | M | probe GB/s | " + " | ".join(columns) + " | int4 x | other load |")
     print("|---|---|---|---|---|" + "---|" * len(columns) + "---|---|")
@@ -132,8 +147,10 @@ def main() -> int:
                 runs = {"F.linear": (lambda ws: [F.linear(xb, w) for w in ws], bf16)}
                 for march, b in builds.items():
                     ops = b.ops
-                    if b.path == "AVX-512 BF16":
+                    if "bf16" in bf16_x(b):
                         runs[f"{march} bf16"] = (lambda ws, ops=ops: ops.matvec_bf16(xb, ws), bf16)
+                    if "bf16 loop" in bf16_x(b):
+                        runs[f"{march} bf16 loop"] = (lambda ws, ops=ops: without_tiles(ops, xb, ws), bf16)
                     runs[f"{march} bf16/fp32"] = (lambda ws, ops=ops: ops.matvec_bf16(x, ws), bf16)
                     runs[f"{march} int8"] = (
                         lambda qs, ops=ops: ops.matvec_int8(x, [q for q, _ in qs], [s for _, s in qs]), int8)

@@ -221,9 +221,10 @@ at::Tensor rows_to(const at::Tensor& x, at::TensorList ws, int64_t bytes_per_wei
 
 #ifdef HAVE_AMX
 // Where bf16 x takes the tiles. Measured on Sapphire Rapids, weights from memory (docs/benchmarks.md):
-// with K >= 1536 the tiles streamed as fast as the AVX-512 loop at 2 rows and 1.1-1.9x faster at
-// 3-8, where that loop runs out of arithmetic; with rows of K = 576 (the default model) they were
-// 0.84-0.96x at 3-6 rows and 1.01-1.03x at 8, so short rows keep to the AVX-512 loop.
+// with K of 1536 to 8192 the tiles streamed as fast as the AVX-512 loop at 2 rows and 1.1-1.9x faster
+// at 3-8, where that loop runs out of arithmetic; with rows of K = 576 (the default model) they were
+// 0.84-0.96x at 2-6 rows and 1.01-1.04x at 8, so rows shorter than 1024 (a line between the two)
+// keep to the AVX-512 loop.
 constexpr int64_t kAmxMinRows = 2, kAmxMinK = 1024;
 std::atomic<bool> use_amx{true};
 

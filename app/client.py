@@ -263,9 +263,9 @@ class EngineClient:
             with self._lock:
                 reply = self._replies.get(message.id)
                 if reply is not None:
-                    reply.deliver(message)
-                    if reply.ended:
+                    if reply.ends_with(message):  # gone before the caller can see the end (and count us)
                         del self._replies[message.id]
+                    reply.deliver(message)
             if reply is not None and isinstance(message, Done | Failed):
                 self._observe(message)
 

@@ -51,6 +51,10 @@ class Reply:
             self.cancelled = True
             self._on_cancel(self)
 
+    def ends_with(self, event: Event) -> bool:
+        """Whether delivering `event` ends the request (a Failed, or the last of its n Dones)."""
+        return not self.ended and (isinstance(event, Failed) or (isinstance(event, Done) and self._open == 1))
+
     def deliver(self, event: Event) -> None:
         """Hand an event to the caller's event loop (from any thread)."""
         if isinstance(event, Done):

@@ -181,3 +181,24 @@ def test_an_engine_whose_web_process_is_gone_exits(tiny, tmp_path):
                                "1"], stdin=subprocess.PIPE, cwd=ROOT)
     engine.communicate(msgspec.json.encode(EngineConfig(checkpoint=str(tiny), threads=1)), timeout=60)
     assert engine.returncode == 0
+
+
+def test_a_reply_is_off_the_books_before_its_end_is_delivered(client, monkeypatch):
+    """`active` counts replies running or waiting: a caller that has seen a reply's Done must not count
+    it (the end is handed to the caller's loop, which may run before the client's thread goes on)."""
+    from app.reply import Reply
+
+    seen = []
+    deliver = Reply.deliver
+
+    def watched(reply, event):
+        if isinstance(event, Done | Failed):
+            seen.append(reply.id in client._replies)
+        deliver(reply, event)
+
+    monkeypatch.setattr(Reply, "deliver", watched)
+    async def scenario():
+        return await client.stream(chat("Hi"), ReplySettings(max_new_tokens=3)).events()
+
+    events = run(scenario())
+    assert isinstance(events[-1], Done) and seen == [False] and client.active == 0

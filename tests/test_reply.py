@@ -5,7 +5,7 @@ import threading
 import time
 
 from app.conversation import Conversation
-from app.messages import Done, ReplySettings, Stats, Text
+from app.messages import Done, Failed, ReplySettings, Stats, Text
 from app.reply import Reply
 
 INTERVAL = 0.4
@@ -55,3 +55,28 @@ def test_the_last_piece_comes_as_soon_as_the_reply_ends():
     events, waited = asyncio.run(scenario())
     assert [type(e) for e in events] == [Text, Done] and events[0].text == "b"
     assert waited < INTERVAL / 2  # not held back for the rest of the interval
+
+
+def test_ends_with_says_which_event_ends_the_request():
+    """The backend takes a reply off its books before delivering what ends it (app/client.py): the
+    caller may see the end, and count the replies still running, the moment it is delivered."""
+    async def scenario():
+        r = Reply(Conversation(), ReplySettings(), "tiny", on_cancel=lambda r: None, n=2)
+        first, second = Done(r.id, "a", "stop", Stats()), Done(r.id, "b", "stop", Stats(), index=1)
+        said = [r.ends_with(Text(r.id, "a")), r.ends_with(first)]
+        r.deliver(first)
+        said.append(r.ends_with(second))
+        r.deliver(second)
+        said.append(r.ends_with(Done(r.id, "c", "stop", Stats())))  # nothing ends twice
+        return said, await r.events()
+
+    said, events = asyncio.run(scenario())
+    assert said == [False, False, True, False] and len(events) == 2
+
+
+def test_a_failure_ends_the_request_at_once():
+    async def scenario():
+        r = Reply(Conversation(), ReplySettings(), "tiny", on_cancel=lambda r: None, n=3)
+        return r.ends_with(Failed(r.id, "boom", "error"))
+
+    assert asyncio.run(scenario())

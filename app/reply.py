@@ -57,9 +57,10 @@ class Reply:
 
     def deliver(self, event: Event) -> None:
         """Hand an event to the caller's event loop (from any thread)."""
+        ends = self.ends_with(event)
         if isinstance(event, Done):
             self._open -= 1
-        self.ended = self.ended or isinstance(event, Failed) or self._open == 0
+        self.ended = self.ended or ends
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
             if self.ended:

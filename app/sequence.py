@@ -141,7 +141,7 @@ class Sequence:
         """The next token, from the logits of the model at the reply's next position (vocab,)."""
         raw = logits
         if self._constraint is not None:
-            logits = logits.masked_fill(~self._constraint.mask(), float("-inf"))
+            logits = logits.masked_fill(~self._constraint.mask().to(logits.device), float("-inf"))
         token = self._sampler.sample(logits)
         if self._token_bytes is not None:
             logprob, top = token_logprobs(raw, token, self.request.logprobs)

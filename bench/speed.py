@@ -1,6 +1,6 @@
 """Prefill and decode speed of our engine against transformers (and llama.cpp), on the same random weights.
 
-    python bench/speed.py [--shape llama3.2-1b] [--threads N] [--only ours,transformers]
+    python bench/speed.py [--shape llama3.2-1b] [--threads N] [--only ours,transformers] [--device cuda]
 
 Every system runs in its own fresh process, on one random bf16 checkpoint of the preset's shape, with
 the same prompt of random ids. Per system: load time, peak RSS, time to first token (TTFT) of the
@@ -9,6 +9,9 @@ later ones, prefill tokens/s and decode tokens/s:
 
     t1 = time to generate 1 token   (median of --repeats; = TTFT)    prefill tok/s = prompt / t1
     tN = time to generate N tokens  (greedy, stop tokens disabled)    decode tok/s = (N - 1) / (tN - t1)
+
+With --device cuda (or mps) ours and transformers run on that GPU (llama.cpp rows are skipped: the bench's
+llama-cpp-python is a CPU build), the bandwidth is the GPU's, and the peak GPU memory is reported too.
 
 The machine's read bandwidth (x.sum() over 1 GB, best of 6) gives the decode ceiling: one token
 reads every weight matrix once, so no engine decodes faster than bandwidth / those bytes (for our
@@ -108,7 +111,7 @@ def work_ours(spec: dict, prompt: list[int]) -> dict:
     dtype = DTYPES[options.pop("dtype")]
     fused = options.pop("fused", True)  # False: decode runs the reference, op by op (Llama.fused_decode)
     start = time.perf_counter()
-    ckpt = model.load_checkpoint(spec["folder"], dtype=dtype, **options)
+    ckpt = model.load_checkpoint(spec["folder"], dtype=dtype, device=spec["device"], **options)
     ckpt.model.fused_decode = fused
     load_s, after_load = time.perf_counter() - start, memory_mb()
 
@@ -137,15 +140,17 @@ def work_transformers(spec: dict, prompt: list[int]) -> dict:
 
     options = spec["options"]
     start = time.perf_counter()
-    net = transformers.LlamaForCausalLM.from_pretrained(spec["folder"], dtype=DTYPES[options["dtype"]]).eval()
+    net = transformers.LlamaForCausalLM.from_pretrained(spec["folder"], dtype=DTYPES[options["dtype"]])
+    net = net.to(spec["device"]).eval()
     load_s, after_load = time.perf_counter() - start, memory_mb()
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=spec["device"])
     extra = {"cache_implementation": options["cache"]} if options.get("cache") else {}
 
     def run(n):
         start = time.perf_counter()
         out = net.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=0, **extra)
+        synchronize(spec["device"])
         seconds = time.perf_counter() - start
         assert out.shape[1] == len(prompt) + n, out.shape
         return seconds, out[0, len(prompt):].tolist()
@@ -184,10 +189,28 @@ def work_llama_cpp(spec: dict, prompt: list[int]) -> dict:
             "version": llama_cpp.__version__, **timed_runs(run, prompt, spec)}
 
 
+def synchronize(device: str) -> None:
+    """Wait for the GPU's queued work (a no-op on the CPU), so a host clock times it."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elif device == "mps":
+        torch.mps.synchronize()
+
+
 def work_bandwidth(spec: dict) -> dict:
-    """Best x.sum() over a 1 GB float32 tensor, on all threads and on one."""
-    x = torch.ones(2**28)  # 1 GiB
+    """Best x.sum() over a 1 GB float32 tensor: on all threads and on one, or on the GPU."""
+    device = spec.get("device", "cpu")
+    x = torch.ones(2**28, device=device)  # 1 GiB
     result = {"bytes": x.nbytes}
+    if device != "cpu":
+        best = float("inf")
+        for _ in range(20):
+            synchronize(device)
+            start = time.perf_counter()
+            x.sum().item()
+            best = min(best, time.perf_counter() - start)
+        result["gbps"] = x.nbytes / best / 1e9
+        return result
     for threads in sorted({spec["threads"], 1}, reverse=True):
         torch.set_num_threads(threads)
         best = float("inf")
@@ -211,6 +234,8 @@ def worker(spec: dict, out: str) -> None:
     prompt = random_prompt(spec["vocab_size"], spec["prompt_tokens"])
     result = WORKERS[spec["system"]](spec, prompt)
     result["peak_rss_mb"] = memory_mb()["hwm"]  # not ru_maxrss: a child inherits its parent's
+    if spec.get("device") == "cuda":
+        result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     write_result(out, result)
 
 
@@ -352,6 +377,8 @@ def main() -> int:
                         "measure, and of two measurements of a row the one less disturbed by other processes "
                         "(for our engine, the one of the current model/ code)")
     p.add_argument("--no-chart", action="store_true")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "mps"),
+                   help="where ours and transformers run (default: cpu)")
     worker_arguments(p)
     args = p.parse_args()
     if ran_as_worker(args, worker):
@@ -362,13 +389,17 @@ def main() -> int:
     folder = random_checkpoint(args.shape)
     common = {"folder": str(folder), "threads": args.threads, "vocab_size": config.vocab_size,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
-              "decode_repeats": args.decode_repeats, "budget_s": args.budget}
+              "decode_repeats": args.decode_repeats, "budget_s": args.budget, "device": args.device}
     info = machine()
+    if args.device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
     print(f"{args.shape}: {n_params(config) / 1e9:.3f} B parameters; {info['cpu']}, {args.threads} threads, "
-          f"torch {info['torch']} ({info['torch_cpu_capability']})", flush=True)
-    bandwidth = run_worker(Path(__file__), {"system": "bandwidth", "threads": args.threads},
+          f"torch {info['torch']} ({info['torch_cpu_capability']})"
+          + (f"; on {info.get('gpu', args.device)}" if args.device != "cpu" else ""), flush=True)
+    bandwidth = run_worker(Path(__file__), {"system": "bandwidth", "threads": args.threads, "device": args.device},
                            idle_wait=args.idle_wait)
-    print(f"read bandwidth: {bandwidth['gbps']:.1f} GB/s on {args.threads} threads"
+    where = args.device if args.device != "cpu" else f"{args.threads} threads"
+    print(f"read bandwidth: {bandwidth['gbps']:.1f} GB/s on {where}"
           f" ({bandwidth.get('gbps_1_threads', 0):.1f} on 1; other load {bandwidth['other_load_cores']:.2f} cores)",
           flush=True)
 
@@ -376,6 +407,9 @@ def main() -> int:
     for r in runners:
         spec = common | {"system": r.system, "options": r.options, "warmup_tokens": r.warmup_tokens}
         if r.system == "llama.cpp":
+            if args.device != "cpu":
+                print(f"{r.name}: skipped, the bench runs llama.cpp on the CPU only", flush=True)
+                continue
             if importlib.util.find_spec("llama_cpp") is None:
                 print(f"{r.name}: skipped, llama-cpp-python is not installed", flush=True)
                 continue
@@ -397,10 +431,11 @@ def main() -> int:
                      "threads": args.threads, "prompt_tokens": args.prompt_tokens,
                      "new_tokens": args.new_tokens, **result})
         if "error" not in result:
+            gpu = f", peak GPU memory {result['peak_gpu_mb']:.0f} MB" if "peak_gpu_mb" in result else ""
             print(f"  load {result['load_s']:.1f} s, prefill {result['prefill_tps']:.1f} tok/s, "
-                  f"decode {result['decode_tps']:.2f} tok/s, peak RSS {result['peak_rss_mb']:.0f} MB", flush=True)
+                  f"decode {result['decode_tps']:.2f} tok/s, peak RSS {result['peak_rss_mb']:.0f} MB{gpu}", flush=True)
 
-    out = RESULTS / f"{args.shape}.json"
+    out = RESULTS / f"{args.shape}{'' if args.device == 'cpu' else '-' + args.device}.json"
     if args.merge and out.is_file():
         order = [r.name for r in RUNNERS]
         stored = json.loads(out.read_text())

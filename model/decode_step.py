@@ -80,11 +80,10 @@ def decode_layers(model, x: torch.Tensor, rope: Rope, caches: list[KVCache], ops
     caches[i] at its length; rope's tables (b, head_dim) in x's dtype. None where the op does not apply
     (no kernel, not on the CPU, weights it does not take, more sequences than it takes): the caller
     runs the reference. `ops`: the build to use (default: the one linears() uses)."""
-    if torch.compiler.is_compiling():  # torch.compile traces the reference, not this op
+    if torch.compiler.is_compiling() or x.device.type != "cpu":  # compile traces the reference; a GPU runs it
         return None
     ops = ops or kernels()
-    if (ops is None or x.device.type != "cpu" or not 1 <= x.shape[0] <= MAX_KERNEL_ROWS
-            or x.dtype not in (torch.float32, torch.bfloat16)):
+    if ops is None or not 1 <= x.shape[0] <= MAX_KERNEL_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     if model not in _layer_weights:
         _layer_weights[model] = LayerWeights(model)

@@ -135,7 +135,7 @@ class Generation:
                 self.finish_reason = "cancelled"
                 break
             if self.constraint is not None:
-                logits = logits.masked_fill(~self.constraint.mask(), float("-inf"))
+                logits = logits.masked_fill(~self.constraint.mask().to(logits.device), float("-inf"))
             token = self.sampler.sample(logits)
             if not self.tokens:
                 self.stats.time_to_first_token = time.perf_counter() - start_time

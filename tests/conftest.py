@@ -65,3 +65,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def device():
+    """Where the tests that compute with a loaded model put it: $LLAMA_TEST_DEVICE (cpu, cuda, mps), the
+    CPU by default. On a machine with a GPU, `LLAMA_TEST_DEVICE=cuda python -m pytest tests/test_device.py
+    tests/test_engine.py tests/test_generate.py` runs the engine's and the replies' tests there."""
+    import torch
+    name = os.environ.get("LLAMA_TEST_DEVICE", "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.exit("LLAMA_TEST_DEVICE=cuda, but torch sees no CUDA device", returncode=2)
+    return torch.device(name)

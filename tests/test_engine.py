@@ -42,8 +42,8 @@ def tiny(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny):
-    return load_checkpoint(tiny, dtype=torch.float32)
+def checkpoint(tiny, device):
+    return load_checkpoint(tiny, dtype=torch.float32, device=device)
 
 
 def harness(tiny, checkpoint, **config) -> EngineHarness:

@@ -55,8 +55,8 @@ def tiny_folder(tiny_reference, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_folder):
-    return load_checkpoint(tiny_folder, dtype=torch.float32)
+def tiny(tiny_folder, device):
+    return load_checkpoint(tiny_folder, dtype=torch.float32, device=device)
 
 
 @pytest.mark.parametrize("penalty", [0.5, 1.5])

@@ -1,0 +1,188 @@
+"""The model on a GPU (CUDA, or Apple's MPS) against transformers and against itself on the CPU: where the
+weights land and how much device memory loading takes, logits in every checkpoint format, bf16,
+int8/int4 weights, replies with a KV cache, batched decode steps, seeded sampling, JSON replies.
+
+Run on the machine's GPU with `LLAMA_TEST_DEVICE=cuda` (tests/conftest.py's `device`); on a machine
+without one, every test here is skipped (the CPU runs the same code in the other test modules).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from support.checkpoints import ROPE, VOCAB, hf_model, prompt_ids, write_meta, write_tiny_checkpoint
+from support.gguf_checkpoints import write_llama3_gguf
+
+from model import KVCache, generate, load_checkpoint
+from model.convert.gguf import convert_gguf
+from model.generation import PREFILL_CHUNK
+from model.structured import JsonConstraint
+
+
+@pytest.fixture(scope="module")
+def gpu(device):
+    """The test device where it is a GPU; else the machine's GPU if it has one; else skip."""
+    if device.type != "cpu":
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    pytest.skip("no GPU here (CUDA or MPS): these tests run where one is")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return hf_model()
+
+
+@pytest.fixture(scope="module")
+def hf_folder(reference, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf")
+    reference.save_pretrained(folder)
+    return folder
+
+
+def close(ours: torch.Tensor, theirs: torch.Tensor, tolerance: float) -> bool:
+    """Whether ours (any device) is within tolerance x the largest |value| of theirs, everywhere."""
+    ours, theirs = ours.float().cpu(), theirs.float().cpu()
+    return (ours - theirs).abs().max().item() <= tolerance * theirs.abs().max().item()
+
+
+def weights_bytes(model) -> int:
+    return sum(t.nbytes for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+
+
+def test_weights_load_onto_the_gpu_once(hf_folder, gpu):
+    if gpu.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    ckpt = load_checkpoint(hf_folder, dtype=torch.float32, device=gpu)
+    tensors = [*ckpt.model.parameters(), *ckpt.model.buffers(), ckpt.model.rope.cos, ckpt.model.rope.sin]
+    assert {t.device.type for t in tensors} == {gpu.type} and ckpt.device.type == gpu.type
+    if gpu.type == "cuda":  # one copy of the weights at any moment: each tensor is moved, never built twice
+        held, peak = torch.cuda.memory_allocated() - before, torch.cuda.max_memory_allocated() - before
+        weights = weights_bytes(ckpt.model)
+        rope = ckpt.model.rope.cos.nbytes + ckpt.model.rope.sin.nbytes
+        assert weights <= held <= weights + rope + 2**20
+        assert peak <= weights + rope + ckpt.model.tok_embeddings.weight.nbytes + 2**20
+
+
+@pytest.mark.parametrize("fmt", ["hf", "meta", "gguf f32"])
+def test_logits_match_transformers_in_every_format(reference, hf_folder, tmp_path, gpu, fmt):
+    if fmt == "hf":
+        path = hf_folder
+    elif fmt == "meta":  # Meta's params.json carries no RoPE factor: 8 below the 3.2 sizes
+        reference = hf_model(tie=False, rope=dict(ROPE, factor=8.0), seed=7)
+        path = write_meta(reference, tmp_path / "meta")
+    else:
+        path = convert_gguf(write_llama3_gguf(reference, tmp_path / "tiny.gguf", "f32"), tmp_path / "from-gguf")
+    ckpt = load_checkpoint(path, dtype=torch.float32, device=gpu)
+    ids = prompt_ids()
+    with torch.no_grad():
+        theirs = reference(ids).logits
+    ours = ckpt.model(ids.to(gpu))
+    assert ours.device.type == gpu.type and ours.shape == (2, ids.shape[1], VOCAB)
+    assert close(ours, theirs, 3e-5)
+
+
+def test_bf16_is_the_gpus_default_and_stays_near_fp32(hf_folder, gpu):
+    full = load_checkpoint(hf_folder, dtype=torch.float32, device=gpu)
+    half = load_checkpoint(hf_folder, device=gpu)
+    expected = torch.bfloat16 if gpu.type == "mps" or torch.cuda.is_bf16_supported() else torch.float16
+    assert half.model.layers[0].attention.wq.weight.dtype == expected
+    ids = prompt_ids(n=32).to(gpu)
+    a, b = full.model(ids).float(), half.model(ids).float()
+    assert ((a - b).norm() / a.norm()).item() <= 0.04  # bf16 activations: 0.023 on a CPU
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_a_greedy_reply_is_the_cpus_reply(hf_folder, gpu):
+    """Prefill in chunks (a prompt longer than PREFILL_CHUNK), then decode steps with the KV cache."""
+    prompt = prompt_ids(n=PREFILL_CHUNK + 40, seed=4)[0].tolist()
+    replies = {}
+    for where in ("cpu", gpu):
+        ckpt = load_checkpoint(hf_folder, dtype=torch.float32, device=where)
+        reply = generate(ckpt, prompt, max_new_tokens=40, stop_ids=set())
+        list(reply)
+        replies[str(where)] = reply.tokens
+    assert len(replies["cpu"]) == 40 and replies[str(gpu)] == replies["cpu"]
+
+
+def test_each_decode_step_is_the_full_forwards_last_position(hf_folder, gpu):
+    ckpt = load_checkpoint(hf_folder, dtype=torch.float32, device=gpu)
+    ids = prompt_ids(n=24, seed=6)[0].to(gpu)
+    cache = KVCache(ckpt.config, 64, device=gpu, dtype=torch.float32)
+    ckpt.model(ids[None, :16], kv_cache=cache)
+    cache.tokens.extend(ids[:16].tolist())
+    for i in range(16, 24):
+        step = ckpt.model.decode(ids[i:i + 1], [cache])[0]
+        cache.tokens.append(int(ids[i]))
+        assert close(step, ckpt.model(ids[None, :i + 1])[0, -1], 1e-5)
+
+
+def test_a_batched_decode_step_is_each_sequences_step_alone(hf_folder, gpu):
+    ckpt = load_checkpoint(hf_folder, dtype=torch.float32, device=gpu)
+    prompts = [prompt_ids(n=n, seed=n)[0].tolist() for n in (5, 17, 30)]
+
+    def prefilled(prompt):
+        cache = KVCache(ckpt.config, 48, device=gpu, dtype=torch.float32)
+        ckpt.model(torch.tensor([prompt], device=gpu), kv_cache=cache)
+        cache.tokens.extend(prompt)
+        return cache
+
+    tokens = torch.tensor([7, 70, 700], device=gpu)
+    together = ckpt.model.decode(tokens, [prefilled(p) for p in prompts])
+    for i, prompt in enumerate(prompts):
+        alone = ckpt.model.decode(tokens[i:i + 1], [prefilled(prompt)])[0]
+        assert close(together[i], alone, 1e-5)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_weights_on_the_gpu_give_the_cpus_logits(hf_folder, gpu, quantize):
+    on_cpu = load_checkpoint(hf_folder, dtype=torch.float32, quantize=quantize)
+    on_gpu = load_checkpoint(hf_folder, dtype=torch.float32, quantize=quantize, device=gpu)
+    wq = on_gpu.model.layers[0].attention.wq
+    assert wq.weight.dtype == (torch.int8 if quantize == "int8" else torch.uint8)
+    assert wq.weight.device.type == wq.scale.device.type == gpu.type
+    ids = prompt_ids(n=16)
+    assert close(on_gpu.model(ids.to(gpu)), on_cpu.model(ids), 1e-5)
+    reply = generate(on_gpu, ids[0].tolist(), max_new_tokens=12, stop_ids=set())
+    assert len(list(reply)) > 0 and len(reply.tokens) == 12
+
+
+def test_quantized_gguf_blocks_stay_quantized_on_the_gpu(reference, tmp_path, gpu):
+    path = convert_gguf(write_llama3_gguf(reference, tmp_path / "tiny.gguf", "q4_0"), tmp_path / "from-gguf")
+    on_cpu, on_gpu = load_checkpoint(path, dtype=torch.float32), load_checkpoint(path, dtype=torch.float32, device=gpu)
+    assert on_gpu.model.layers[0].feed_forward.w1.weight.dtype == torch.uint8
+    ids = prompt_ids(n=16)
+    assert close(on_gpu.model(ids.to(gpu)), on_cpu.model(ids), 1e-5)
+
+
+def test_seeded_sampling_on_the_gpu_repeats_and_the_seed_matters(hf_folder, gpu):
+    ckpt = load_checkpoint(hf_folder, device=gpu)
+    prompt = prompt_ids(n=12, seed=9)[0].tolist()
+
+    def reply(seed):
+        gen = generate(ckpt, prompt, max_new_tokens=30, temperature=1.0, top_k=50, top_p=0.95, seed=seed,
+                       stop_ids=set())
+        list(gen)
+        return gen.tokens
+
+    first = reply(7)
+    assert reply(7) == first and reply(8) != first
+
+
+def test_a_json_reply_on_the_gpu_parses(tmp_path, gpu):
+    ckpt = load_checkpoint(write_tiny_checkpoint(tmp_path / "tiny"), device=gpu)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "r": {"enum": ["red", "green"]}},
+              "required": ["ok", "r"], "additionalProperties": False}
+    prompt = ckpt.chat_format.encode_dialog([{"role": "user", "content": "Say yes in JSON."}])
+    constraint = JsonConstraint(ckpt.tokenizer, schema, vocab_size=ckpt.config.vocab_size, stop_ids=ckpt.stop_ids)
+    reply = generate(ckpt, prompt, max_new_tokens=300, constraint=constraint, temperature=1.0, seed=5)
+    text = "".join(reply)
+    assert reply.finish_reason == "stop", text
+    assert set(json.loads(text)) == {"ok", "r"}

@@ -16,7 +16,8 @@ load" is the cores they used during the row.
 Columns, per build: "bf16" = bf16 weights with bf16 x (vdpbf16ps, native AVX-512 BF16 builds only:
 other CPUs run fp32 activations; on CPUs with AMX, 2+ rows of K >= 1024 take the tiles), "bf16 loop" =
 the same with the tiles switched off (AMX builds only), "bf16/fp32" = bf16 weights with fp32 x,
-"int8" = int8 weights with fp32 x, "int4" = int4 weights (model/quantize.py: 4 bits, fp16 scale and offset per 32) with fp32 x;
+"int8" = int8 weights with fp32 x (on CPUs with AMX, 2+ rows of K >= 1024 take the tiles), "int8 loop"
+= the same with the tiles off (AMX builds only), "int4" = int4 weights (model/quantize.py: 4 bits, fp16 scale and offset per 32) with fp32 x;
 "int4 x" = how many times faster the first build's int4 call is than its bf16 call (bf16 x where the
 build has vdpbf16ps, else fp32 x), by time. F.linear is bf16 x bf16 weights (oneDNN), the path without
 the kernel. Results: a table on
@@ -68,13 +69,15 @@ def measure(call, copies: list, repeats: int, probe: torch.Tensor) -> tuple[floa
     return nbytes / best_op / 1e9, probe.nbytes / best_probe / 1e9
 
 
-def without_tiles(ops, x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
-    """The bf16 product through the AVX-512 loop where the build would take the AMX tiles."""
-    before = ops.set_amx(False)
-    try:
-        return ops.matvec_bf16(x, ws)
-    finally:
-        ops.set_amx(before)
+def without_tiles(ops, product):
+    """product (a function of the weights) through the AVX-512 loops where the build would take the AMX tiles."""
+    def run(ws):
+        before = ops.set_amx(False)
+        try:
+            return product(ws)
+        finally:
+            ops.set_amx(before)
+    return run
 
 
 def flat(items) -> list[torch.Tensor]:
@@ -120,7 +123,8 @@ def main() -> int:
         return ["bf16", "bf16 loop"] if "AMX" in b.path else ["bf16"]
 
     columns = ["F.linear"] + [f"{march} {op}" for march, b in builds.items()
-                              for op in bf16_x(b) + ["bf16/fp32", "int8", "int4"]]
+                              for op in bf16_x(b) + ["bf16/fp32", "int8"] + (["int8 loop"] if "AMX" in b.path else [])
+                              + ["int4"]]
     first = next(iter(builds), None)
     print("| model | call | N x K | M | probe GB/s | " + " | ".join(columns) + " | int4 x | other load |")
     print("|---|---|---|---|---|" + "---|" * len(columns) + "---|---|")
@@ -150,10 +154,12 @@ def main() -> int:
                     if "bf16" in bf16_x(b):
                         runs[f"{march} bf16"] = (lambda ws, ops=ops: ops.matvec_bf16(xb, ws), bf16)
                     if "bf16 loop" in bf16_x(b):
-                        runs[f"{march} bf16 loop"] = (lambda ws, ops=ops: without_tiles(ops, xb, ws), bf16)
+                        runs[f"{march} bf16 loop"] = (without_tiles(ops, runs[f"{march} bf16"][0]), bf16)
                     runs[f"{march} bf16/fp32"] = (lambda ws, ops=ops: ops.matvec_bf16(x, ws), bf16)
                     runs[f"{march} int8"] = (
                         lambda qs, ops=ops: ops.matvec_int8(x, [q for q, _ in qs], [s for _, s in qs]), int8)
+                    if "AMX" in b.path:
+                        runs[f"{march} int8 loop"] = (without_tiles(ops, runs[f"{march} int8"][0]), int8)
                     runs[f"{march} int4"] = (lambda qs, ops=ops: ops.matvec_int4(
                         x, [q for q, _, _ in qs], [s for _, s, _ in qs], [o for _, _, o in qs]), int4)
                 for column, (run, copies) in runs.items():

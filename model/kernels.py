@@ -49,8 +49,9 @@ class Kernels:
     """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws), matvec_int8(x, ws, scales),
     matvec_int4(x, ws, scales, offsets), decode_layers(...) (model/decode_step.py calls it),
     dequantize_int4(w, scale, offset, dtype) and dequantize_int8(w, scale, dtype) (prefill), path(),
-    set_int4_int8_x(on) (AVX-512 builds round x to int8 blocks for int4 weights; off: int16, for tests) and
-    set_amx(on) (bf16 batches in AMX tiles where the CPU has them; off: the AVX-512 loop)."""
+    set_int8_x(on) (AVX-512 builds round x to int8 blocks for int4 weights, and AMX builds for int8 batches in
+    tiles; off: int16 rows, for tests) and set_amx(on) (bf16 and int8 batches in AMX tiles where the CPU has
+    them; off: the AVX-512 loops)."""
 
     march: str
     name: str  # the library's and the ops' namespace: one per -march, so builds load side by side

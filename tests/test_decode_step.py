@@ -26,7 +26,7 @@ import copy
 import pytest
 import torch
 from support.checkpoints import hf_model
-from support.kernels import has_int8_x, int4_int8_x
+from support.kernels import has_int8_x, x_in_int8
 from support.special_checkpoints import default_model
 
 import model.checkpoint
@@ -58,7 +58,7 @@ class CountingOps:
 def int4_x_in_int16(request):
     """The tests here compare the fused op with the reference closely: int4's x in int16 in the build
     under test and in the reference's (the last test switches int8 blocks back on)."""
-    with int4_int8_x(False, request.getfixturevalue("ops") if "ops" in request.fixturenames else None):
+    with x_in_int8(False, request.getfixturevalue("ops") if "ops" in request.fixturenames else None):
         yield
 
 
@@ -427,7 +427,7 @@ def test_the_default_model_in_int4_with_x_in_int8_blocks_picks_the_reference_tok
     Fed the reference's tokens, the two paths' logits differ by up to 7.4% of their scale (the largest
     |logit| of the sequence) and 28 of 1260 greedy choices differ, all where the reference's best led the
     next by under 1% of the scale. Asked: within 15%, and the same token wherever the lead is over 2%."""
-    with int4_int8_x(True):
+    with x_in_int8(True):
         if not has_int8_x(model.decode_step.kernels()):
             pytest.skip("this CPU's kernel build rounds x to int16 for int4 (no AVX-512): the tests above")
         _, _, logits = default_model_steps(monkeypatch, torch.float32, forced=True, quantize="int4")

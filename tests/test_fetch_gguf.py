@@ -22,7 +22,7 @@ import transformers
 from safetensors import safe_open
 from support.checkpoints import hf_model, prompt_ids
 from support.gguf_checkpoints import CHAT_TEMPLATE, as_stored, write_llama3_gguf
-from support.kernels import int4_int8_x
+from support.kernels import x_in_int8
 
 import model.convert.gguf as gguf_module
 import model.convert.gguf_tensors as tensors_module
@@ -120,7 +120,7 @@ def test_q4_greedy_decode_matches_transformers_on_the_dequantized_weights(import
     _, folder, source = imported(kind)
     ckpt = load_checkpoint(folder, dtype=torch.float32)
     ids = [128000, 9906, 11, 856, 836, 374]
-    with int4_int8_x(False):
+    with x_in_int8(False):
         reply = generate(ckpt, ids, max_new_tokens=16, temperature=0.0)
         for _ in reply:
             pass

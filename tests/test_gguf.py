@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors import safe_open
-from support.kernels import int4_int8_x
+from support.kernels import x_in_int8
 from tokenizers import Tokenizer, pre_tokenizers
 
 import model.convert.gguf as gguf_module
@@ -170,7 +170,7 @@ def test_imported_without_dequantizing_it_is_int4_and_int8_with_the_same_logits(
     assert m.tok_embeddings.weight.dtype == torch.int8 and m.output.weight is m.tok_embeddings.weight
     assert (folder / "model.safetensors").stat().st_size < smollm2_gguf.stat().st_size
     for ids, expected in reference_logits:
-        with torch.no_grad(), int4_int8_x(False):
+        with torch.no_grad(), x_in_int8(False):
             diff = (m(ids) - expected).abs().max().item()
         # up to MAX_KERNEL_ROWS tokens go to the kernels, where the int4 and int8 matrices round x to int16
         # here (1/65534 of its largest element, in every matrix: up to 0.05 of these logits of 20 to 30;

@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.checkpoints import hf_model
-from support.kernels import amx_tiles, has_int8_x, int4_int8_x, x_in_int8_blocks
+from support.kernels import amx_tiles, has_int8_x, x_in_int8, x_in_int8_blocks
 
 import model.kernels
 from model import cpu, load_checkpoint
@@ -165,15 +165,58 @@ def x_rounding(wd, x):
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n,k", INT8_SHAPES)
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_int8_weights(ops, m, n, k, x_dtype):
+def test_int8_weights(ops, kernels, m, n, k, x_dtype):
     w, x = data(n, k, m, seed=n + k + m)
     x = x * torch.linspace(0.1, 3, m)[:, None]  # rows of different ranges: each row has its own int16 scale
     q, scale = quantize_int8(w)
     x = x.to(x_dtype)
     ours = ops.matvec_int8(x, [q], [scale])
     assert ours.shape == (m, n) and ours.dtype == x_dtype
-    wd, xd = dequantize_int8(q, scale).double(), x.double()
-    check(ours, *bound(wd, xd, x_dtype, extra=x_rounding(wd, xd)))
+    check(ours, *int8_bound(dequantize_int8(q, scale).double(), x, int8_in_tiles(kernels, [q], x)))
+
+
+def quantize_int8_groups(w, group):
+    """int8 q and fp32 scales (n, k / group) for any group (quantize_int8 takes 64): Q8_0's 32 here."""
+    blocks = w.float().unflatten(-1, (-1, group))
+    scale = blocks.abs().amax(-1).clamp(min=1e-8) / 127
+    return torch.round(blocks / scale[..., None]).clamp(-127, 127).to(torch.int8).flatten(-2), scale
+
+
+# int8 batches of 3+ rows take the AMX tiles where the build and CPU have them for N in whole tiles of 16,
+# K >= 512 and one scale group of 32 or 64 for every matrix; there x is rounded to int8 per group.
+INT8_TILE_SHAPES = [(1040, 1024, 64), (48, 8192, 64), (16, 2048, 64), (64, 2048, 32), (960, 576, 64)]
+
+
+def int8_in_tiles(kernels, ws, x, group=64) -> bool:
+    """Whether matvec_int8 takes the AMX tiles for these matrices and x (csrc/matvec.cpp, amx_int8_fits),
+    the tiles switched on."""
+    return ("AMX" in kernels.path and x.shape[0] >= 3 and x.shape[-1] >= 512 and group in (32, 64)
+            and all(w.shape[0] % 16 == 0 for w in ws))
+
+
+def int8_bound(wd, x, tiles, group=64):
+    """The bound of an int8 product: x rounded to int8 per group in the tiles, to int16 per row in the loops."""
+    if tiles:
+        rounded, either_way = x_in_int8_blocks(x, group)
+        return bound(wd, rounded, x.dtype, extra=F.linear(either_way, wd.abs()))
+    return bound(wd, x.double(), x.dtype, extra=x_rounding(wd, x.double()))
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k,group", INT8_TILE_SHAPES)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_int8_batches_in_tiles_and_in_loops_give_the_product(ops, kernels, m, n, k, group, x_dtype):
+    """The tiles' product is that of x rounded to int8 per group (and not the loops' int16 rows: the
+    bound below tells the two apart); the loops', that of x in int16 rows."""
+    w, x = data(n, k, m, seed=n + k + m + group)
+    x = (x * torch.linspace(0.1, 3, m)[:, None]).to(x_dtype)
+    q, scale = quantize_int8_groups(w, group)
+    wd = dequantize_int8(q, scale).double()
+    for tiles in (True, False):
+        with amx_tiles(tiles, ops):
+            ours = ops.matvec_int8(x, [q], [scale])
+        assert ours.shape == (m, n) and ours.dtype == x_dtype
+        check(ours, *int8_bound(wd, x, tiles and int8_in_tiles(kernels, [q], x, group), group))
 
 
 def int4_x_roundings(ops, x):
@@ -207,7 +250,7 @@ def test_int4_weights(ops, m, n, k, x_dtype, symmetric):
     wd, _ = int4_reference(packed, scale, offset, x.double())
     assert torch.equal(wd.float(), dequantize_int4(packed, scale, offset))
     for int8_x, xr, rounding in int4_x_roundings(ops, x):
-        with int4_int8_x(int8_x, ops):
+        with x_in_int8(int8_x, ops):
             ours = ops.matvec_int4(x, [packed], [scale], [offset])
         assert ours.shape == (m, n) and ours.dtype == x_dtype
         exact, tol = bound(wd, xr, x_dtype, extra=rounding(wd))
@@ -215,7 +258,7 @@ def test_int4_weights(ops, m, n, k, x_dtype, symmetric):
 
 
 @pytest.mark.parametrize("m", [1, 5, MAX_KERNEL_ROWS])
-def test_several_matrices_side_by_side(ops, m):
+def test_several_matrices_side_by_side(ops, kernels, m):
     """q|k|v in one call: the outputs of matrices of different N, concatenated along the last axis."""
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 576, generator=g)
@@ -226,29 +269,32 @@ def test_several_matrices_side_by_side(ops, m):
     qs = [quantize_int8(w.float()) for w in ws]
     ours = ops.matvec_int8(x, [q for q, _ in qs], [s for _, s in qs])
     wd = torch.cat([dequantize_int8(q, s) for q, s in qs]).double()
-    exact, tol = bound(wd, x.double(), x.dtype, extra=x_rounding(wd, x.double()))
-    check(ours, exact, tol)
+    check(ours, *int8_bound(wd, x, int8_in_tiles(kernels, [q for q, _ in qs], x)))
     q4 = [quantize_int4(w.float()) for w in ws]
     offsets = [q4[0][2], None, q4[2][2]]  # Q4_1 and Q4_0 matrices in one call
     refs = [int4_reference(p, s, o, x.double()) for (p, s, _), o in zip(q4, offsets)]
     wd = torch.cat([wd for wd, _ in refs])
     for int8_x, xr, rounding in int4_x_roundings(ops, x):
-        with int4_int8_x(int8_x, ops):
+        with x_in_int8(int8_x, ops):
             ours = ops.matvec_int4(x, [p for p, _, _ in q4], [s for _, s, _ in q4], offsets)
         exact, tol = bound(wd, xr, x.dtype, extra=rounding(wd))
         magnitude = torch.cat([int4_reference(p, s, o, xr)[1] for (p, s, _), o in zip(q4, offsets)], dim=-1)
         check(ours, exact, tol + 4 * math.sqrt(576) * 2**-24 * magnitude)
 
 
-@pytest.mark.parametrize("m", [2, 5, MAX_KERNEL_ROWS])
-def test_several_matrices_side_by_side_in_tiles(ops, m):
-    """q|k|v of the 1B shape's layout in one call, where bf16 batches take the AMX tiles: 16-row
-    blocks of each matrix, outputs side by side."""
+@pytest.mark.parametrize("m", [2, 3, 5, MAX_KERNEL_ROWS])
+def test_several_matrices_side_by_side_in_tiles(ops, kernels, m):
+    """q|k|v of the 1B shape's layout in one call, where bf16 and int8 batches take the AMX tiles:
+    16-row blocks of each matrix, outputs side by side."""
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 1024, generator=g).bfloat16()
     ws = [torch.randn(n, 1024, generator=g).bfloat16() for n in (1024, 256, 256)]
     exact, tol = bound(torch.cat(ws).double(), x.double(), x.dtype)
     check(ops.matvec_bf16(x, ws), exact, tol)
+    qs = [quantize_int8(w.float()) for w in ws]
+    wd = torch.cat([dequantize_int8(q, s) for q, s in qs]).double()
+    check(ops.matvec_int8(x, [q for q, _ in qs], [s for _, s in qs]),
+          *int8_bound(wd, x, int8_in_tiles(kernels, [q for q, _ in qs], x)))
 
 
 @pytest.mark.parametrize("threads", [2, 3, 7])
@@ -265,9 +311,11 @@ def test_any_split_of_the_rows_across_threads_gives_the_same_outputs(ops, thread
     q4 = [quantize_int4(w) for w in ws]
     x_tiles = torch.randn(3, 1024, generator=g).bfloat16()
     tiles = [torch.randn(n, 1024, generator=g).bfloat16() for n in (1008, 192, 2048)]
+    q8_tiles = [quantize_int8(w.float()) for w in tiles]
     products = {
         "bf16": lambda: ops.matvec_bf16(x, bf16),
         "bf16 tiles": lambda: ops.matvec_bf16(x_tiles, tiles),  # AMX where there is
+        "int8 tiles": lambda: ops.matvec_int8(x_tiles, [q for q, _ in q8_tiles], [s for _, s in q8_tiles]),
         "int8": lambda: ops.matvec_int8(x, [q for q, _ in q8], [s for _, s in q8]),
         "int4": lambda: ops.matvec_int4(x, [p for p, _, _ in q4], [s for _, s, _ in q4], [o for _, _, o in q4]),
     }

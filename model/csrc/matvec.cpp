@@ -10,7 +10,7 @@
 //
 // The instruction set is chosen when this file is compiled: AVX-512 (with vdpbf16ps where the CPU
 // has AVX-512 BF16), else AVX2 + FMA, else plain loops the compiler vectorizes (dot_*.h). Where the
-// CPU has AMX, bf16 products of several rows of x take its tiles (tiles_amx.h).
+// CPU has AMX, bf16 and int8 products of several rows of x take its tiles (tiles_amx.h).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,7 +34,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include "dot_avx512.h"
 namespace isa = avx512;
-namespace int16_q4 = portable;  // int4 with x in int16, where int4_int8_x is off
+namespace int16_q4 = portable;  // int4 with x in int16, where int8_x is off
 #define HAVE_Q4_INT8_X 1  // int4 weights take x rounded to int8 per block (avx512::dot_q4_x8)
 #if defined(__AVX512BF16__)
 #define HAVE_BF16_DOT 1
@@ -274,8 +274,8 @@ at::Tensor matvec_amx(const at::Tensor& x, at::TensorList ws, int64_t rows) {
 }
 #endif
 
-// Switches the AMX tiles on or off for bf16 products (tests and benchmarks compare the two paths);
-// returns the setting before. Builds without them: always false.
+// Switches the AMX tiles on or off for bf16 and int8 products (tests and benchmarks compare the two
+// paths); returns the setting before. Builds without them: always false.
 bool set_amx(bool on) {
 #ifdef HAVE_AMX
   return use_amx.exchange(on);
@@ -349,17 +349,18 @@ inline int32_t round_16(const float* x, float inv, int64_t n, int16_t* q) {
 }
 
 #ifdef HAVE_Q4_INT8_X
-// int4 weights take x rounded to int8 per block of 32 (dot_q4_x8, the default) or, switched off, to int16
-// per row as the AVX2 and portable builds do (through the portable loops: slower, for the tests that
-// compare the fused decode step with the reference, where one x value rounded the other way moves an
-// output by 1/127 of the block's largest |x| in int8 and by 1/32767 of the row's in int16).
-std::atomic<bool> int4_int8_x{true};
+// Integer weights take x rounded to int8 blocks (the default): int4 per block of 32 (dot_q4_x8), int8
+// batches in AMX tiles per scale group; or, switched off, x rounded to int16 per row as the AVX2 and
+// portable builds do (int4 through the portable loops, int8 batches through the AVX-512 loop: slower, for
+// the tests that compare the fused decode step with the reference, where one x value rounded the other
+// way moves an output by 1/127 of the block's largest |x| in int8 and by 1/32767 of the row's in int16).
+std::atomic<bool> int8_x{true};
 #endif
 
-// Switches int4's int8 x on or off; returns the setting before. Builds without it: always false.
-bool set_int4_int8_x(bool on) {
+// Switches int8 x on or off; returns the setting before. Builds without it: always false.
+bool set_int8_x(bool on) {
 #ifdef HAVE_Q4_INT8_X
-  return int4_int8_x.exchange(on);
+  return int8_x.exchange(on);
 #else
   (void)on;
   return false;
@@ -452,6 +453,98 @@ Int8Blocks round_to_int8_blocks(const at::Tensor& x, int64_t rows) {
 }
 #endif
 
+#ifdef HAVE_AMX_INT8
+// int8 weights in AMX tiles (tiles_amx.h, rows_times_x_int8): one tile step is one group of the weights'
+// scales, so every matrix must have the same group, of 32 or 64 weights (int8 quantizes in groups of
+// 64, a Q8_0 GGUF brings 32), and N in whole tiles of 16 rows. x is rounded to int8 per group instead
+// of to int16 per row: a product moves by at most half a step of 1/127 of the group's largest |x| per
+// element, as int4's does per block of 32. Measured on Sapphire Rapids against the loop, weights from
+// memory (docs/benchmarks.md): 0.96-1.09x at 2 rows, 1.0-1.3x at 3 and up to 1.8x at 8, rows of K =
+// 576 (the default model) as well as the 1B shape's.
+constexpr int64_t kAmxInt8MinRows = 3, kAmxInt8MinK = 512;
+
+bool amx_int8_fits(at::TensorList ws, int64_t k_dim, const std::vector<int64_t>& groups) {
+  const int64_t group = groups.front();
+  if ((group != 32 && group != 64) || k_dim < kAmxInt8MinK) return false;
+  for (size_t i = 0; i < ws.size(); i++)
+    if (groups[i] != group || ws[i].size(0) % amx::kTileRows != 0) return false;
+  return true;
+}
+
+// x rounded to int8 per group of `group` values, as tdpbssd takes it: quads (K / 4, M) of 4 int8 values
+// of a row (k = 4p .. 4p + 3 of row m at quad p * M + m), and each group's scale max |x| / 127 at
+// scales[g * M + m]; q = round(x * 127 / max |x|). The buffers are the calling thread's.
+struct Int8Quads {
+  const int32_t* quads;
+  const float* scales;
+};
+
+Int8Quads round_to_int8_quads(const at::Tensor& x, int64_t rows, int64_t group) {
+  thread_local std::vector<int32_t> quads;
+  thread_local std::vector<float> scales, widened;
+  const int64_t k_dim = x.size(-1), groups = k_dim / group;
+  quads.resize(k_dim / 4 * rows);
+  scales.resize(groups * rows);
+  auto* values = reinterpret_cast<int8_t*>(quads.data());  // (K / 4, M, 4)
+  for (int64_t m = 0; m < rows; m++) {
+    const float* row = float_row(x, m, widened);
+    for (int64_t g = 0; g < groups; g++) {
+      const float* xg = row + g * group;
+      float x_max = 0.f;
+      for (int64_t j = 0; j < group; j++) x_max = std::max(x_max, std::abs(xg[j]));
+      const float inv = x_max > 0.f ? 127.f / x_max : 0.f;
+      scales[g * rows + m] = x_max / 127.f;
+      for (int64_t j = 0; j < group; j++) {
+        const int64_t k = g * group + j;
+        values[(k / 4 * rows + m) * 4 + k % 4] = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+      }
+    }
+  }
+  return {quads.data(), scales.data()};
+}
+
+// y = x W_i^T for int8 W_i and 3-8 rows of x with AMX tiles, 16 weight rows at a time, the blocks split
+// across threads as in rows_to.
+at::Tensor matvec_int8_amx(const at::Tensor& x, at::TensorList ws, const std::vector<const int8_t*>& w,
+                           const std::vector<const float*>& s, int64_t group, int64_t rows) {
+  const int64_t k_dim = x.size(-1), groups = k_dim / group;
+  std::vector<int64_t> first{0};  // first[i]: the output index of matrix i's row 0
+  for (const at::Tensor& t : ws) first.push_back(first.back() + t.size(0));
+  const int64_t n_total = first.back();
+  const Int8Quads xq = round_to_int8_quads(x, rows, group);
+  at::Tensor y = at::empty({rows, n_total}, x.options());
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  float* yf = bf16 ? nullptr : y.data_ptr<float>();
+  BFloat16* yb = bf16 ? y.data_ptr<BFloat16>() : nullptr;
+  const int64_t task = (std::max<int64_t>(1, kTaskBytes / k_dim) + amx::kTileRows - 1) / amx::kTileRows *
+                       amx::kTileRows;
+  with_rows(rows, [&](auto m_rows) {
+    constexpr int M = decltype(m_rows)::value;
+    parallel_rows(n_total, task, threads_for(n_total * k_dim), [&](int64_t begin, int64_t end) {
+      const amx::Config config(M, group, group / 4);
+      _tile_loadconfig(&config);
+      float out[amx::kTileRows * M];  // (16, M)
+      size_t i = 0;
+      for (int64_t n0 = begin; n0 < end; n0 += amx::kTileRows) {
+        while (n0 >= first[i + 1]) i++;
+        const int64_t r0 = n0 - first[i];
+        const bool more = n0 + amx::kTileRows < std::min(end, first[i + 1]);  // the task's next rows, same matrix
+        amx::rows_times_x_int8<M>(w[i] + r0 * k_dim, more ? w[i] + (r0 + amx::kTileRows) * k_dim : nullptr, k_dim,
+                                  group, s[i] + r0 * groups, groups, xq.quads, xq.scales, out);
+        for (int64_t r = 0; r < amx::kTileRows; r++) {
+          for (int m = 0; m < M; m++) {
+            if (bf16) yb[m * n_total + n0 + r] = BFloat16(out[r * M + m]);
+            else yf[m * n_total + n0 + r] = out[r * M + m];
+          }
+        }
+      }
+      _tile_release();
+    });
+  });
+  return y;
+}
+#endif
+
 at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList scales) {
   const int64_t rows = check("matvec_int8", x, ws, at::kChar);
   const int64_t k_dim = x.size(-1);
@@ -476,6 +569,10 @@ at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList sc
     n_groups.push_back(scale.size(1));
     align = std::lcm(align, groups.back());
   }
+#ifdef HAVE_AMX_INT8
+  if (rows >= kAmxInt8MinRows && use_amx && int8_x && amx_int8_fits(ws, k_dim, groups) && amx::enabled())
+    return matvec_int8_amx(x, ws, w, s, groups.front(), rows);
+#endif
   const Int16Rows xq = round_to_int16(x, rows);
   at::Tensor y;
   with_rows(rows, [&](auto m_rows) {
@@ -522,7 +619,7 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
   }
   at::Tensor y;
 #ifdef HAVE_Q4_INT8_X
-  if (int4_int8_x) {
+  if (int8_x) {
     const Int8Blocks xq = round_to_int8_blocks(x, rows);
       with_rows(rows, [&](auto m_rows) {
       constexpr int M = decltype(m_rows)::value;
@@ -593,7 +690,7 @@ DEFINE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("matvec_int8(Tensor x, Tensor[] w, Tensor[] scale) -> Tensor");
   m.def("matvec_int4(Tensor x, Tensor[] w, Tensor[] scale, Tensor?[] offset) -> Tensor");
   m.def("path() -> str", &path);  // which of the code paths above this build compiled
-  m.def("set_int4_int8_x(bool on) -> bool", &set_int4_int8_x);
+  m.def("set_int8_x(bool on) -> bool", &set_int8_x);
   m.def("set_amx(bool on) -> bool", &set_amx);
 }
 

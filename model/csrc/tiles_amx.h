@@ -1,4 +1,4 @@
-// AMX tiles (Intel Sapphire Rapids and later): bf16 weights times a few rows of bf16 x, for batches.
+// AMX tiles (Intel Sapphire Rapids and later): bf16 or int8 weights times a few rows of x, for batches.
 //
 // With one row of x, every kernel of matvec.cpp is bound by memory: a weight is read and used once.
 // With 8 rows each weight takes part in 8 products, and on Sapphire Rapids the AVX-512 loop
@@ -12,6 +12,10 @@
 //   B: x transposed in pairs, the layout tdpbf16ps asks of its second operand: row p holds for each
 //      row m of x the pair x[m, k0 + 2p], x[m, k0 + 2p + 1] (pair_rows writes it once per call);
 //   C: 16 outputs (weight rows) for each of the M rows of x.
+//
+// int8 weights likewise with tdpbssd (int8 times int8 into int32), where one tile step of K is one
+// group of the weights' scales (32 or 64 weights): x is rounded to int8 per group, and each step's
+// int32 sums are scaled by that group's weight and x scales and added up in fp32 (rows_times_x_int8).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -20,8 +24,12 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <vector>
 
 #define HAVE_AMX 1
+#if defined(__AMX_INT8__)
+#define HAVE_AMX_INT8 1
+#endif
 
 namespace amx {
 
@@ -40,18 +48,19 @@ inline bool enabled() {
 }
 
 // Tile shapes for M rows of x: tiles 0 and 1 accumulate C (even and odd steps of K, two chains in
-// flight), 2 and 3 hold A, 4 and 5 hold B. Loaded by each thread before its tiles are used
-// (the configuration is per thread, and oneDNN sets its own).
+// flight), 2 and 3 hold A (a_bytes of each of 16 weight rows), 4 and 5 hold B (b_rows rows of M
+// 4-byte pieces of x). Loaded by each thread before its tiles are used (the configuration is per
+// thread, and oneDNN sets its own). The defaults are bf16's: 32 weights, 16 pairs of K.
 struct alignas(64) Config {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
   uint16_t colsb[16] = {};  // bytes per row
   uint8_t rows[16] = {};
 
-  explicit Config(int64_t m) {
+  explicit Config(int64_t m, int64_t a_bytes = kTileK * 2, int64_t b_rows = kTileK / 2) {
     for (int t = 0; t < 6; t++) {
-      rows[t] = kTileRows;
-      colsb[t] = t == 2 || t == 3 ? kTileK * 2 : m * 4;  // A: 32 bf16; C: M fp32; B: M pairs of bf16
+      rows[t] = t >= 4 ? b_rows : kTileRows;
+      colsb[t] = t == 2 || t == 3 ? a_bytes : m * 4;  // C: M fp32 or int32; B: M pairs or quads
     }
   }
 };
@@ -90,6 +99,81 @@ inline void rows_times_x(const uint16_t* w, int64_t k_dim, const uint32_t* pairs
   _tile_stored(1, odd, pairs_stride);
   for (int64_t i = 0; i < kTileRows * m_rows; i++) out[i] += odd[i];
 }
+
+#ifdef HAVE_AMX_INT8
+// out (16, M) fp32 = rows w[0..16) of an int8 W (row stride k_dim) times M rows of x rounded to int8
+// per group of `group` (32 or 64) weights: x_quads (K / 4, M) 32-bit quads of x's int8 values
+// (tdpbssd's second operand), x_scales (K / group, M), and w_scales the rows' scales (row r's group g
+// at w_scales[r * scales_stride + g]). The tiles must be configured: Config(M, group, group / 4). Each
+// output is the sum over groups, in order, of its int32 dot product times both scales. `next`: the
+// 16 rows the caller takes after these (or null), asked into L2 a line per row and group meanwhile.
+//
+// Why ask for the next rows: an int8 row of K = 2048 is 2 KB, and the hardware prefetcher, which
+// follows each of the 16 rows by itself, was still learning a row when the block was done (int8 tiles
+// streamed 16-18 GB/s on q|k|v of the 1B shape, bf16 tiles with their 4 KB rows 25); asked for, 21-22.
+//
+// A group's C tile, stored, is 16 * M int32 in (row, m) order: M vectors of 16. Lane l of vector v is
+// row (16 v + l) / M and x row (16 v + l) % M, so its scale is a permutation of the 16 rows' scales
+// times one of the M x scales: two vpermps and a multiply per vector, the rows' scales transposed
+// once per call to one vector per group. While one pair of groups is scaled, the tiles of the next
+// pair are already on their way (two buffers).
+template <int M>
+inline void rows_times_x_int8(const int8_t* w, const int8_t* next, int64_t k_dim, int64_t group,
+                              const float* w_scales, int64_t scales_stride, const int32_t* x_quads,
+                              const float* x_scales, float* out) {
+  constexpr int64_t kQuadsStride = M * 4;  // bytes between rows of B and of C
+  const int64_t groups = k_dim / group, quads_per_group = group / 4 * M;
+  thread_local std::vector<float> scales;  // (groups, 16): the rows' scales, group by group
+  scales.resize(groups * kTileRows);
+  for (int64_t r = 0; r < kTileRows; r++)
+    for (int64_t g = 0; g < groups; g++) scales[g * kTileRows + r] = w_scales[r * scales_stride + g];
+  __m512i row_of[M], x_of[M];  // per vector of C: each lane's weight row and x row
+  for (int v = 0; v < M; v++) {
+    alignas(64) int32_t rows[16], xs[16];
+    for (int l = 0; l < 16; l++) rows[l] = (16 * v + l) / M, xs[l] = (16 * v + l) % M;
+    row_of[v] = _mm512_load_si512(rows);
+    x_of[v] = _mm512_load_si512(xs);
+  }
+  __m512 acc[M];
+  for (int v = 0; v < M; v++) acc[v] = _mm512_setzero_ps();
+  alignas(64) int32_t sums[2][2][kTileRows * M];  // [buffer][group of the pair]
+  auto tiles = [&](int64_t g, int32_t (&into)[2][kTileRows * M]) {  // groups g and g + 1 (if any)
+    for (int64_t r = 0; next != nullptr && r < kTileRows; r++) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + r * k_dim + g * group), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + r * k_dim + (g + 1) * group), _MM_HINT_T1);
+    }
+    _tile_zero(0);
+    _tile_loadd(2, w + g * group, k_dim);
+    _tile_loadd(4, x_quads + g * quads_per_group, kQuadsStride);
+    _tile_dpbssd(0, 2, 4);
+    if (g + 1 < groups) {
+      _tile_zero(1);
+      _tile_loadd(3, w + (g + 1) * group, k_dim);
+      _tile_loadd(5, x_quads + (g + 1) * quads_per_group, kQuadsStride);
+      _tile_dpbssd(1, 3, 5);
+    }
+    _tile_stored(0, into[0], kQuadsStride);
+    if (g + 1 < groups) _tile_stored(1, into[1], kQuadsStride);
+  };
+  auto add = [&](const int32_t* sum, int64_t g) {  // acc += sum * the group's scales
+    const __m512 row_scales = _mm512_loadu_ps(scales.data() + g * kTileRows);
+    const __m512 x_scales_g = _mm512_maskz_loadu_ps((1u << M) - 1, x_scales + g * M);
+    for (int v = 0; v < M; v++) {
+      const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(row_of[v], row_scales),
+                                         _mm512_permutexvar_ps(x_of[v], x_scales_g));
+      acc[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sum + 16 * v)), scale, acc[v]);
+    }
+  };
+  tiles(0, sums[0]);
+  for (int64_t g = 0; g < groups; g += 2) {
+    const int buffer = (g / 2) % 2;
+    if (g + 2 < groups) tiles(g + 2, sums[1 - buffer]);
+    add(sums[buffer][0], g);
+    if (g + 1 < groups) add(sums[buffer][1], g + 1);
+  }
+  for (int v = 0; v < M; v++) _mm512_storeu_ps(out + 16 * v, acc[v]);
+}
+#endif
 
 }  // namespace amx
 #endif

@@ -528,7 +528,8 @@ at::Tensor matvec_int8_amx(const at::Tensor& x, at::TensorList ws, const std::ve
       for (int64_t n0 = begin; n0 < end; n0 += amx::kTileRows) {
         while (n0 >= first[i + 1]) i++;
         const int64_t r0 = n0 - first[i];
-        const bool more = n0 + amx::kTileRows < std::min(end, first[i + 1]);  // the task's next rows, same matrix
+        // The next rows of the matrix, most often this thread's next task (its share is contiguous).
+        const bool more = n0 + amx::kTileRows < first[i + 1];
         amx::rows_times_x_int8<M>(w[i] + r0 * k_dim, more ? w[i] + (r0 + amx::kTileRows) * k_dim : nullptr, k_dim,
                                   group, s[i] + r0 * groups, groups, xq.quads, xq.scales, out);
         for (int64_t r = 0; r < amx::kTileRows; r++) {

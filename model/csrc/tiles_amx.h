@@ -106,7 +106,7 @@ inline void rows_times_x(const uint16_t* w, int64_t k_dim, const uint32_t* pairs
 // (tdpbssd's second operand), x_scales (K / group, M), and w_scales the rows' scales (row r's group g
 // at w_scales[r * scales_stride + g]). The tiles must be configured: Config(M, group, group / 4). Each
 // output is the sum over groups, in order, of its int32 dot product times both scales. `next`: the
-// 16 rows the caller takes after these (or null), asked into L2 a line per row and group meanwhile.
+// 16 rows likely to come after these (or null), asked into L2 a line per row and group meanwhile.
 //
 // Why ask for the next rows: an int8 row of K = 2048 is 2 KB, and the hardware prefetcher, which
 // follows each of the 16 rows by itself, was still learning a row when the block was done (int8 tiles

@@ -6,9 +6,11 @@ For a fixed set of prompts: does greedy decoding give the same first 20 tokens a
 as bf16 weights (the default, which int8 and int4 replace)? And the perplexity of a fixed text under
 each variant. With --gguf (default: the default model's own GGUF, where it is in the cache), one more
 row: that file imported as it is (Q4_1 matrices as int4 with the file's scales and minimums, its Q8_0
-embedding as int8). Perplexity twice: the text in one forward pass (prefill, F.linear) and a token at a
-time through the decode step (the kernel, which rounds x to int16 for int8 and int4 weights). Prints
-a table.
+embedding as int8). Perplexity three times: the text in one forward pass (prefill, F.linear), a token
+at a time through the decode step (the kernel, as for one reply alone: for int8 weights x rounded to
+int16 per row, for int4 on AVX-512 to int8 per block of 32), and the same in a batch of 8 copies of the
+text (as 8 streams are served: on CPUs with AMX, int8 weights then take the tiles, x rounded to int8
+per group of 64). Prints a table.
 """
 
 from __future__ import annotations
@@ -69,21 +71,28 @@ def greedy(ckpt, prompt: str, n: int = 20) -> list[int]:
 
 
 @torch.inference_mode()
-def perplexity(ckpt, text: str) -> tuple[float, float]:
-    """The text's perplexity with all of it in one forward pass (prefill: F.linear), and fed a token at a
-    time through the decode step (the kernel, as replies are generated: x rounded to int16 for int8
-    and int4 weights)."""
+def perplexity(ckpt, text: str, batch: int = 8) -> tuple[float, float, float]:
+    """The text's perplexity with all of it in one forward pass (prefill: F.linear), fed a token at a time
+    through the decode step (the kernel, as one reply is generated), and likewise as the first of `batch`
+    copies decoded together (as that many streams are)."""
     ids = ckpt.tokenizer.encode(text)
     targets = torch.tensor(ids[1:])
     prefill = ckpt.model(torch.tensor([ids]))[0, :-1].float()
-    cache = KVCache(ckpt.config, len(ids), dtype=ckpt.model.compute_dtype)
-    steps = [ckpt.model(torch.tensor([ids[:1]]), 0, cache)[0, -1].float()]
-    cache.tokens = ids[:1]
-    for token in ids[1:-1]:
-        steps.append(ckpt.model.decode(torch.tensor([token]), [cache])[0].float())
-        cache.tokens.append(token)
+
+    def decoded(copies: int) -> torch.Tensor:  # logits (len(ids) - 1, vocab) of the first copy
+        caches = [KVCache(ckpt.config, len(ids), dtype=ckpt.model.compute_dtype) for _ in range(copies)]
+        first = [ckpt.model(torch.tensor([ids[:1]]), 0, cache)[0, -1].float() for cache in caches][0]
+        for cache in caches:
+            cache.tokens = ids[:1]
+        steps = [first]
+        for token in ids[1:-1]:
+            steps.append(ckpt.model.decode(torch.tensor([token] * copies), caches)[0].float())
+            for cache in caches:
+                cache.tokens.append(token)
+        return torch.stack(steps)
+
     return tuple(math.exp(torch.nn.functional.cross_entropy(logits, targets).item())
-                 for logits in (prefill, torch.stack(steps)))
+                 for logits in (prefill, decoded(1), decoded(batch)))
 
 
 def main() -> None:
@@ -111,13 +120,14 @@ def main() -> None:
     print(f"{args.checkpoint}: {len(PROMPTS)} prompts, greedy, first {args.tokens} tokens"
           + (f"; GGUF: {gguf.name}" if gguf else "") + "\n")
     print("| weights | same first tokens as fp32 | as bf16 | mean tokens before the first difference from bf16 "
-          "| perplexity | vs fp32 | vs bf16 | decode perplexity | vs fp32 | vs bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| perplexity | vs fp32 | vs bf16 | decode perplexity | vs fp32 | vs bf16 "
+          "| decode in a batch of 8 | vs fp32 | vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     fp32, bf16 = results["fp32"], results["bf16"]
     for name, (tokens, ppl) in results.items():
         row = f"| {name} | {same(tokens, fp32[0])}/{len(PROMPTS)} | {same(tokens, bf16[0])}/{len(PROMPTS)} | " \
               f"{agreeing(tokens, bf16[0]):.1f} |"
-        for i in range(2):  # prefill, decode
+        for i in range(3):  # prefill, decode, decode in a batch
             vs_fp32, vs_bf16 = ppl[i] / fp32[1][i] - 1, ppl[i] / bf16[1][i] - 1
             row += f" {ppl[i]:.3f} | {vs_fp32 * 100:+.2f}% | {vs_bf16 * 100:+.2f}% |"
         print(row)

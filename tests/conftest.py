@@ -67,6 +67,21 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """A tiny random Llama 3 in transformers (tests/support/checkpoints.py): what parity tests hold ours to."""
+    from support.checkpoints import hf_model
+    return hf_model()
+
+
+@pytest.fixture(scope="module")
+def hf_folder(reference, tmp_path_factory):
+    """`reference` saved as a Hugging Face folder (config.json + model.safetensors)."""
+    folder = tmp_path_factory.mktemp("hf")
+    reference.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def device():
     """Where the tests that compute with a loaded model put it: $LLAMA_TEST_DEVICE (cpu, cuda, mps), the

@@ -33,18 +33,6 @@ def gpu(device):
     pytest.skip("no GPU here (CUDA or MPS): these tests run where one is")
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return hf_model()
-
-
-@pytest.fixture(scope="module")
-def hf_folder(reference, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hf")
-    reference.save_pretrained(folder)
-    return folder
-
-
 def close(ours: torch.Tensor, theirs: torch.Tensor, tolerance: float) -> bool:
     """Whether ours (any device) is within tolerance x the largest |value| of theirs, everywhere."""
     ours, theirs = ours.float().cpu(), theirs.float().cpu()

@@ -12,18 +12,6 @@ from model import CheckpointError, KVCache, LlamaConfig, RopeScaling, generate, 
 from model.rope import inv_freq
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return hf_model()
-
-
-@pytest.fixture(scope="module")
-def hf_folder(reference, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hf")
-    reference.save_pretrained(folder)
-    return folder
-
-
 def hf_logits(hf, ids):
     with torch.no_grad():
         return hf(ids).logits

@@ -459,8 +459,8 @@ Int8Blocks round_to_int8_blocks(const at::Tensor& x, int64_t rows) {
 // 64, a Q8_0 GGUF brings 32), and N in whole tiles of 16 rows. x is rounded to int8 per group instead
 // of to int16 per row: a product moves by at most half a step of 1/127 of the group's largest |x| per
 // element, as int4's does per block of 32. Measured on Sapphire Rapids against the loop, weights from
-// memory (docs/benchmarks.md): 0.96-1.09x at 2 rows, 1.0-1.3x at 3 and up to 1.8x at 8, rows of K =
-// 576 (the default model) as well as the 1B shape's.
+// memory (docs/benchmarks.md): as fast at 2 rows (so the tiles start at 3), 1.0-1.2x at 3 and 1.3-1.9x
+// at 8, rows of K = 576 (the default model) as well as the 1B shape's.
 constexpr int64_t kAmxInt8MinRows = 3, kAmxInt8MinK = 512;
 
 bool amx_int8_fits(at::TensorList ws, int64_t k_dim, const std::vector<int64_t>& groups) {

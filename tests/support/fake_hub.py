@@ -11,7 +11,8 @@ file_download.py), with the headers and error codes the real Hub sends:
 
 A missing repo is 404 RepoNotFound; a gated repo answers its files with 401 GatedRepo without a token
 and 403 GatedRepo for a token not granted. `drop_after[path] = n` cuts the first download of that
-file after n bytes; `gone_after_drop` then stops the server, as a network that goes away.
+file after n bytes; `gone_after_drop` then stops the server, as a network that goes away (from the
+moment of the drop: a request that comes before the server has stopped is hung up on unanswered).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class FakeHub:
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
         self.drop_after: dict[str, int] = {}
         self.gone_after_drop = False
+        self.gone = False  # set at a drop with gone_after_drop: no request is answered any more
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -72,6 +74,10 @@ class FakeHub:
                 self.route(send_body=False)
 
             def route(self, send_body: bool):
+                if hub.gone:  # the server stops in another thread (shutdown waits up to 0.5 s for its loop)
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
                 path, _, query = self.path.partition("?")
                 api = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/[^/]+)?", path)
                 tree = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/[^/]+", path)
@@ -119,9 +125,10 @@ class FakeHub:
                     return
                 self.wfile.write(data[start:start + cut])
                 self.wfile.flush()
+                hub.gone = hub.gone_after_drop  # before the peer sees the cut and asks again
                 self.close_connection = True
                 self.connection.shutdown(2)  # the peer sees the stream end early
-                if hub.gone_after_drop:
+                if hub.gone:
                     threading.Thread(target=hub.stop, daemon=True).start()
 
             def json(self, value):

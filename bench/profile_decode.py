@@ -4,11 +4,11 @@
     python bench/profile_decode.py [--shape llama3.2-1b] [--dtype bfloat16] [--quantize int8|int4] [--steps 16]
                                    [--op-by-op] [--device cuda]
 
-Loads the random checkpoint of the shape, prefills a prompt, runs two untimed decode steps, then
-profiles `--steps` more, each the same call `generate` makes (`model.decode(token, [kv_cache])` then
-greedy argmax). --op-by-op: the reference decode (Llama.fused_decode off), one ATen op at a time.
-Before the profile it prints how long each of the first decode steps took and the median of the rest,
-so a one-time cost (a kernel loaded or compiled on first use) shows apart from the steady step.
+Loads the random checkpoint of the shape, prefills a prompt, runs 24 decode steps timed one by one
+(it prints the first three and the median of the rest, so a one-time cost such as a kernel loaded or
+compiled on first use shows apart from the steady step), then profiles `--steps` more, each the same
+call `generate` makes (`model.decode(token, [kv_cache])` then greedy argmax). --op-by-op: the
+reference decode (Llama.fused_decode off), one ATen op at a time.
 """
 
 from __future__ import annotations

@@ -109,6 +109,7 @@ class Generate(msgspec.Struct, tag=True, omit_defaults=True):
     json_schema: dict | None = None  # the reply is a document of this JSON schema (constrained decoding)
     json_object: bool = False  # the reply is a JSON object (OpenAI's json_object mode)
     logprobs: int | None = None  # report each token's log-probability and this many alternatives; None: off
+    user: str = ""  # whose request: the engine reuses a kept KV cache only for requests of the same user
 
 
 class Cancel(msgspec.Struct, tag=True):

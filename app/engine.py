@@ -29,8 +29,8 @@ import msgspec
 import torch
 
 from model.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_checkpoint
-from model.generation import PREFILL_CHUNK, PromptTooLong, sampling_defaults
-from model.kv_cache import KVCache
+from model.generation import PromptTooLong, sampling_defaults
+from model.kv_cache import PREFILL_CHUNK, KVCache
 
 from .messages import (
     Cancel,
@@ -187,8 +187,8 @@ class Engine:
         for sequence in self.scheduler.admit():
             self._take_cache(sequence)
         step = self.scheduler.schedule()
-        for sequence, n in step.prefill:
-            self._guarded([sequence], self._prefill, sequence, n)
+        for sequence in step.prefill:
+            self._guarded([sequence], self._prefill, sequence)
         by_model: dict[str, list[Sequence]] = {}
         for sequence in step.decode:
             by_model.setdefault(sequence.model, []).append(sequence)
@@ -201,12 +201,12 @@ class Engine:
         self._announce_stats()
 
     @torch.inference_mode()
-    def _prefill(self, sequence: Sequence, n: int) -> None:
+    def _prefill(self, sequence: Sequence) -> None:
         model = self.checkpoints[sequence.model].model
-        ids, start = sequence.prefill_chunk(n)
+        ids, start = sequence.prefill_chunk()
         tokens = torch.tensor([ids], device=model.tok_embeddings.weight.device)
         logits = model(tokens, start_pos=start, kv_cache=sequence.cache, last_only=True)[0, -1]
-        sequence.cache.tokens.extend(ids)
+        sequence.cache.extend(ids)
         if sequence.prompt_left == 0:
             for follower in sequence.followers:  # the other replies to the same prompt start here too
                 follower.cache = sequence.cache.copy_prefix(sequence.cache.length, follower.max_len)
@@ -220,7 +220,7 @@ class Engine:
         caches = [sequence.cache for sequence in batch]
         logits = model.decode(torch.tensor(last, device=model.tok_embeddings.weight.device), caches)  # (b, vocab)
         for sequence, token, row in zip(batch, last, logits):
-            sequence.cache.tokens.append(token)
+            sequence.cache.extend([token])
             self._accept(sequence, sequence.sample(row))
 
     def _accept(self, sequence: Sequence, token: int) -> None:
@@ -303,7 +303,7 @@ class Engine:
 
         self.prefix_cache.trim(self._bytes_in_use())
         sequence.cache, sequence.stats.reused_tokens = self.prefix_cache.take(
-            sequence.model, sequence.prompt, sequence.max_len, new_cache)
+            sequence.scope, sequence.prompt, sequence.max_len, new_cache)
 
     def _finish(self, sequence: Sequence) -> None:
         """Send the sequence's Done and keep its cache for requests that start the same way."""
@@ -312,7 +312,7 @@ class Engine:
             self.emit(Text(sequence.id, sequence.unsent, sequence.index))
         self.emit(done)
         if sequence.cache is not None:
-            self.prefix_cache.put(sequence.model, sequence.cache, self._bytes_in_use(without=sequence))
+            self.prefix_cache.put(sequence.scope, sequence.cache, self._bytes_in_use(without=sequence))
         self._forget(sequence)
         s = done.stats
         log.info("reply: prompt %d tokens (%d from the cache), %d new tokens, first token %.2f s, %.1f tokens/s, "

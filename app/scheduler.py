@@ -1,9 +1,11 @@
 """Which sequences run in the engine's next step: continuous batching with chunked prefill.
 
 Every step decodes one token for every running sequence whose prompt is in its cache, and spends a
-budget of prompt tokens on the running sequences that are still prefilling, oldest first; so a new
-request joins the batch at the next step, and a long prompt is prefilled in chunks between decode
-steps instead of freezing the other streams. At most `max_batch` sequences run; the rest wait in
+budget of prompt tokens on the running sequences that are still prefilling, oldest first, a whole
+chunk each (a sequence's chunks start at fixed positions, model/kv_cache.py: one that does not fit
+what is left of the budget waits for the next step); so a new request joins the batch at the next
+step, and a long prompt is prefilled in chunks between decode steps instead of freezing the other
+streams. At most `max_batch` sequences run; the rest wait in
 arrival order and are admitted as running ones finish.
 
 Written by hand: this loop is the point of the engine, and what a library would offer (vLLM's
@@ -27,12 +29,15 @@ class Schedulable(Protocol):
     def prompt_left(self) -> int: ...  # prompt tokens not yet in its cache
 
     @property
+    def next_chunk(self) -> int: ...  # prompt tokens in its next prefill chunk (whole: its bounds decide its sums)
+
+    @property
     def finished(self) -> bool: ...
 
 
 @dataclass
 class Step:
-    prefill: list[tuple[Schedulable, int]] = field(default_factory=list)  # (sequence, prompt tokens to run)
+    prefill: list[Schedulable] = field(default_factory=list)  # its next prompt chunk each
     decode: list[Schedulable] = field(default_factory=list)  # one new token each
 
     def __bool__(self) -> bool:
@@ -80,12 +85,12 @@ class Scheduler:
         for sequence in self.running:
             if sequence.finished:
                 continue
-            left = sequence.prompt_left
-            if left == 0:
+            chunk = sequence.next_chunk
+            if chunk == 0:
                 step.decode.append(sequence)
-            elif budget > 0:
-                step.prefill.append((sequence, min(left, budget)))
-                budget -= step.prefill[-1][1]
+            elif chunk <= budget or not step.prefill:  # the first always runs, whatever the budget
+                step.prefill.append(sequence)
+                budget -= chunk
         return step
 
     def positions(self) -> dict[Schedulable, int]:

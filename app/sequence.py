@@ -59,6 +59,7 @@ class Sequence:
         self.leader = leader  # the sequence whose prefilled prompt this one copies
         self.followers: list[Sequence] = []
         self.model = request.model
+        self.scope = (request.model, request.user)  # kept KV caches are reused within one model and one user
         self.request = request
         self.arrived = arrived
         self.settings: ReplySettings | None = None  # every field set, once the model is known
@@ -122,6 +123,14 @@ class Sequence:
         return len(self.prompt) - (self.cache.length if self.cache is not None else 0)
 
     @property
+    def next_chunk(self) -> int:
+        """Prompt tokens in its next prefill chunk (model/kv_cache.py: chunks start at multiples of the
+        chunk size, whatever else is prefilled in the step), 0 once its prompt is in its cache."""
+        if self.prompt_left == 0:
+            return 0
+        return self.cache.chunk_end(len(self.prompt)) - self.cache.length
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -132,10 +141,10 @@ class Sequence:
 
     # -- what the engine calls
 
-    def prefill_chunk(self, n: int) -> tuple[list[int], int]:
-        """The next n prompt ids to run, and the position of the first."""
+    def prefill_chunk(self) -> tuple[list[int], int]:
+        """The prompt ids of its next prefill chunk, and the position of the first."""
         start = self.cache.length
-        return self.prompt[start:start + n], start
+        return self.prompt[start:start + self.next_chunk], start
 
     def sample(self, logits: torch.Tensor) -> int:
         """The next token, from the logits of the model at the reply's next position (vocab,)."""

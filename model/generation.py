@@ -10,15 +10,8 @@ import torch
 
 from .checkpoint import Checkpoint
 from .config import DEFAULT_MAX_CONTEXT
-from .cpu import has_amx
-from .kv_cache import KVCache
+from .kv_cache import PREFILL_CHUNK, KVCache
 from .sampling import Sampler, SamplingParams
-
-# Prompt tokens per forward pass: a cancel, and in the engine the other streams' next decode step, wait
-# for one chunk at most. 256 was the fastest size on AVX-512 CPUs (docs/benchmarks.md); on CPUs with
-# AMX the bf16 products pay off at more rows (1B shape: 0.88x transformers' prefill in chunks of 256,
-# 1.00x in 512), and a chunk of 512 there takes about as long (0.85 s) as one of 256 on Zen 5.
-PREFILL_CHUNK = 512 if has_amx() else 256
 
 
 class PromptTooLong(ValueError):
@@ -117,19 +110,21 @@ class Generation:
         start_time = time.perf_counter()
         stream = TextStream(self.checkpoint.tokenizer)
         cache = self.kv_cache
-        # Keys/values of a common prefix are kept; at least the last prompt token is run for logits.
-        reused = min(cache.common_prefix(self.prompt_ids), len(self.prompt_ids) - 1)
+        # Keys/values of a common prefix computed as this prompt's prefill would are kept (model/kv_cache.py);
+        # at least the last prompt token is run for logits.
+        reused = cache.reusable(self.prompt_ids)
         self.stats.reused_tokens = reused
         self.finish_reason = "length"
-        cache.tokens = cache.tokens[:reused]
-        for start in range(reused, len(self.prompt_ids), PREFILL_CHUNK):
+        cache.truncate(reused)
+        while cache.length < len(self.prompt_ids):
             if self.should_stop():
                 self.finish_reason = "cancelled"
                 self.stats.total_time = time.perf_counter() - start_time
                 return
-            chunk = self.prompt_ids[start:start + PREFILL_CHUNK]
-            logits = self._forward(chunk, start)
-            cache.tokens.extend(chunk)
+            start = cache.length
+            chunk = self.prompt_ids[start:cache.chunk_end(len(self.prompt_ids))]
+            logits = self._prefill(chunk, start)
+            cache.extend(chunk)
         for _ in range(self.max_new_tokens):
             if self.should_stop():
                 self.finish_reason = "cancelled"
@@ -155,8 +150,8 @@ class Generation:
             if self.constraint is not None and self.constraint.finished:  # only a stop id may follow
                 self.finish_reason = "stop"
                 break
-            logits = self._forward([token], cache.length)
-            cache.tokens.append(token)
+            logits = self._decode(token)
+            cache.extend([token])
         piece = stream.flush()
         if piece:
             yield piece
@@ -167,12 +162,17 @@ class Generation:
         return self.checkpoint.tokenizer.decode([t for t in self.tokens if t not in self.hidden_ids])
 
     @torch.inference_mode()
-    def _forward(self, ids: list[int], start_pos: int) -> torch.Tensor:
-        """Run ids at start_pos through the model, filling the cache; logits of the last one (vocab,)."""
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.checkpoint.device)
-        if len(ids) == 1:
-            return self._model.decode(tokens, [self.kv_cache])[0]
-        return self._model(tokens[None], start_pos=start_pos, kv_cache=self.kv_cache, last_only=True)[0, -1]
+    def _prefill(self, ids: list[int], start_pos: int) -> torch.Tensor:
+        """A prompt chunk at start_pos through the model, filling the cache; logits of its last token
+        (vocab,). Always the forward pass, also for one token: a chunk is computed one way only."""
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.checkpoint.device)
+        return self._model(tokens, start_pos=start_pos, kv_cache=self.kv_cache, last_only=True)[0, -1]
+
+    @torch.inference_mode()
+    def _decode(self, token: int) -> torch.Tensor:
+        """One sampled token at the cache's length through the model; the next logits (vocab,)."""
+        tokens = torch.tensor([token], dtype=torch.long, device=self.checkpoint.device)
+        return self._model.decode(tokens, [self.kv_cache])[0]
 
 
 def sampling_params(sampling: SamplingParams | None, temperature: float | None, top_k: int | None,

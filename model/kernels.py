@@ -47,8 +47,8 @@ class KernelBuildError(RuntimeError):
 @dataclass(frozen=True)
 class Kernels:
     """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws), matvec_int8(x, ws, scales),
-    matvec_int4(x, ws, scales, offsets), decode_layers(...) (model/decode_step.py calls it),
-    dequantize_int4(w, scale, offset, dtype) and dequantize_int8(w, scale, dtype) (prefill), path(),
+    matvec_int4(x, ws, scales, offsets) (each with fp32_out=True for y in fp32 whatever x's dtype),
+    decode_layers(...) (model/decode_step.py calls it), dequantize_int4(w, scale, offset, dtype) and dequantize_int8(w, scale, dtype) (prefill), path(),
     set_int8_x(on) (AVX-512 builds round x to int8 blocks for int4 weights, and AMX builds for int8 batches in
     tiles; off: int16 rows, for tests) and set_amx(on) (bf16 and int8 batches in AMX tiles where the CPU has
     them; off: the AVX-512 loops)."""
@@ -134,10 +134,12 @@ def _build(march: str) -> Kernels:
         _compile(name, march, folder)
     ops = getattr(torch.ops, name)
     # Shapes of the outputs, so torch.compile can trace through the ops: x (..., K) -> (..., sum N_i).
-    torch.library.register_fake(f"{name}::matvec_bf16")(lambda x, ws: _fake_output(x, ws))
-    torch.library.register_fake(f"{name}::matvec_int8")(lambda x, ws, scales: _fake_output(x, ws))
+    torch.library.register_fake(f"{name}::matvec_bf16")(lambda x, ws, fp32_out=False: _fake_output(x, ws, fp32_out))
+    torch.library.register_fake(f"{name}::matvec_int8")(
+        lambda x, ws, scales, fp32_out=False: _fake_output(x, ws, fp32_out))
     torch.library.register_fake(f"{name}::decode_layers")(lambda x, *rest: torch.empty_like(x))
-    torch.library.register_fake(f"{name}::matvec_int4")(lambda x, ws, scales, offsets: _fake_output(x, ws))
+    torch.library.register_fake(f"{name}::matvec_int4")(
+        lambda x, ws, scales, offsets, fp32_out=False: _fake_output(x, ws, fp32_out))
     torch.library.register_fake(f"{name}::dequantize_int4")(
         lambda w, scale, offset, dtype: w.new_empty(w.shape[0], w.shape[1] * 2, dtype=dtype))
     torch.library.register_fake(f"{name}::dequantize_int8")(lambda w, scale, dtype: w.new_empty(w.shape, dtype=dtype))
@@ -169,5 +171,5 @@ def _first_error(log: str) -> str:
     return next((line for line in lines if "error:" in line), lines[-1])[:300]
 
 
-def _fake_output(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
+def _fake_output(x: torch.Tensor, weights: list[torch.Tensor], fp32_out: bool = False) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights), dtype=torch.float32 if fp32_out else x.dtype)

@@ -1,4 +1,11 @@
-"""The key/value cache of one conversation: pre-allocated, written in place at each position."""
+"""The key/value cache of one conversation: pre-allocated, written in place at each position.
+
+A prompt is prefilled in chunks that start at multiples of PREFILL_CHUNK, so the same tokens always
+meet the same chunks: each position's keys and values come out bit for bit the same whichever request
+computes them. A later request may take over only such positions (`exact`); positions of a last,
+partial chunk or of decode steps were summed in another order and are computed again, so that a
+reply never depends on what a cache held before.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,13 @@ from typing import NamedTuple
 import torch
 
 from .config import LlamaConfig
+from .cpu import has_amx
+
+# Prompt tokens per forward pass: a cancel, and in the engine the other streams' next decode step, wait
+# for one chunk at most. 256 was the fastest size on AVX-512 CPUs (docs/benchmarks.md); on CPUs with
+# AMX the bf16 products pay off at more rows (1B shape: 0.88x transformers' prefill in chunks of 256,
+# 1.00x in 512), and a chunk of 512 there takes about as long (0.85 s) as one of 256 on Zen 5.
+PREFILL_CHUNK = 512 if has_amx() else 256
 
 
 class LayerCache(NamedTuple):
@@ -37,14 +51,16 @@ class KVCache:
     """
 
     def __init__(self, config: LlamaConfig, max_len: int, *, batch: int = 1,
-                 device=None, dtype=torch.float32):
+                 device=None, dtype=torch.float32, chunk: int | None = None):
         self.config = config
         shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
         # Never read beyond what was written, so left uninitialized: pages are touched only as used.
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
         self.max_len = max_len
+        self.chunk = chunk or PREFILL_CHUNK  # prompt tokens per forward pass, chunks starting at its multiples
         self.tokens: list[int] = []
+        self.exact = 0  # leading positions computed by whole chunks: the same for any request with these tokens
 
     @property
     def length(self) -> int:
@@ -67,6 +83,32 @@ class KVCache:
         """Bytes of the positions written so far (the memory actually touched)."""
         return self.nbytes * self.length // self.max_len
 
+    def chunk_end(self, prompt_length: int) -> int:
+        """Where the next prefill chunk of a prompt of that length ends: the next multiple of `chunk`, or
+        the prompt's end."""
+        return min(prompt_length, (self.length // self.chunk + 1) * self.chunk)
+
+    def extend(self, ids: list[int]) -> None:
+        """Record the ids a forward pass just wrote at positions length.. (a prefill chunk, or a token)."""
+        start = self.length
+        self.tokens.extend(ids)
+        if start == self.exact and start % self.chunk == 0 and len(ids) == self.chunk:
+            self.exact = self.length
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions (later writes go over the rest)."""
+        del self.tokens[n:]
+        self.exact = min(self.exact, n)
+
+    def reusable(self, prompt: list[int]) -> int:
+        """How many leading positions a request for `prompt` may take from this cache: those it shares with
+        the prompt and that were computed by whole chunks, in whole chunks, leaving at least the prompt's last
+        token to run (its logits give the first token)."""
+        shared = min(self.exact, len(prompt) - 1)
+        if shared <= 0:
+            return 0
+        return min(shared, self.common_prefix(prompt)) // self.chunk * self.chunk
+
     def common_prefix(self, tokens: list[int]) -> int:
         """How many leading ids of `tokens` already have their keys/values here."""
         # Binary search over list-slice equality: each comparison runs in C, about log2(n) of them.
@@ -84,8 +126,10 @@ class KVCache:
 
     def copy_prefix(self, n: int, max_len: int) -> KVCache:
         """A new cache of max_len positions holding this one's first n positions."""
-        new = KVCache(self.config, max_len, batch=self.k.shape[1], device=self.k.device, dtype=self.k.dtype)
+        new = KVCache(self.config, max_len, batch=self.k.shape[1], device=self.k.device, dtype=self.k.dtype,
+                      chunk=self.chunk)
         new.k[:, :, :, :n] = self.k[:, :, :, :n]
         new.v[:, :, :, :n] = self.v[:, :, :, :n]
         new.tokens = self.tokens[:n]
+        new.exact = min(self.exact, n)
         return new

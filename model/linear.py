@@ -32,30 +32,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 
 def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
-            offsets: list[torch.Tensor | None] | None = None) -> torch.Tensor:
-    """x (..., K) through several weight matrices (N_i, K) at once: outputs side by side, (..., sum N_i).
+            offsets: list[torch.Tensor | None] | None = None, fp32_out: bool = False) -> torch.Tensor:
+    """x (..., K) through several weight matrices (N_i, K) at once: outputs side by side, (..., sum N_i),
+    in x's dtype, or in fp32 with fp32_out (the output head: the sums are fp32, logits keep them).
 
     Up to MAX_KERNEL_ROWS rows of x on the CPU go to the decode kernel, which reads each weight once
-    for all of them; more rows (prefill) go to F.linear.
+    for all of them; more rows (prefill) go to F.linear. Each row's result is the same whatever rows come
+    with it (the kernel's loops are written so; where the kernel does not apply, such rows go to
+    F.linear one at a time), so a sequence decodes the same tokens alone or in any batch.
     """
     offsets = offsets or [None] * len(weights)
     kind, k_dim = weights[0].dtype, x.shape[-1]
     rows = x.numel() // k_dim if k_dim else 0
-    if (1 <= rows <= MAX_KERNEL_ROWS and x.device.type == "cpu" and kind in (torch.bfloat16, torch.int8, torch.uint8)
-            and x.dtype in (torch.float32, torch.bfloat16) and all(w.dtype == kind for w in weights)):
+    few = 1 <= rows <= MAX_KERNEL_ROWS and x.device.type == "cpu"
+    if (few and kind in (torch.bfloat16, torch.int8, torch.uint8) and x.dtype in (torch.float32, torch.bfloat16)
+            and all(w.dtype == kind for w in weights)):
         ops = kernels()
-        if ops:  # y comes back in x's dtype
+        if ops:  # y comes back in x's dtype, or fp32
             flat = x.reshape(rows, k_dim).contiguous()  # (M, K)
             if kind == torch.bfloat16:
-                y = ops.matvec_bf16(flat, weights)  # (M, sum N_i)
+                y = ops.matvec_bf16(flat, weights, fp32_out)  # (M, sum N_i)
             elif kind == torch.int8:
-                y = ops.matvec_int8(flat, weights, [s.float() for s in scales])
+                y = ops.matvec_int8(flat, weights, [s.float() for s in scales], fp32_out)
             else:
                 y = ops.matvec_int4(flat, weights, [s.half() for s in scales],
-                                    [None if o is None else o.half() for o in offsets])
+                                    [None if o is None else o.half() for o in offsets], fp32_out)
             return y.view(*x.shape[:-1], -1)
+    if few and rows > 1:  # F.linear's sums for a row change with the number of rows (M = 1 is a vector product)
+        flat = x.reshape(rows, k_dim)
+        y = torch.cat([linears(flat[i:i + 1], weights, scales, offsets, fp32_out) for i in range(rows)])
+        return y.view(*x.shape[:-1], -1)
     outputs = [blockwise_linear(x, w, s, o) for w, s, o in zip(weights, scales, offsets)]
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+    y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+    return y.float() if fp32_out else y
 
 
 def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,

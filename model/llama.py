@@ -12,7 +12,7 @@ from torch import nn
 from .config import LlamaConfig
 from .decode_step import decode_layers
 from .kv_cache import KVCache, LayerCache
-from .linear import Embedding, Linear, project
+from .linear import MAX_KERNEL_ROWS, Embedding, Linear, linears, project
 from .rope import Rope
 
 
@@ -129,7 +129,7 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, kv_cache: KVCache | None = None,
                 last_only: bool = False) -> torch.Tensor:
-        """tokens (batch, seq) at positions start_pos.. -> logits (batch, seq or 1, vocab).
+        """tokens (batch, seq) at positions start_pos.. -> logits (batch, seq or 1, vocab) in fp32.
 
         Without a kv_cache the sequence attends only to itself (start_pos must be 0).
         """
@@ -147,11 +147,11 @@ class Llama(nn.Module):
             x = block(x, rope, mask, None if kv_cache is None else kv_cache.layer(i), start_pos)
         if last_only:
             x = x[:, -1:, :]
-        return self.output(self.norm(x))
+        return self.logits(x)
 
     def decode(self, tokens: torch.Tensor, caches: list[KVCache], fused: bool | None = None) -> torch.Tensor:
         """One new token for each of several sequences: tokens (b,), sequence i at position
-        caches[i].length (its keys/values written there) -> logits (b, vocab).
+        caches[i].length (its keys/values written there) -> logits (b, vocab) in fp32.
 
         The weight matrices are read once for all b rows; attention runs per sequence, each over
         its own cache. The caller appends the tokens to each cache's `tokens` afterwards.
@@ -159,6 +159,9 @@ class Llama(nn.Module):
         (default: self.fused_decode), or where it does not, they run as the blocks' decode methods
         below, the reference.
         """
+        if len(caches) > MAX_KERNEL_ROWS and tokens.device.type == "cpu":  # the fused op's rows at a time
+            return torch.cat([self.decode(tokens[i:i + MAX_KERNEL_ROWS], caches[i:i + MAX_KERNEL_ROWS], fused)
+                              for i in range(0, len(caches), MAX_KERNEL_ROWS)])
         positions = [cache.length for cache in caches]
         self.ensure_rope(max(positions) + 1)
         x = self.tok_embeddings(tokens).to(self.compute_dtype)  # (b, dim)
@@ -170,4 +173,10 @@ class Llama(nn.Module):
             for i, block in enumerate(self.layers):
                 x = block.decode(x, rope, [cache.layer(i) for cache in caches])
             out = x[:, 0]
-        return self.output(self.norm(out))
+        return self.logits(out)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., dim) -> logits (..., vocab) in fp32: the head sums in fp32, and sampling and logprobs
+        see those sums, not their rounding to bf16 (steps of 1/8 at a typical logit size: ties)."""
+        head = self.output
+        return linears(self.norm(x), [head.weight], [head.scale], [head.offset], fp32_out=True)

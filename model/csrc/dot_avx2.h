@@ -24,30 +24,35 @@ inline __m256 widen_bf16(const uint16_t* w) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
-// out[m] = w . x[m] for bf16 w and fp32 x. Each multiply-add waits for the one before it on the
-// same accumulator (4 cycles), so rows get as many accumulators as 16 registers allow: four each
-// for one or two rows (32 weights a step, one 8-weight piece per accumulator), two for up to 6
-// rows, one beyond (16 weights a step).
+// Rows are taken four at a time (kRowGroup): with two accumulators each they fill 16 registers with
+// the weights. More rows are another call over the same weights, by then in L1. So a row's sums are
+// the same whatever rows it is computed with, and a sequence's tokens do not depend on its batch.
+constexpr int kRowGroup = 4;
+
+// out[m] = w . x[m] for bf16 w and fp32 x, 16 weights a step: each multiply-add waits for the one
+// before it on the same accumulator (4 cycles), so each row has two, one per 8-weight piece.
 template <int M>
 void dot_bf16(const uint16_t* w, const float* x, int64_t x_stride, int64_t len, float* out) {
-  constexpr int A = M <= 2 ? 4 : M <= 6 ? 2 : 1;  // accumulators per row
-  constexpr int P = A == 4 ? 4 : 2;                // pieces of 8 weights per step
-  __m256 acc[M][A];
-  FOR_EACH_ROW(m) for (int a = 0; a < A; a++) acc[m][a] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 * P <= len; k += 8 * P) {
-    prefetch_ahead(w + k);
-    __m256 wp[P];
-    for (int p = 0; p < P; p++) wp[p] = widen_bf16(w + k + 8 * p);
-    FOR_EACH_ROW(m) for (int p = 0; p < P; p++)
-      acc[m][p % A] = _mm256_fmadd_ps(wp[p], _mm256_loadu_ps(x + m * x_stride + k + 8 * p), acc[m][p % A]);
-  }
-  FOR_EACH_ROW(m) {
-    __m256 total = acc[m][0];
-    for (int a = 1; a < A; a++) total = _mm256_add_ps(total, acc[m][a]);
-    float sum = reduce_add(total);
-    for (int64_t t = k; t < len; t++) sum += portable::bf16_to_float(w[t]) * x[m * x_stride + t];
-    out[m] = sum;
+  if constexpr (M > kRowGroup) {
+    dot_bf16<kRowGroup>(w, x, x_stride, len, out);
+    dot_bf16<M - kRowGroup>(w, x + kRowGroup * x_stride, x_stride, len, out + kRowGroup);
+  } else {
+    __m256 acc[M][2];
+    FOR_EACH_ROW(m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= len; k += 16) {
+      if (k % 32 == 0) prefetch_ahead(w + k);  // a cache line every other step
+      const __m256 w0 = widen_bf16(w + k), w1 = widen_bf16(w + k + 8);
+      FOR_EACH_ROW(m) {
+        acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * x_stride + k), acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * x_stride + k + 8), acc[m][1]);
+      }
+    }
+    FOR_EACH_ROW(m) {
+      float sum = reduce_add(_mm256_add_ps(acc[m][0], acc[m][1]));
+      for (int64_t t = k; t < len; t++) sum += portable::bf16_to_float(w[t]) * x[m * x_stride + t];
+      out[m] = sum;
+    }
   }
 }
 
@@ -102,29 +107,34 @@ inline void q4_block(const uint8_t* w, const int16_t* x, int64_t x_stride, int64
   }
 }
 
-// With one or two rows, odd blocks go to a second accumulator: each multiply-add waits for the one
-// before it on the same accumulator.
+// Odd blocks go to a second accumulator (each multiply-add waits for the one before it on the same
+// accumulator), rows kRowGroup at a time as in dot_bf16.
 template <int M, bool Offsets>
 void dot_q4(const uint8_t* w, const int16_t* x, int64_t x_stride, const float* x_sums, int64_t sums_stride,
             const uint16_t* scale, const uint16_t* offset, int64_t len, float* out) {
-  constexpr bool kTwo = M <= 2;
-  __m256 acc0[M], acc1[M];
-  float shift[M] = {};  // sum over blocks of offset * (the block's sum of x)
-  FOR_EACH_ROW(m) acc0[m] = acc1[m] = _mm256_setzero_ps();
-  const int64_t blocks = len / portable::kQ4Block;
-  for (int64_t b = 0; b < blocks; b++) {
-    const int64_t k = b * portable::kQ4Block;
-    if (b % 4 == 0) prefetch_ahead(w + k / 2);  // one cache line: 4 blocks
-    if (b % 32 == 0) {  // a cache line of fp16 values
-      prefetch_block_values(scale + b);
-      if (Offsets) prefetch_block_values(offset + b);
+  if constexpr (M > kRowGroup) {
+    dot_q4<kRowGroup, Offsets>(w, x, x_stride, x_sums, sums_stride, scale, offset, len, out);
+    dot_q4<M - kRowGroup, Offsets>(w, x + kRowGroup * x_stride, x_stride, x_sums + kRowGroup * sums_stride,
+                                   sums_stride, scale, offset, len, out + kRowGroup);
+  } else {
+    __m256 acc0[M], acc1[M];
+    float shift[M] = {};  // sum over blocks of offset * (the block's sum of x)
+    FOR_EACH_ROW(m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+    const int64_t blocks = len / portable::kQ4Block;
+    for (int64_t b = 0; b < blocks; b++) {
+      const int64_t k = b * portable::kQ4Block;
+      if (b % 4 == 0) prefetch_ahead(w + k / 2);  // one cache line: 4 blocks
+      if (b % 32 == 0) {  // a cache line of fp16 values
+        prefetch_block_values(scale + b);
+        if (Offsets) prefetch_block_values(offset + b);
+      }
+      const float s = _cvtsh_ss(scale[b]), o = Offsets ? _cvtsh_ss(offset[b]) : -8.f * s;
+      if (b % 2) q4_block<M>(w, x, x_stride, k, s, acc1);
+      else q4_block<M>(w, x, x_stride, k, s, acc0);
+      FOR_EACH_ROW(m) shift[m] += o * x_sums[m * sums_stride + b];
     }
-    const float s = _cvtsh_ss(scale[b]), o = Offsets ? _cvtsh_ss(offset[b]) : -8.f * s;
-    if (kTwo && b % 2) q4_block<M>(w, x, x_stride, k, s, acc1);
-    else q4_block<M>(w, x, x_stride, k, s, acc0);
-    FOR_EACH_ROW(m) shift[m] += o * x_sums[m * sums_stride + b];
+    FOR_EACH_ROW(m) out[m] = reduce_add(_mm256_add_ps(acc0[m], acc1[m])) + shift[m];
   }
-  FOR_EACH_ROW(m) out[m] = reduce_add(kTwo ? _mm256_add_ps(acc0[m], acc1[m]) : acc0[m]) + shift[m];
 }
 
 }  // namespace avx2

@@ -49,12 +49,14 @@ void dot_bf16(const uint16_t* w, const float* x, int64_t x_stride, int64_t len, 
 
 #if defined(__AVX512BF16__)
 // out[m] = w . x[m] for bf16 w and bf16 x: dot products of bf16 pairs accumulated in fp32
-// (vdpbf16ps), 32 a step. With one or two rows, two steps in flight into separate accumulators:
-// each vdpbf16ps waits for the one before it on the same accumulator, and one chain alone streamed
-// about 40 GB/s a core, below what two cores get from memory.
+// (vdpbf16ps), 32 a step, two steps in flight into separate accumulators per row: each vdpbf16ps
+// waits for the one before it on the same accumulator, and one chain alone streamed about 40 GB/s a
+// core, below what two cores get from memory. Two for every M (16 registers at 8 rows): a row's sums
+// are then the same whatever rows it is computed with, so a sequence's tokens do not depend on the
+// batch it decodes in.
 template <int M>
 void dot_bf16_bf16(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t len, float* out) {
-  constexpr int A = M <= 2 ? 2 : 1;  // accumulators per row
+  constexpr int A = 2;  // accumulators per row
   __m512 acc[M][A];
   FOR_EACH_ROW(m) for (int a = 0; a < A; a++) acc[m][a] = _mm512_setzero_ps();
   int64_t k = 0;
@@ -123,7 +125,7 @@ template <int M, bool Offsets>
 void dot_q4_x8(const uint8_t* w, const int8_t* x, int64_t x_stride, const float* x_scales,
                int64_t scales_stride, const float* x_sums, int64_t sums_stride, const uint16_t* scale,
                const uint16_t* offset, int64_t len, float* out) {
-  constexpr bool kTwo = M <= 2;
+  // Odd steps go to a second accumulator, for every M: a row's sums do not depend on the rows beside it.
   __m512 acc0[M], acc1[M], shift[M];
   FOR_EACH_ROW(m) acc0[m] = acc1[m] = shift[m] = _mm512_setzero_ps();
   const int64_t blocks = len / portable::kQ4Block;
@@ -161,13 +163,13 @@ void dot_q4_x8(const uint8_t* w, const int8_t* x, int64_t x_stride, const float*
       const __m512i dot = dot_u8_s8(dot_u8_s8(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xm)), hi,
                                     _mm512_loadu_si512(xm + 64));
       const __m512 both = _mm512_mul_ps(scales, _mm512_loadu_ps(x_scales + m * scales_stride + 16 * g));
-      if (kTwo && g % 2) acc1[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), both, acc1[m]);
+      if (g % 2) acc1[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), both, acc1[m]);
       else acc0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), both, acc0[m]);
     }
   }
   FOR_EACH_ROW(m) {
     const __m512 total = _mm512_add_ps(acc0[m], shift[m]);
-    out[m] = _mm512_reduce_add_ps(kTwo ? _mm512_add_ps(total, acc1[m]) : total);
+    out[m] = _mm512_reduce_add_ps(_mm512_add_ps(total, acc1[m]));
   }
 }
 

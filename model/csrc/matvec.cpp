@@ -170,25 +170,30 @@ constexpr int64_t kBlockRows = 8;
 // Rows a thread takes at a time (parallel_rows), in bytes of weights: one compare-and-swap per task.
 constexpr int64_t kTaskBytes = 32 * 1024;
 
-// Weights per piece of K: K itself where M rows of x fit in kXBytes, else the largest multiple of
-// `align` (the step of the loops, or the int8 group) whose x fits.
-int64_t piece(int64_t rows, int64_t k_dim, int64_t x_bytes, int64_t align) {
-  const int64_t fits = kXBytes / (rows * x_bytes) / align * align;
+// Weights per piece of K: K itself where kMaxRows rows of x fit in kXBytes, else the largest multiple
+// of `align` (the step of the loops, or the int8 group) whose x fits. The same pieces for any number of
+// rows: a row's sum is its pieces' sums added in order, so it must not depend on the rows beside it.
+int64_t piece(int64_t k_dim, int64_t x_bytes, int64_t align) {
+  const int64_t fits = kXBytes / (kMaxRows * x_bytes) / align * align;
   return fits >= k_dim || fits == 0 ? k_dim : fits;
 }
 
+// The dtype of y: x's, or fp32 where asked for (the output head: logits keep the sums' every digit).
+at::ScalarType out_type(const at::Tensor& x, bool fp32_out) { return fp32_out ? at::kFloat : x.scalar_type(); }
+
 // y[m, n] = row_scale[m] * sum over pieces of out[m], where dot(i, r, k0, len, out) gives the dot
 // products of weights k0..k0+len of row r of matrix i (output n) with every row m of x; in
-// parallel over n, y in x's dtype, (N,) for x (K,) and (M, N) for x (M, K).
+// parallel over n, y in dtype `out` (fp32 or bf16), (N,) for x (K,) and (M, N) for x (M, K).
 template <int M, typename Dot>
-at::Tensor rows_to(const at::Tensor& x, at::TensorList ws, int64_t bytes_per_weight, int64_t x_bytes,
-                   int64_t align, const float* row_scale, Dot dot) {
+at::Tensor rows_to(const at::Tensor& x, at::ScalarType out, at::TensorList ws, int64_t bytes_per_weight,
+                   int64_t x_bytes, int64_t align, const float* row_scale, Dot dot) {
   std::vector<int64_t> first{0};  // first[i]: the output index of matrix i's row 0
   for (const at::Tensor& w : ws) first.push_back(first.back() + w.size(0));
   const int64_t n_total = first.back(), k_dim = x.size(-1);
-  const int64_t len = piece(M, k_dim, x_bytes, align);
-  at::Tensor y = x.dim() == 1 ? at::empty({n_total}, x.options()) : at::empty({M, n_total}, x.options());
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t len = piece(k_dim, x_bytes, align);
+  at::Tensor y = x.dim() == 1 ? at::empty({n_total}, x.options().dtype(out))
+                              : at::empty({M, n_total}, x.options().dtype(out));
+  const bool bf16 = out == at::kBFloat16;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   BFloat16* yb = bf16 ? y.data_ptr<BFloat16>() : nullptr;
   // Tasks of whole blocks of rows, at least kTaskBytes of weights each.
@@ -224,8 +229,9 @@ at::Tensor rows_to(const at::Tensor& x, at::TensorList ws, int64_t bytes_per_wei
 // with K of 1536 to 8192 the tiles streamed as fast as the AVX-512 loop at 2 rows and 1.1-1.9x faster
 // at 3-8, where that loop runs out of arithmetic; with rows of K = 576 (the default model) they were
 // 0.84-0.96x at 2-6 rows and 1.01-1.04x at 8, so rows shorter than 1024 (a line between the two)
-// keep to the AVX-512 loop.
-constexpr int64_t kAmxMinRows = 2, kAmxMinK = 1024;
+// keep to the AVX-512 loop. A matrix that takes them takes them for one row too: the tiles and the loop
+// add in other orders, and a sequence's tokens must not depend on how many decode beside it.
+constexpr int64_t kAmxMinRows = 1, kAmxMinK = 1024;
 std::atomic<bool> use_amx{true};
 
 // Shapes the tiles take whole and fast: K a multiple of 32 and at least kAmxMinK, every matrix's N
@@ -239,7 +245,7 @@ bool amx_fits(at::TensorList ws, int64_t k_dim) {
 
 // y = x W_i^T for bf16 x of 2-8 rows with AMX tiles (tiles_amx.h), 16 weight rows at a time, the
 // blocks split across threads as in rows_to.
-at::Tensor matvec_amx(const at::Tensor& x, at::TensorList ws, int64_t rows) {
+at::Tensor matvec_amx(const at::Tensor& x, at::TensorList ws, int64_t rows, at::ScalarType out_dtype) {
   const int64_t k_dim = x.size(-1);
   std::vector<int64_t> first{0};  // first[i]: the output index of matrix i's row 0
   std::vector<const uint16_t*> w;
@@ -252,8 +258,11 @@ at::Tensor matvec_amx(const at::Tensor& x, at::TensorList ws, int64_t rows) {
   buffer.resize(k_dim / 2 * rows);
   amx::pair_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k_dim, buffer.data());
   const uint32_t* pairs = buffer.data();  // (the workers see their own thread_local, not this one)
-  at::Tensor y = x.dim() == 1 ? at::empty({n_total}, x.options()) : at::empty({rows, n_total}, x.options());
-  BFloat16* yb = y.data_ptr<BFloat16>();
+  const at::TensorOptions options = x.options().dtype(out_dtype);
+  at::Tensor y = x.dim() == 1 ? at::empty({n_total}, options) : at::empty({rows, n_total}, options);
+  const bool bf16 = out_dtype == at::kBFloat16;
+  BFloat16* yb = bf16 ? y.data_ptr<BFloat16>() : nullptr;
+  float* yf = bf16 ? nullptr : y.data_ptr<float>();
   const int64_t row_bytes = k_dim * 2;
   const int64_t task = (std::max<int64_t>(1, kTaskBytes / row_bytes) + amx::kTileRows - 1) / amx::kTileRows *
                        amx::kTileRows;
@@ -266,7 +275,10 @@ at::Tensor matvec_amx(const at::Tensor& x, at::TensorList ws, int64_t rows) {
       while (n0 >= first[i + 1]) i++;
       amx::rows_times_x(w[i] + (n0 - first[i]) * k_dim, k_dim, pairs, rows, out);
       for (int64_t r = 0; r < amx::kTileRows; r++)
-        for (int64_t m = 0; m < rows; m++) yb[m * n_total + n0 + r] = BFloat16(out[r * rows + m]);
+        for (int64_t m = 0; m < rows; m++) {
+          if (bf16) yb[m * n_total + n0 + r] = BFloat16(out[r * rows + m]);
+          else yf[m * n_total + n0 + r] = out[r * rows + m];
+        }
     }
     _tile_release();
   });
@@ -285,8 +297,9 @@ bool set_amx(bool on) {
 #endif
 }
 
-at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws) {
+at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws, bool fp32_out) {
   const int64_t rows = check("matvec_bf16", x, ws, at::kBFloat16);
+  const at::ScalarType out = out_type(x, fp32_out);
   const int64_t k_dim = x.size(-1);
   std::vector<const uint16_t*> w;
   for (const at::Tensor& t : ws) w.push_back(reinterpret_cast<const uint16_t*>(t.data_ptr()));
@@ -294,12 +307,12 @@ at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws) {
 #ifdef HAVE_BF16_DOT
   if (x.scalar_type() == at::kBFloat16) {
 #ifdef HAVE_AMX
-    if (rows >= kAmxMinRows && use_amx && amx_fits(ws, k_dim) && amx::enabled()) return matvec_amx(x, ws, rows);
+    if (rows >= kAmxMinRows && use_amx && amx_fits(ws, k_dim) && amx::enabled()) return matvec_amx(x, ws, rows, out);
 #endif
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
     with_rows(rows, [&](auto m_rows) {
       constexpr int M = decltype(m_rows)::value;
-      y = rows_to<M>(x, ws, 2, 2, 32, kOnes, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+      y = rows_to<M>(x, out, ws, 2, 2, 32, kOnes, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
         isa::dot_bf16_bf16<M>(w[i] + r * k_dim + k0, xp + k0, k_dim, len, out);
       });
     });
@@ -310,7 +323,7 @@ at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws) {
   const float* xp = xf.data_ptr<float>();
   with_rows(rows, [&](auto m_rows) {
     constexpr int M = decltype(m_rows)::value;
-    y = rows_to<M>(x, ws, 2, 4, 32, kOnes, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+    y = rows_to<M>(x, out, ws, 2, 4, 32, kOnes, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
       isa::dot_bf16<M>(w[i] + r * k_dim + k0, xp + k0, k_dim, len, out);
     });
   });
@@ -506,14 +519,14 @@ Int8Quads round_to_int8_quads(const at::Tensor& x, int64_t rows, int64_t group) 
 // y = x W_i^T for int8 W_i and 3-8 rows of x with AMX tiles, 16 weight rows at a time, the blocks split
 // across threads as in rows_to.
 at::Tensor matvec_int8_amx(const at::Tensor& x, at::TensorList ws, const std::vector<const int8_t*>& w,
-                           const std::vector<const float*>& s, int64_t group, int64_t rows) {
+                           const std::vector<const float*>& s, int64_t group, int64_t rows, at::ScalarType out_dtype) {
   const int64_t k_dim = x.size(-1), groups = k_dim / group;
   std::vector<int64_t> first{0};  // first[i]: the output index of matrix i's row 0
   for (const at::Tensor& t : ws) first.push_back(first.back() + t.size(0));
   const int64_t n_total = first.back();
   const Int8Quads xq = round_to_int8_quads(x, rows, group);
-  at::Tensor y = at::empty({rows, n_total}, x.options());
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor y = at::empty({rows, n_total}, x.options().dtype(out_dtype));
+  const bool bf16 = out_dtype == at::kBFloat16;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   BFloat16* yb = bf16 ? y.data_ptr<BFloat16>() : nullptr;
   const int64_t task = (std::max<int64_t>(1, kTaskBytes / k_dim) + amx::kTileRows - 1) / amx::kTileRows *
@@ -546,8 +559,9 @@ at::Tensor matvec_int8_amx(const at::Tensor& x, at::TensorList ws, const std::ve
 }
 #endif
 
-at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList scales) {
+at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList scales, bool fp32_out) {
   const int64_t rows = check("matvec_int8", x, ws, at::kChar);
+  const at::ScalarType out = out_type(x, fp32_out);
   const int64_t k_dim = x.size(-1);
   TORCH_CHECK(scales.size() == ws.size(), "matvec_int8: ", ws.size(), " weight matrices but ", scales.size(),
               " scale tensors; expected one per matrix");
@@ -572,13 +586,13 @@ at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList sc
   }
 #ifdef HAVE_AMX_INT8
   if (rows >= kAmxInt8MinRows && use_amx && int8_x && amx_int8_fits(ws, k_dim, groups) && amx::enabled())
-    return matvec_int8_amx(x, ws, w, s, groups.front(), rows);
+    return matvec_int8_amx(x, ws, w, s, groups.front(), rows, out);
 #endif
   const Int16Rows xq = round_to_int16(x, rows);
   at::Tensor y;
   with_rows(rows, [&](auto m_rows) {
     constexpr int M = decltype(m_rows)::value;
-    y = rows_to<M>(x, ws, 1, 2, align, xq.scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+    y = rows_to<M>(x, out, ws, 1, 2, align, xq.scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
       const int8_t* row = w[i] + r * k_dim + k0;
       const float* row_scale = s[i] + r * n_groups[i] + (k0 == 0 ? 0 : k0 / groups[i]);
       if (groups[i] % isa::kQ8Step == 0) isa::dot_q8<M>(row, xq.values + k0, xq.stride, row_scale, len, groups[i], out);
@@ -602,9 +616,11 @@ const uint16_t* block_values(const char* what, size_t i, const at::Tensor& t, in
 // has AVX-512 (round_to_int8_blocks, avx512::dot_q4_x8), else to int16 as for int8 weights (see
 // portable::dot_q4), and each block's integer dot product is scaled in fp32: the result is that of the
 // dequantized matrix times x so rounded.
-at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList scales, llama::Offsets offsets) {
+at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList scales, llama::Offsets offsets,
+                       bool fp32_out) {
   constexpr int64_t kBlock = portable::kQ4Block;
   const int64_t rows = check("matvec_int4", x, ws, at::kByte, 2);
+  const at::ScalarType out = out_type(x, fp32_out);
   const int64_t k_dim = x.size(-1), blocks = k_dim / kBlock;
   TORCH_CHECK(k_dim % kBlock == 0, "matvec_int4: K=", k_dim, " is not a multiple of the block of ", kBlock,
               " weights");
@@ -625,7 +641,7 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
       with_rows(rows, [&](auto m_rows) {
       constexpr int M = decltype(m_rows)::value;
       // x_bytes 2: a value's int8 and its share of the block scales (half a byte), rounded up
-      y = rows_to<M>(x, ws, 1, 2, isa::kQ4Group, kOnes, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+      y = rows_to<M>(x, out, ws, 1, 2, isa::kQ4Group, kOnes, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
         const uint8_t* row = w[i] + r * (k_dim / 2) + k0 / 2;
         const int64_t first = r * blocks + k0 / kBlock;  // the piece's first block
         const int8_t* xp = xq.values + k0;
@@ -643,7 +659,7 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
   const Int16Rows xq = round_to_int16(x, rows, /*block_sums=*/true);
   with_rows(rows, [&](auto m_rows) {
     constexpr int M = decltype(m_rows)::value;
-    y = rows_to<M>(x, ws, 1, 2, 2 * kBlock, xq.scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+    y = rows_to<M>(x, out, ws, 1, 2, 2 * kBlock, xq.scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
       const uint8_t* row = w[i] + r * (k_dim / 2) + k0 / 2;
       const int64_t first = r * blocks + k0 / kBlock;  // the piece's first block
       const int16_t* xp = xq.values + k0;
@@ -657,8 +673,8 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
 
 // The registered op: a Tensor?[] argument arrives as a c10::List.
 at::Tensor matvec_int4_op(const at::Tensor& x, at::TensorList ws, at::TensorList scales,
-                          const c10::List<std::optional<at::Tensor>>& offsets) {
-  return matvec_int4(x, ws, scales, offsets.vec());
+                          const c10::List<std::optional<at::Tensor>>& offsets, bool fp32_out) {
+  return matvec_int4(x, ws, scales, offsets.vec(), fp32_out);
 }
 
 // The build's instruction set, and " + AMX" where bf16 batches take the tiles.
@@ -671,15 +687,16 @@ std::string path() {
 
 }  // namespace
 
-at::Tensor llama::matvec(const at::Tensor& x, at::TensorList ws, at::TensorList scales, Offsets offsets) {
+at::Tensor llama::matvec(const at::Tensor& x, at::TensorList ws, at::TensorList scales, Offsets offsets,
+                         bool fp32_out) {
   TORCH_CHECK(!ws.empty(), "matvec: no weight matrices");
   const at::ScalarType kind = ws[0].scalar_type();
-  if (kind == at::kByte) return matvec_int4(x, ws, scales, offsets);
+  if (kind == at::kByte) return matvec_int4(x, ws, scales, offsets, fp32_out);
   for (const std::optional<at::Tensor>& offset : offsets)
     TORCH_CHECK(!offset.has_value(), "matvec: an offset for ", kind, " weights; only int4 (uint8) blocks take one");
-  if (kind == at::kChar) return matvec_int8(x, ws, scales);
+  if (kind == at::kChar) return matvec_int8(x, ws, scales, fp32_out);
   TORCH_CHECK(scales.empty(), "matvec: ", scales.size(), " scale tensors for ", kind, " weights; expected none");
-  return matvec_bf16(x, ws);
+  return matvec_bf16(x, ws, fp32_out);
 }
 
 // The op namespace is the build's name, so builds for different instruction sets load side by side.
@@ -687,9 +704,10 @@ at::Tensor llama::matvec(const at::Tensor& x, at::TensorList ws, at::TensorList 
 #define IMPL_LIBRARY(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
 
 DEFINE_LIBRARY(TORCH_EXTENSION_NAME, m) {
-  m.def("matvec_bf16(Tensor x, Tensor[] w) -> Tensor");
-  m.def("matvec_int8(Tensor x, Tensor[] w, Tensor[] scale) -> Tensor");
-  m.def("matvec_int4(Tensor x, Tensor[] w, Tensor[] scale, Tensor?[] offset) -> Tensor");
+  // fp32_out: y in fp32 whatever x's dtype (the output head's logits); else in x's dtype.
+  m.def("matvec_bf16(Tensor x, Tensor[] w, bool fp32_out=False) -> Tensor");
+  m.def("matvec_int8(Tensor x, Tensor[] w, Tensor[] scale, bool fp32_out=False) -> Tensor");
+  m.def("matvec_int4(Tensor x, Tensor[] w, Tensor[] scale, Tensor?[] offset, bool fp32_out=False) -> Tensor");
   m.def("path() -> str", &path);  // which of the code paths above this build compiled
   m.def("set_int8_x(bool on) -> bool", &set_int8_x);
   m.def("set_amx(bool on) -> bool", &set_amx);

@@ -5,7 +5,7 @@ as long as reading the layer's weights. `decode_layers` hands the whole stack of
 instead, which computes the same maths (Block.decode in model/llama.py, the reference it is tested
 against) in plain loops between the decode kernel's matrix products. Llama.decode takes it on the
 CPU when the kernel is built (LLAMA_KERNELS=0 turns it off), for weight matrices the kernel streams
-and activations in fp32 or bf16; otherwise the reference. The matrices are all bf16, or quantized:
+and activations in fp32 or bf16; otherwise the reference. The matrices are all bf16, all fp32, or quantized:
 int8 with group scales and int4 with block scales and offsets (model/quantize.py), mixed freely
 between the op's kernel calls (an int4 model keeps as int8 a matrix whose K is not whole blocks of 32)
 but of one kind within q|k|v and within w1|w3.
@@ -52,10 +52,10 @@ class LayerWeights:
 
     def gather(self, dtype: torch.dtype):
         """The op's arguments, scales and offsets in the dtypes the kernel reads (fp32 for int8, fp16 for
-        int4), converted here once; None where the matrices are neither all bf16 nor all quantized, or
+        int4), converted here once; None where the matrices are neither all bf16, all fp32 nor all quantized, or
         where one kernel call's matrices are of different kinds."""
         weights = [m.weight for m in self.linears]
-        if all(w.dtype == torch.bfloat16 for w in weights):
+        if all(w.dtype == torch.bfloat16 for w in weights) or all(w.dtype == torch.float32 for w in weights):
             return self.norms_in(dtype), weights, [], []
         if not all(w.dtype in QUANTIZED_WEIGHTS for w in weights):
             return None

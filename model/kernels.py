@@ -31,7 +31,7 @@ from .cpu import cache_dir, cpu_tag, is_intel
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "matvec.cpp", CSRC / "decode_step.cpp", CSRC / "dequantize.cpp"]  # matvec.cpp includes dot_*.h
-FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fvisibility=hidden"]  # and -march=...; hidden: no calls through the PLT
+FLAGS = ["-O3", "-ffast-math", "-fno-associative-math", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden"]  # and -march=...
 
 
 def cflags(march: str) -> list[str]:
@@ -46,7 +46,7 @@ class KernelBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class Kernels:
-    """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws), matvec_int8(x, ws, scales),
+    """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws), matvec_f32(x, ws), matvec_int8(x, ws, scales),
     matvec_int4(x, ws, scales, offsets) (each with fp32_out=True for y in fp32 whatever x's dtype),
     decode_layers(...) (model/decode_step.py calls it), dequantize_int4(w, scale, offset, dtype) and dequantize_int8(w, scale, dtype) (prefill), path(),
     set_int8_x(on) (AVX-512 builds round x to int8 blocks for int4 weights, and AMX builds for int8 batches in
@@ -135,6 +135,7 @@ def _build(march: str) -> Kernels:
     ops = getattr(torch.ops, name)
     # Shapes of the outputs, so torch.compile can trace through the ops: x (..., K) -> (..., sum N_i).
     torch.library.register_fake(f"{name}::matvec_bf16")(lambda x, ws, fp32_out=False: _fake_output(x, ws, fp32_out))
+    torch.library.register_fake(f"{name}::matvec_f32")(lambda x, ws, fp32_out=False: _fake_output(x, ws, fp32_out))
     torch.library.register_fake(f"{name}::matvec_int8")(
         lambda x, ws, scales, fp32_out=False: _fake_output(x, ws, fp32_out))
     torch.library.register_fake(f"{name}::decode_layers")(lambda x, *rest: torch.empty_like(x))

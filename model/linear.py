@@ -3,7 +3,7 @@
 Prefill (many rows) goes to `F.linear`; a quantized matrix is dequantized a block of rows at a time
 into the activations' dtype (`widen`: the kernel's C++ loops, or model/quantize.py's), so it never
 exists whole in that dtype. Decode (one row per sequence, up to MAX_KERNEL_ROWS) is bound by memory
-bandwidth: the decode kernel (model/kernels.py) streams the 16-, 8- or 4-bit weights once for all
+bandwidth: the decode kernel (model/kernels.py) streams the 32-, 16-, 8- or 4-bit weights once for all
 rows, several matrices of the same input in one call (q|k|v, gate|up).
 """
 
@@ -16,7 +16,12 @@ from torch import nn
 from .kernels import kernels
 from .quantize import can_quantize_int4, dequantize, quantize_int4, quantize_int8
 
-MAX_KERNEL_ROWS = 8  # rows of x (tokens in one decode step) the decode kernel takes; more go to F.linear
+MAX_KERNEL_ROWS = 8  # rows of x (tokens in one decode step) the decode kernel takes at once
+# Up to this many rows never go to F.linear's matrix product, whose sums for a row change with the rows beside
+# it (and with fp32 on 5 to 11 rows, with the number of threads, on Zen 5): the kernel, MAX_KERNEL_ROWS at a time,
+# or F.linear a row at a time. A prompt's last prefill chunk can be this short, and decode steps always are.
+FEW_ROWS = 2 * MAX_KERNEL_ROWS
+KERNEL_WEIGHTS = (torch.bfloat16, torch.float32, torch.int8, torch.uint8)  # what the kernel streams (uint8: int4)
 DEQUANTIZE_BLOCK_BYTES = 8 << 20  # a stored matrix is widened for F.linear this many bytes of rows at a time
 QUANTIZE = ("int8", "int4")  # what quantize_model and load_checkpoint(quantize=...) take
 # How the output head is stored under each: int4 keeps it int8. On the default model an int4 head alone put
@@ -37,21 +42,29 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Ten
     in x's dtype, or in fp32 with fp32_out (the output head: the sums are fp32, logits keep them).
 
     Up to MAX_KERNEL_ROWS rows of x on the CPU go to the decode kernel, which reads each weight once
-    for all of them; more rows (prefill) go to F.linear. Each row's result is the same whatever rows come
-    with it (the kernel's loops are written so; where the kernel does not apply, such rows go to
-    F.linear one at a time), so a sequence decodes the same tokens alone or in any batch.
+    for all of them (up to FEW_ROWS, in groups of as many); more rows (prefill) go to F.linear. Each of
+    a few rows' result is the same whatever rows come with it (the kernel's loops are written so; where the
+    kernel does not apply, such rows go to F.linear one at a time), so a sequence decodes the same tokens
+    alone or in any batch.
     """
     offsets = offsets or [None] * len(weights)
     kind, k_dim = weights[0].dtype, x.shape[-1]
     rows = x.numel() // k_dim if k_dim else 0
-    few = 1 <= rows <= MAX_KERNEL_ROWS and x.device.type == "cpu"
-    if (few and kind in (torch.bfloat16, torch.int8, torch.uint8) and x.dtype in (torch.float32, torch.bfloat16)
+    few = 1 <= rows <= FEW_ROWS and x.device.type == "cpu"
+    if few and rows > MAX_KERNEL_ROWS:
+        flat = x.reshape(rows, k_dim)
+        y = torch.cat([linears(flat[i:i + MAX_KERNEL_ROWS], weights, scales, offsets, fp32_out)
+                       for i in range(0, rows, MAX_KERNEL_ROWS)])
+        return y.view(*x.shape[:-1], -1)
+    if (few and kind in KERNEL_WEIGHTS and x.dtype in (torch.float32, torch.bfloat16)
             and all(w.dtype == kind for w in weights)):
         ops = kernels()
         if ops:  # y comes back in x's dtype, or fp32
             flat = x.reshape(rows, k_dim).contiguous()  # (M, K)
             if kind == torch.bfloat16:
                 y = ops.matvec_bf16(flat, weights, fp32_out)  # (M, sum N_i)
+            elif kind == torch.float32:
+                y = ops.matvec_f32(flat, weights, fp32_out)
             elif kind == torch.int8:
                 y = ops.matvec_int8(flat, weights, [s.float() for s in scales], fp32_out)
             else:

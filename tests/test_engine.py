@@ -197,31 +197,48 @@ def test_cancel_while_waiting_ends_at_once(tiny, checkpoint):
 
 # ---- the prefix cache ---------------------------------------------------------------------------
 
-def test_a_follow_up_prefills_only_its_new_tokens(tiny, checkpoint):
+LONG_SYSTEM = "You are a helpful assistant who answers briefly and kindly. " * 40  # more than a prefill chunk
+
+
+def test_a_follow_up_takes_the_whole_prefill_chunks_of_its_conversation(tiny, checkpoint):
+    """A kept cache gives only positions computed by whole prefill chunks (model/kv_cache.py): the first
+    prompt's last partial chunk and the reply run again, so the reply is the one a fresh engine gives."""
     h = harness(tiny, checkpoint)
-    conversation = chat("What is the capital of France?")
+    conversation = chat("What is the capital of France?", system=LONG_SYSTEM)
     first = last(h.ask(r := request(conversation, GREEDY))[r.id])
+    assert first.stats.prompt_tokens > PREFILL_CHUNK
     conversation.add("assistant", first.text, ids=first.token_ids)
     conversation.add("user", "And what river flows through it?")
     second_request = request(conversation, GREEDY)
     second = last(h.ask(second_request)[second_request.id])
-    # the reply is in the prompt as the ids it was generated as: all cached but its last token
-    assert second.stats.reused_tokens == first.stats.prompt_tokens + first.stats.new_tokens - 1
+    assert second.stats.reused_tokens == first.stats.prompt_tokens // PREFILL_CHUNK * PREFILL_CHUNK > 0
     assert second.token_ids == reference(checkpoint, second_request, GREEDY).tokens
+    fresh = harness(tiny, checkpoint, kv_cache_mb=0)
+    again = request(conversation, GREEDY)
+    assert last(fresh.ask(again)[again.id]).token_ids == second.token_ids
 
 
 def test_conversations_that_share_a_start_share_its_keys_and_values(tiny, checkpoint):
     h = harness(tiny, checkpoint)
-    system = "You are a helpful assistant who answers briefly and kindly. " * 4
-    one = request(chat("Question one", system=system), GREEDY)
+    one = request(chat("Question one", system=LONG_SYSTEM), GREEDY)
     h.ask(one)
-    two = request(chat("Another question", system=system), GREEDY)
+    two = request(chat("Another question", system=LONG_SYSTEM), GREEDY)
     done = last(h.ask(two)[two.id])
-    shared = len(checkpoint.chat_format.encode_dialog([{"role": "system", "content": system}],
+    shared = len(checkpoint.chat_format.encode_dialog([{"role": "system", "content": LONG_SYSTEM}],
                                                       add_generation_prompt=False))
-    assert shared <= done.stats.reused_tokens < done.stats.prompt_tokens
+    assert done.stats.reused_tokens == shared // PREFILL_CHUNK * PREFILL_CHUNK > 0
     assert done.token_ids == reference(checkpoint, two, GREEDY).tokens
     assert len(h.engine.prefix_cache) == 2  # the first chat's cache stayed for it
+
+
+def test_one_users_kept_caches_are_not_reused_for_another_user(tiny, checkpoint):
+    h = harness(tiny, checkpoint)
+    conversation = chat("What is the capital of France?", system=LONG_SYSTEM)
+    h.ask(request(conversation, GREEDY, user="alice"))
+    bob = last(h.ask(r := request(conversation, GREEDY, user="bob"))[r.id])
+    alice = last(h.ask(r := request(conversation, GREEDY, user="alice"))[r.id])
+    assert bob.stats.reused_tokens == 0 < alice.stats.reused_tokens
+    assert bob.token_ids == alice.token_ids
 
 
 def test_with_no_cache_budget_nothing_is_kept(tiny, checkpoint):

@@ -151,7 +151,7 @@ def test_cli_answers_one_prompt_and_reports_stats(tiny_folder):
 
 def test_cli_interactive_multi_turn(tiny_folder):
     r = run_chat("--checkpoint", str(tiny_folder), "--temperature", "0", "--max-new-tokens", "3",
-                 "--system", "Be brief.", input_text="hi\nsecond turn\n/exit\n")
+                 "--system", "Be brief. " * 200, input_text="hi\nsecond turn\n/exit\n")  # more than a prefill chunk
     assert r.returncode == 0, r.stderr
     stats = [line for line in r.stderr.splitlines() if "prompt tokens" in line]
     assert len(stats) == 2

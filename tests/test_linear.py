@@ -13,7 +13,7 @@ from support.kernels import has_int8_x, x_in_int8_blocks
 import model.linear
 from model import generate, load_checkpoint
 from model.kernels import kernels
-from model.linear import MAX_KERNEL_ROWS, Linear, linear, project
+from model.linear import FEW_ROWS, MAX_KERNEL_ROWS, Linear, linear, project
 from model.quantize import dequantize, dequantize_int8, quantize_int4, quantize_int8
 
 
@@ -23,17 +23,17 @@ class Spy:
     def __init__(self, ops):
         self.ops, self.calls = ops, []
 
-    def matvec_bf16(self, x, ws):
+    def matvec_bf16(self, x, ws, fp32_out=False):
         self.calls.append(tuple(x.shape))
-        return self.ops.matvec_bf16(x, ws)
+        return self.ops.matvec_bf16(x, ws, fp32_out)
 
-    def matvec_int8(self, x, ws, scales):
+    def matvec_int8(self, x, ws, scales, fp32_out=False):
         self.calls.append(tuple(x.shape))
-        return self.ops.matvec_int8(x, ws, scales)
+        return self.ops.matvec_int8(x, ws, scales, fp32_out)
 
-    def matvec_int4(self, x, ws, scales, offsets):
+    def matvec_int4(self, x, ws, scales, offsets, fp32_out=False):
         self.calls.append(tuple(x.shape))
-        return self.ops.matvec_int4(x, ws, scales, offsets)
+        return self.ops.matvec_int4(x, ws, scales, offsets, fp32_out)
 
 
 def stored(w: torch.Tensor, kind: str) -> tuple:
@@ -76,21 +76,66 @@ def test_up_to_eight_rows_go_to_the_kernel_in_any_leading_shape(spy, shape, kind
     assert (ours - plain).norm() < 1e-4 * plain.norm()  # test_kernels.py bounds the error per output
 
 
-@pytest.mark.parametrize("shape", [(9, 576), (3, 3, 576), (1, 512, 576)])
+@pytest.mark.parametrize("shape", [(17, 576), (3, 6, 576), (1, 512, 576)])
 def test_more_rows_go_to_f_linear(spy, shape):
     x = torch.randn(shape)
-    assert MAX_KERNEL_ROWS < x.numel() // 576
+    assert FEW_ROWS < x.numel() // 576
     linear(x, torch.randn(7, 576).bfloat16())
     assert spy.calls == []
 
 
+@pytest.mark.parametrize("rows", [9, 13, 16])
+def test_a_few_more_rows_go_to_the_kernel_in_groups(spy, rows):
+    x, w = torch.randn(1, rows, 576), torch.randn(7, 576).bfloat16()
+    ours = linear(x, w)
+    assert spy.calls == [(MAX_KERNEL_ROWS, 576), (rows - MAX_KERNEL_ROWS, 576)] and ours.shape == (1, rows, 7)
+    assert torch.equal(ours[0], torch.cat([linear(x[0, i:i + 1], w) for i in range(rows)]))
+
+
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
-def test_without_the_kernel_every_product_goes_to_f_linear(monkeypatch, kind):
+def test_without_the_kernel_every_product_goes_to_f_linear_a_few_rows_one_at_a_time(monkeypatch, kind):
     monkeypatch.setattr(model.linear, "kernels", lambda: None)
     w, x = torch.randn(7, 64), torch.randn(2, 1, 64)
     weight, scale, offset = stored(w, kind)
-    plain = F.linear(x, dequantize(weight, scale, offset))
+    plain = torch.stack([F.linear(x[i], dequantize(weight, scale, offset)) for i in range(2)])
     assert torch.equal(linear(x, weight, scale, offset), plain)
+    many = torch.randn(12, 64)
+    assert torch.equal(linear(many, weight, scale, offset), F.linear(many, dequantize(weight, scale, offset)))
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("kind", ["bf16", "fp32", "int8", "int4"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_product_is_the_same_whatever_rows_come_with_it(monkeypatch, kernel, kind, x_dtype):
+    """Up to FEW_ROWS rows: each row's output bit for bit the same alone or among others, so a sequence
+    decodes the same tokens alone or in a batch (K = 8192 is several pieces of the kernel's loop)."""
+    if not kernel:
+        monkeypatch.setattr(model.linear, "kernels", lambda: None)
+    g = torch.Generator().manual_seed(5)
+    for k_dim in (576, 8192):
+        w = torch.randn(96, k_dim, generator=g) * 0.05
+        weight, scale, offset = (w, None, None) if kind == "fp32" else stored(w, kind)
+        x = torch.randn(FEW_ROWS, k_dim, generator=g).to(x_dtype)
+        alone = [linear(x[i:i + 1], weight, scale, offset) for i in range(FEW_ROWS)]
+        for rows in range(2, FEW_ROWS + 1):
+            together = linear(x[:rows], weight, scale, offset)
+            for i in range(rows):
+                assert torch.equal(together[i:i + 1], alone[i]), (k_dim, rows, i)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_fp32_out_gives_the_sums_before_their_rounding(spy, kind, x_dtype):
+    """The output head's logits: the kernel's fp32 sums, which rounded to x's dtype are its usual output."""
+    g = torch.Generator().manual_seed(6)
+    weight, scale, offset = stored(torch.randn(300, 576, generator=g) * 0.05, kind)
+    x = torch.randn(3, 576, generator=g).to(x_dtype)
+    wide = model.linear.linears(x, [weight], [scale], [offset], fp32_out=True)
+    narrow = linear(x, weight, scale, offset)
+    assert wide.dtype == torch.float32 and narrow.dtype == x_dtype and spy.calls == [(3, 576), (3, 576)]
+    assert torch.equal(wide.to(x_dtype), narrow)
+    if x_dtype == torch.bfloat16:
+        assert not torch.equal(wide, narrow.float())  # digits that bf16 drops
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

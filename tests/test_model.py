@@ -159,25 +159,27 @@ def test_greedy_generation_with_kv_cache_matches_transformers(reference, hf_fold
     assert gen.finish_reason == "length" and text == ckpt.tokenizer.decode(gen.tokens)
 
 
-def test_prefix_reuse_gives_identical_greedy_output(hf_folder):
+def test_prefix_reuse_takes_whole_prefill_chunks_and_gives_identical_greedy_output(hf_folder):
+    from model.kv_cache import PREFILL_CHUNK as C
     ckpt = load_checkpoint(hf_folder, dtype=torch.float32)
-    first = prompt_ids(n=20, seed=2)[0].tolist()
+    first = prompt_ids(n=C + 20, seed=2)[0].tolist()
     gen = generate(ckpt, first, max_new_tokens=10, stop_ids=set())
     list(gen)
-    follow_up = first + gen.tokens + prompt_ids(n=9, seed=4)[0].tolist()
+    assert gen.kv_cache.exact == C  # the second chunk was partial, the reply came from decode steps
+    follow_up = first + gen.tokens + prompt_ids(n=C, seed=4)[0].tolist()
     reused = generate(ckpt, follow_up, max_new_tokens=15, stop_ids=set(), kv_cache=gen.kv_cache)
     list(reused)
     fresh = generate(ckpt, follow_up, max_new_tokens=15, stop_ids=set())
     list(fresh)
-    assert reused.stats.reused_tokens == 29  # prompt + 9 of the 10 generated (the last was never fed)
+    assert reused.stats.reused_tokens == C
     assert reused.tokens == fresh.tokens
-    # An edited history: the cache is cut back to the common prefix.
-    edited = first[:5] + prompt_ids(n=30, seed=6)[0].tolist()
+    # An edited history: the cache is cut back to the whole chunks of the common prefix.
+    edited = first[:C + 5] + prompt_ids(n=30, seed=6)[0].tolist()
     again = generate(ckpt, edited, max_new_tokens=15, stop_ids=set(), kv_cache=reused.kv_cache)
     list(again)
     fresh = generate(ckpt, edited, max_new_tokens=15, stop_ids=set())
     list(fresh)
-    assert again.stats.reused_tokens == 5 and again.tokens == fresh.tokens
+    assert again.stats.reused_tokens == C and again.tokens == fresh.tokens
 
 
 def test_kv_cache_chunked_prefill_matches_full_forward(reference, hf_folder):

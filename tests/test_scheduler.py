@@ -12,20 +12,29 @@ from app.scheduler import Scheduler
 @dataclass(eq=False)
 class Seq:
     id: str
-    prompt_left: int = 0
+    next_chunk: int = 0  # prompt tokens of its next prefill chunk; 0: decoding
     ready: bool = True
     finished: bool = False
 
 
-def test_every_running_decoding_sequence_decodes_and_prefill_spends_the_budget_oldest_first():
+def test_every_running_decoding_sequence_decodes_and_prefill_spends_the_budget_oldest_first_in_whole_chunks():
     s = Scheduler(max_batch=8, prefill_budget=100)
-    a, b, c, d = Seq("a"), Seq("b", prompt_left=70), Seq("c", prompt_left=70), Seq("d")
-    for seq in (a, b, c, d):
+    a, b, c, e, d = Seq("a"), Seq("b", next_chunk=70), Seq("c", next_chunk=70), Seq("e", next_chunk=20), Seq("d")
+    for seq in (a, b, c, e, d):
         s.add(seq)
-    assert s.admit() == [a, b, c, d]
+    assert s.admit() == [a, b, c, e, d]
     step = s.schedule()
     assert step.decode == [a, d]
-    assert step.prefill == [(b, 70), (c, 30)]  # c gets what is left of the budget
+    assert step.prefill == [b, e]  # c's chunk does not fit the 30 left and is never cut: it waits; e's fits
+
+
+def test_the_first_chunk_of_a_step_runs_whatever_the_budget():
+    s = Scheduler(max_batch=8, prefill_budget=10)
+    big, small = Seq("big", next_chunk=64), Seq("small", next_chunk=4)
+    s.add(big)
+    s.add(small)
+    s.admit()
+    assert s.schedule().prefill == [big]
 
 
 def test_the_batch_is_bounded_and_the_rest_wait_in_order():

@@ -10,7 +10,7 @@
 // here the steps between the matrix products are plain loops over a few hundred numbers, and the
 // products go to the decode kernel (matvec.h), which streams the weights.
 //
-// Weights are bf16, int8 with group scales, or int4 with block scales and offsets (model/quantize.py),
+// Weights are bf16, fp32, int8 with group scales, or int4 with block scales and offsets (model/quantize.py),
 // one kind for the matrices of one kernel call (q|k|v, wo, w1|w3, w2) and any kind from call to
 // call: an int4 model keeps a matrix whose K is not whole blocks of 32 as int8.
 //

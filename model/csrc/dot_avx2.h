@@ -56,6 +56,32 @@ void dot_bf16(const uint16_t* w, const float* x, int64_t x_stride, int64_t len, 
   }
 }
 
+// out[m] = w . x[m] for fp32 w and fp32 x, as dot_bf16 without the widening.
+template <int M>
+void dot_f32(const float* w, const float* x, int64_t x_stride, int64_t len, float* out) {
+  if constexpr (M > kRowGroup) {
+    dot_f32<kRowGroup>(w, x, x_stride, len, out);
+    dot_f32<M - kRowGroup>(w, x + kRowGroup * x_stride, x_stride, len, out + kRowGroup);
+  } else {
+    __m256 acc[M][2];
+    FOR_EACH_ROW(m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= len; k += 16) {
+      prefetch_ahead(w + k);  // 64 bytes a step: a cache line
+      const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+      FOR_EACH_ROW(m) {
+        acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * x_stride + k), acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * x_stride + k + 8), acc[m][1]);
+      }
+    }
+    FOR_EACH_ROW(m) {
+      float sum = reduce_add(_mm256_add_ps(acc[m][0], acc[m][1]));
+      for (int64_t t = k; t < len; t++) sum += w[t] * x[m * x_stride + t];
+      out[m] = sum;
+    }
+  }
+}
+
 // int8 w, int16 x: 16 weights widened to int16, pairs multiplied and added into int32 (vpmaddwd);
 // each group's integer sum is then scaled in fp32. Needs group % 16 == 0.
 constexpr int64_t kQ8Step = 16;

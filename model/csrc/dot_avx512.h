@@ -47,6 +47,26 @@ void dot_bf16(const uint16_t* w, const float* x, int64_t x_stride, int64_t len, 
   FOR_EACH_ROW(m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[m], hi_acc[m]));
 }
 
+// out[m] = w . x[m] for fp32 w and fp32 x, 32 weights a step (the last one masked), as dot_bf16.
+template <int M>
+void dot_f32(const float* w, const float* x, int64_t x_stride, int64_t len, float* out) {
+  __m512 lo_acc[M], hi_acc[M];
+  FOR_EACH_ROW(m) lo_acc[m] = hi_acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < len; k += 32) {
+    prefetch_ahead(w + k);
+    const int64_t n = std::min<int64_t>(32, len - k);
+    const __mmask16 mask_lo = n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+    const __mmask16 mask_hi = n >= 32 ? __mmask16(0xFFFF) : n <= 16 ? __mmask16(0)
+                                                                     : static_cast<__mmask16>((1u << (n - 16)) - 1);
+    const __m512 lo = _mm512_maskz_loadu_ps(mask_lo, w + k), hi = _mm512_maskz_loadu_ps(mask_hi, w + k + 16);
+    FOR_EACH_ROW(m) {
+      lo_acc[m] = _mm512_fmadd_ps(lo, _mm512_maskz_loadu_ps(mask_lo, x + m * x_stride + k), lo_acc[m]);
+      hi_acc[m] = _mm512_fmadd_ps(hi, _mm512_maskz_loadu_ps(mask_hi, x + m * x_stride + k + 16), hi_acc[m]);
+    }
+  }
+  FOR_EACH_ROW(m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[m], hi_acc[m]));
+}
+
 #if defined(__AVX512BF16__)
 // out[m] = w . x[m] for bf16 w and bf16 x: dot products of bf16 pairs accumulated in fp32
 // (vdpbf16ps), 32 a step, two steps in flight into separate accumulators per row: each vdpbf16ps

@@ -78,6 +78,25 @@ void dot_bf16(const uint16_t* w, const float* x, int64_t x_stride, int64_t len, 
   }
 }
 
+// out[m] = w . x[m] for fp32 w and x, as dot_bf16.
+template <int M>
+void dot_f32(const float* w, const float* x, int64_t x_stride, int64_t len, float* out) {
+  constexpr int kBlock = 32;
+  float part[M][kBlock] = {};
+  int64_t k = 0;
+  for (; k + kBlock <= len; k += kBlock) {
+    prefetch_ahead(w + k);
+    for (int m = 0; m < M; m++)
+      for (int j = 0; j < kBlock; j++) part[m][j] += w[k + j] * x[m * x_stride + k + j];
+  }
+  for (int m = 0; m < M; m++) {
+    float sum = 0.f;
+    for (int j = 0; j < kBlock; j++) sum += part[m][j];
+    for (int64_t t = k; t < len; t++) sum += w[t] * x[m * x_stride + t];
+    out[m] = sum;
+  }
+}
+
 constexpr int64_t kQ8Step = 1;  // any group size
 
 // out[m] = sum over groups g of scale[g] * (w . x[m] within g), for `len` int8 weights w and

@@ -1,5 +1,5 @@
 // y = x W^T for a few rows of x (decode: one new token per sequence), reading 16-bit, 8-bit or 4-bit
-// weights at memory bandwidth.
+// weights (or 32-bit ones) at memory bandwidth.
 //
 // Decoding multiplies every weight matrix by M <= 8 rows, so its speed is the speed at which
 // weights stream from memory. PyTorch's CPU linear for a few rows runs well below bandwidth
@@ -326,6 +326,25 @@ at::Tensor matvec_bf16(const at::Tensor& x, at::TensorList ws, bool fp32_out) {
     y = rows_to<M>(x, out, ws, 2, 4, 32, kOnes, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
       isa::dot_bf16<M>(w[i] + r * k_dim + k0, xp + k0, k_dim, len, out);
     });
+  });
+  return y;
+}
+
+// fp32 weights (LLAMA_DTYPE=fp32): twice the bytes of bf16, streamed the same way.
+at::Tensor matvec_f32(const at::Tensor& x, at::TensorList ws, bool fp32_out) {
+  const int64_t rows = check("matvec_f32", x, ws, at::kFloat);
+  const int64_t k_dim = x.size(-1);
+  std::vector<const float*> w;
+  for (const at::Tensor& t : ws) w.push_back(t.data_ptr<float>());
+  const at::Tensor xf = x.to(at::kFloat);  // no copy when x is fp32
+  const float* xp = xf.data_ptr<float>();
+  at::Tensor y;
+  with_rows(rows, [&](auto m_rows) {
+    constexpr int M = decltype(m_rows)::value;
+    y = rows_to<M>(x, out_type(x, fp32_out), ws, 4, 4, 32, kOnes,
+                   [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+                     isa::dot_f32<M>(w[i] + r * k_dim + k0, xp + k0, k_dim, len, out);
+                   });
   });
   return y;
 }
@@ -696,7 +715,7 @@ at::Tensor llama::matvec(const at::Tensor& x, at::TensorList ws, at::TensorList 
     TORCH_CHECK(!offset.has_value(), "matvec: an offset for ", kind, " weights; only int4 (uint8) blocks take one");
   if (kind == at::kChar) return matvec_int8(x, ws, scales, fp32_out);
   TORCH_CHECK(scales.empty(), "matvec: ", scales.size(), " scale tensors for ", kind, " weights; expected none");
-  return matvec_bf16(x, ws, fp32_out);
+  return kind == at::kFloat ? matvec_f32(x, ws, fp32_out) : matvec_bf16(x, ws, fp32_out);
 }
 
 // The op namespace is the build's name, so builds for different instruction sets load side by side.
@@ -706,6 +725,7 @@ at::Tensor llama::matvec(const at::Tensor& x, at::TensorList ws, at::TensorList 
 DEFINE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // fp32_out: y in fp32 whatever x's dtype (the output head's logits); else in x's dtype.
   m.def("matvec_bf16(Tensor x, Tensor[] w, bool fp32_out=False) -> Tensor");
+  m.def("matvec_f32(Tensor x, Tensor[] w, bool fp32_out=False) -> Tensor");
   m.def("matvec_int8(Tensor x, Tensor[] w, Tensor[] scale, bool fp32_out=False) -> Tensor");
   m.def("matvec_int4(Tensor x, Tensor[] w, Tensor[] scale, Tensor?[] offset, bool fp32_out=False) -> Tensor");
   m.def("path() -> str", &path);  // which of the code paths above this build compiled
@@ -715,6 +735,7 @@ DEFINE_LIBRARY(TORCH_EXTENSION_NAME, m) {
 
 IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("matvec_bf16", matvec_bf16);
+  m.impl("matvec_f32", matvec_f32);
   m.impl("matvec_int8", matvec_int8);
   m.impl("matvec_int4", matvec_int4_op);
 }

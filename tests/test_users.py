@@ -131,26 +131,41 @@ def sign_in_with(recorder: Recorder, **throttle) -> users.SignIn:
     return users.SignIn(passwords, users.Throttle(sleep=recorder.sleep, clock=recorder.clock, **throttle))
 
 
-def test_each_failure_waits_longer_per_name_and_per_address():
+def test_each_failure_waits_longer_per_name_and_address_and_per_address():
     recorder = Recorder()
     sign_in = sign_in_with(recorder)
 
     async def attempts():
         assert await sign_in("ada", "guess", "10.0.0.1") is None
         assert await sign_in("ada", "guess", "10.0.0.1") is None
-        assert await sign_in("ada", "guess", "10.0.0.2") is None  # another address: the name's count goes on
+        assert await sign_in("ada", "guess", "10.0.0.2") is None  # the name from elsewhere: counted apart
         assert await sign_in("grace", "guess", "10.0.0.1") is None  # another name: the address's count goes on
         assert await sign_in("grace", "guess", "10.0.0.3") is None
         assert await sign_in("ada", "lovelace", "10.0.0.1") == "ada"  # right: answered at once
-        assert await sign_in("ada", "guess", "10.0.0.4") is None  # the name starts again after a success
+        assert await sign_in("ada", "guess", "10.0.0.4") is None
         recorder.now += users.FORGET_AFTER_S + 1
         assert await sign_in("grace", "guess", "10.0.0.1") is None  # old failures are forgotten
         for _ in range(8):
             await sign_in("grace", "guess", "10.0.0.5")
 
     asyncio.run(attempts())
-    assert recorder.slept[:7] == [1, 2, 4, 4, 2, 1, 1]
-    assert recorder.slept[7:] == [2, 4, 8, 16, 30, 30, 30, 30]  # doubled up to MAX_DELAY_S
+    assert recorder.slept[:7] == [1, 2, 1, 4, 1, 1, 1]
+    assert recorder.slept[7:] == [1, 2, 4, 8, 16, 30, 30, 30]  # doubled up to MAX_DELAY_S
+
+
+def test_an_ipv6_address_counts_as_its_64():
+    recorder = Recorder()
+    sign_in = sign_in_with(recorder)
+
+    async def attempts():
+        for address in ("2001:db8:0:1::1", "2001:db8:0:1::2", "2001:db8:0:1:ffff::9", "2001:db8:0:2::1",
+                        "::ffff:10.0.0.1", "10.0.0.1"):
+            assert await sign_in("ada", "guess", address) is None
+
+    asyncio.run(attempts())
+    assert recorder.slept == [1, 2, 4, 1, 1, 2]  # one /64 is one guesser; a mapped IPv4 address is that address
+    assert users.address_key("2001:DB8:0:1:2:3:4:5") == "2001:db8:0:1::/64"
+    assert users.address_key("unknown") == "unknown"
 
 
 class Counting(users.Passwords):
@@ -176,19 +191,20 @@ class HeldSleep:
         await self.released.wait()
 
 
-def test_sign_ins_of_one_name_take_turns():
+def test_sign_ins_from_one_address_take_turns():
     """Sent at once, the attempts are still checked one after the other, each after the previous delay."""
 
     async def attempts():
         passwords, sleep = Counting({"ada": users.HASHER.hash("lovelace")}), HeldSleep()
         sign_in = users.SignIn(passwords, users.Throttle(sleep=sleep))
-        tries = [asyncio.create_task(sign_in("ada", f"guess {i}", f"10.0.0.{i}")) for i in range(3)]
+        tries = [asyncio.create_task(sign_in(name, f"guess {i}", "10.0.0.1")) for i, name in enumerate(["ada"] * 2
+                                                                                                      + ["grace"])]
         await sleep.began.wait()  # the first was checked (an argon2 verify) and waits out its delay
         await asyncio.sleep(0.1)
         assert passwords.checked == ["guess 0"]  # the others wait for their turn, unchecked
         sleep.released.set()
         assert await asyncio.gather(*tries) == [None, None, None]
-        assert passwords.checked == ["guess 0", "guess 1", "guess 2"]
+        assert passwords.checked[0] == "guess 0" and sorted(passwords.checked[1:]) == ["guess 1", "guess 2"]
 
     asyncio.run(attempts())
 
@@ -201,10 +217,45 @@ def test_too_many_waiting_sign_ins_are_refused_unchecked():
         await sleep.began.wait()
         waiting = [asyncio.create_task(sign_in("ada", "guess", "10.0.0.1")) for _ in range(2)]
         await asyncio.sleep(0.05)  # both are in line
-        assert await sign_in("ada", "lovelace", "10.0.0.9") is None  # a third in line: refused unchecked
+        assert await sign_in("grace", "hopper", "10.0.0.1") is None  # a third in line there: refused unchecked
         sleep.released.set()
         await asyncio.gather(first, *waiting)
         assert passwords.checked == ["guess"] * 3
+
+    asyncio.run(attempts())
+
+
+def test_a_burst_of_wrong_passwords_for_a_name_does_not_keep_its_owner_out():
+    """Someone at another address sends many wrong passwords for ada at once: they wait their turns (or are
+    refused unchecked), while ada, at her own address, signs in at once, and a typo of hers costs her 1 s."""
+
+    async def attempts():
+        passwords, sleep = Counting({"ada": users.HASHER.hash("lovelace")}), HeldSleep()
+        recorded: list[float] = []
+
+        async def sleep_unless_owner(seconds: float) -> None:  # the owner's delay is recorded, the others held
+            if users.CLIENT_ADDRESS.get() == "192.0.2.1":
+                recorded.append(seconds)
+            else:
+                await sleep(seconds)
+
+        sign_in = users.SignIn(passwords, users.Throttle(sleep=sleep_unless_owner))
+        burst = [asyncio.create_task(sign_in("ada", f"guess {i}", "203.0.113.66")) for i in range(30)]
+        await sleep.began.wait()
+        await asyncio.sleep(0.05)
+        assert sum(task.done() for task in burst) == 30 - 1 - users.MAX_WAITING  # refused unchecked at once
+        assert passwords.checked == ["guess 0"]  # the rest of the burst waits its turn
+
+        async def as_owner(password: str) -> str | None:
+            users.CLIENT_ADDRESS.set("192.0.2.1")
+            return await sign_in("ada", password)
+
+        assert await asyncio.create_task(as_owner("typo")) is None
+        assert await asyncio.create_task(as_owner("lovelace")) == "ada"
+        assert recorded == [1]  # her own first failure, not the burst's count
+        assert not all(task.done() for task in burst)
+        sleep.released.set()
+        assert await asyncio.gather(*burst) == [None] * 30
 
     asyncio.run(attempts())
 

@@ -371,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.host)
     app = create_app(backend, settings.api_key)
     guard.install(app, allowed)
+    http_server.install(app)
     log.info("%s", allowed.summary())
     gc.freeze()  # what is loaded by now lives as long as the process: no collection walks it again (see app/main.py)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", **http_server.uvicorn_options(settings))

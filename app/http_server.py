@@ -10,8 +10,8 @@ in, so the deadlines are kept in uvicorn's own HTTP/1.1 protocol (h11), subclass
 headers must arrive within LLAMA_HEADER_TIMEOUT seconds of the connection opening (or of the previous
 answer on it ending), its body within LLAMA_BODY_TIMEOUT seconds of its headers. Past either, the
 client is answered 408 (if it sent part of a request) and the connection closed; the app, if it was
-reading the body, sees the client gone. Websockets, once upgraded, and answers however long, are not
-timed.
+reading the body, sees the client gone (`install` has that answered quietly, as any client that leaves
+before its body is read). Websockets, once upgraded, and answers however long, are not timed.
 
 Forwarded addresses. Uvicorn believes X-Forwarded-For (and -Proto) from the addresses in its
 `forwarded_allow_ips`, by default loopback: any program on this machine could then claim any address
@@ -27,6 +27,8 @@ import os
 
 import h11
 import uvicorn.config
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, Settings
@@ -106,6 +108,17 @@ class Deadlines(H11Protocol):
             self.cycle.message_event.set()
         self.awaiting = None
         self.transport.close()
+
+
+async def client_gone(request, error: ClientDisconnect) -> Response:
+    """A client that went away, or was cut off, before its request was read: nobody is left to answer, and
+    it is no fault of the app's (uvicorn would log it with a traceback)."""
+    return Response(status_code=499)  # nginx's "client closed request"; never sent
+
+
+def install(app) -> None:
+    """Have a Starlette or FastAPI app answer clients gone before their body was read with client_gone."""
+    app.add_exception_handler(ClientDisconnect, client_gone)
 
 
 def _address(client: tuple[str, int] | None) -> str:

@@ -77,6 +77,7 @@ except SettingsError as e:
 if chainlit_app.middleware_stack is None:  # not serving yet (a reload by `chainlit run -w` keeps the first ones)
     guard.install(chainlit_app, ALLOWED)  # in front of every route: the page, socket.io, sign-in, history, the API
     chainlit_app.add_middleware(users.ClientAddress)  # failed sign-ins are slowed per address too
+    http_server.install(chainlit_app)
     if SIGNING_IN:
         chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
 api.mount(chainlit_app, BACKEND, SETTINGS.api_key)

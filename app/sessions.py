@@ -30,7 +30,7 @@ from chainlit.session import ws_sessions_sid
 from chainlit.user import User
 from starlette.requests import cookie_parser
 
-from .users import LOCAL_USER, Passwords
+from .users import LOCAL_USER, Passwords, utf8
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def still_signed_in(passwords: Passwords | None) -> Valid:
         if passwords is None:
             return user.identifier == LOCAL_USER
         stamp, given = passwords.stamp(user.identifier), (user.metadata or {}).get("stamp")
-        return stamp is not None and isinstance(given, str) and hmac.compare_digest(stamp, given)
+        return stamp is not None and isinstance(given, str) and hmac.compare_digest(utf8(stamp), utf8(given))
 
     return valid
 
@@ -105,8 +105,8 @@ async def sweep(valid: Valid, every_s: float = SWEEP_S) -> None:
     """Disconnect, every every_s seconds, the open sockets whose sign-in is no longer valid (run it as a task)."""
     while True:
         await asyncio.sleep(every_s)
-        for session in list(ws_sessions_sid.values()):
-            if session.token is None:  # no sign-in at all (sign-in and history off)
+        for session in list(ws_sessions_sid.values()):  # closed ones too, kept a while for a reconnection
+            if session.token is None or not sio.manager.is_connected(session.socket_id, "/"):
                 continue
             user = token_user(session.token)
             if user is None or not valid(user):

@@ -87,15 +87,8 @@ def is_hash(secret: str) -> bool:
 
 def read_users(path: Path) -> dict[str, str]:
     """`name:hash` lines -> {name: argon2 hash}; SettingsError names the file, the line and the fix."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise SettingsError(f"LLAMA_USERS={path}: cannot read the file: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise SettingsError(f"LLAMA_USERS={path}: expected UTF-8 text, found byte {e.object[e.start]:#04x} at "
-                            f"offset {e.start}") from None
     users = {}
-    for number, line, name, secret in parse_lines(text):
+    for number, line, name, secret in parse_lines(read_text(path)):
         if name is None:
             if line.strip() and not line.lstrip().startswith("#"):
                 raise SettingsError(f"LLAMA_USERS={path}, line {number}: expected name:hash "
@@ -120,10 +113,21 @@ def read_users(path: Path) -> dict[str, str]:
     return users
 
 
+def read_text(path: Path) -> str:
+    """The file's text; SettingsError names the file and what was wrong."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise SettingsError(f"LLAMA_USERS={path}: cannot read the file: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SettingsError(f"LLAMA_USERS={path}: expected UTF-8 text, found byte {e.object[e.start]:#04x} at "
+                            f"offset {e.start}") from None
+
+
 def write_lines(path: Path, lines: list[str]) -> None:
     """Replace the file at once (a new file renamed over it), readable by its owner only."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with os.fdopen(open_private(temporary, os.O_TRUNC), "w") as f:
+    with os.fdopen(open_private(temporary, os.O_TRUNC), "w", encoding="utf-8") as f:
         f.write("".join(line + "\n" for line in lines))
     os.replace(temporary, path)
 
@@ -339,7 +343,7 @@ class ClientAddress:
 def add(path: Path, name: str, password: str) -> None:
     """Give name this password in the file (created if missing): its line is replaced, else appended."""
     line, lines, placed = f"{name}:{HASHER.hash(password)}", [], False
-    for _, text, other, _ in parse_lines(path.read_text()) if path.exists() else []:
+    for _, text, other, _ in parse_lines(read_text(path)) if path.exists() else []:
         if other == name:
             if placed:
                 continue  # a later line for the same name would count instead: drop it
@@ -351,7 +355,7 @@ def add(path: Path, name: str, password: str) -> None:
 def convert(path: Path) -> list[str]:
     """Hash every plain-text password of the file in place; returns the names converted."""
     lines, converted = [], []
-    for _, text, name, secret in parse_lines(path.read_text()):
+    for _, text, name, secret in parse_lines(read_text(path)):
         if name is not None and not is_hash(secret):
             text = f"{name}:{HASHER.hash(secret)}"
             converted.append(name)

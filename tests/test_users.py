@@ -22,18 +22,18 @@ from app.settings import SettingsError
 pytestmark = pytest.mark.timeout(120)
 
 
-def run_users(*args: str, password: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
+def run_users(*args: str, password: str = "", env: dict | None = None, umask: int = 0o022) -> subprocess.CompletedProcess:
     """`python -m app.users ...` with the password on standard input (not a terminal: read as one line)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_")} | (env or {})
     return subprocess.run([sys.executable, "-m", "app.users", *args], cwd=ROOT, input=password + "\n",
-                          capture_output=True, text=True, env=environ, timeout=60)
+                          capture_output=True, text=True, env=environ, timeout=60, umask=umask)
 
 
 # ---- the users file -----------------------------------------------------------------------------
 
 def test_add_writes_an_argon2_hash_readable_by_its_owner_only(tmp_path):
     path = tmp_path / "users"
-    done = run_users("add", "ada", "--file", str(path), password="lovelace")
+    done = run_users("add", "ada", "--file", str(path), password="lovelace", umask=0)  # whatever the umask
     assert done.returncode == 0, done.stderr
     assert "ada's password is stored as an argon2 hash" in done.stdout
     name, hash = path.read_text().strip().split(":", 1)
@@ -48,6 +48,7 @@ def test_add_replaces_the_users_line_and_keeps_the_others(tmp_path):
     run_users("add", "ada", "--file", str(path), password="first")
     path.write_text("# our household\n" + path.read_text() + "\ngrace:" + users.HASHER.hash("hopper") + "\n")
     done = run_users("add", "ada", password="second", env={"LLAMA_USERS": str(path)})  # the file from LLAMA_USERS
+    # (alone: sign-in's other settings, such as LLAMA_API_KEY, are not needed to write the file)
     assert done.returncode == 0, done.stderr
     lines = path.read_text().splitlines()
     assert lines[0] == "# our household" and lines[2] == "" and len(lines) == 4
@@ -108,6 +109,58 @@ def test_named_users_and_a_shared_password():
     assert passwords.check(" guest ", "household") == "guest"
     assert passwords.check("guest", "wrong") is None and passwords.check(" ", "household") is None
     assert users.Passwords({"ada": users.HASHER.hash("lovelace")}).check("guest", "household") is None
+
+
+def test_the_worst_names_and_passwords_are_refused_without_an_error():
+    passwords = users.Passwords({"ada": users.HASHER.hash("lovelace")}, shared="household")
+    for name, password in [("ada", "\ud800"), ("\udfff", "household\ud800"), ("ada\x00", "lovelace"),
+                           ("a" * (users.MAX_NAME + 1), "household"), ("ada", "lovelace" * 100_000)]:
+        assert passwords.check(name, password) is None
+    assert passwords.check("\u00e9\U0001f600", "household") == "\u00e9\U0001f600"
+    assert passwords.stamp("\ud800") is not None and passwords.stamp(" ada") is None and passwords.stamp("") is None
+
+
+# ---- a changed file, and the stamp a session carries --------------------------------------------
+
+def test_a_changed_file_counts_at_once_and_changes_the_users_stamp(tmp_path):
+    path = tmp_path / "users"
+    users.add(path, "ada", "lovelace")
+    users.add(path, "grace", "hopper")
+    passwords = users.Passwords(users.UsersFile(path), shared="household", key=b"k" * 32)
+    ada, grace, guest = passwords.stamp("ada"), passwords.stamp("grace"), passwords.stamp("guest")
+    assert len({ada, grace, guest}) == 3 and None not in (ada, grace, guest)
+    again = users.Passwords(users.UsersFile(path), shared="household", key=b"k" * 32)
+    assert again.stamp("ada") == ada  # the next start, with the same secret: sessions go on
+    assert users.Passwords(users.UsersFile(path), key=b"other" * 8).stamp("ada") != ada  # another secret: they end
+
+    users.add(path, "ada", "analytical engine")
+    assert passwords.check("ada", "analytical engine") == "ada" and passwords.check("ada", "lovelace") is None
+    assert passwords.stamp("ada") not in (ada, None) and passwords.stamp("grace") == grace
+    users.write_lines(path, [line for line in path.read_text().splitlines() if not line.startswith("grace:")])
+    assert passwords.stamp("grace") not in (grace, None)  # a name of LLAMA_PASSWORD's now, not the user grace
+    assert users.Passwords(users.UsersFile(path), key=b"k" * 32).stamp("grace") is None  # no LLAMA_PASSWORD
+    assert users.Passwords({}, shared="household", key=b"k" * 32).stamp("guest") == guest
+    assert users.Passwords({}, shared="another", key=b"k" * 32).stamp("guest") != guest
+
+
+def test_a_file_that_cannot_be_used_any_more_lets_nobody_in(tmp_path, caplog):
+    path = tmp_path / "users"
+    users.add(path, "ada", "lovelace")
+    passwords = users.Passwords(users.UsersFile(path), shared="household")
+    users.write_lines(path, ["ada:lovelace"])  # edited by hand: a plain-text password
+    assert passwords.check("ada", "lovelace") is None and passwords.stamp("ada") is None
+    assert passwords.check("guest", "household") is None  # nor does LLAMA_PASSWORD take ada's name meanwhile
+    assert "the password of 'ada' is in plain text" in caplog.text and "nobody can sign in" in caplog.text
+    path.unlink()
+    assert passwords.check("guest", "household") is None
+    users.add(path, "ada", "lovelace")
+    good = path.read_bytes()
+    path.write_bytes(good + b"grace:\xff\n")
+    assert passwords.users is None and "expected UTF-8 text, found byte 0xff at offset" in caplog.text
+    with pytest.raises(SettingsError, match="expected UTF-8 text"):  # nor is it written over
+        users.add(path, "grace", "hopper")
+    path.write_bytes(good)
+    assert passwords.check("ada", "lovelace") == "ada" and passwords.check("guest", "household") == "guest"
 
 
 # ---- failed sign-ins are slowed -----------------------------------------------------------------

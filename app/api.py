@@ -154,7 +154,7 @@ def create_router(backend, api_key: str | None = None) -> APIRouter:
         scheme, _, token = http_request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise ApiError(401, "No API key given: send it as 'Authorization: Bearer <key>'.", code="invalid_api_key")
-        if not hmac.compare_digest(utf8(token.strip()), utf8(api_key)):
+        if not hmac.compare_digest(token.strip().encode("latin-1"), utf8(api_key)):  # the header's bytes, as sent
             raise ApiError(401, "Incorrect API key.", code="invalid_api_key")
 
     router = APIRouter(dependencies=[Depends(check_key)])  # an ApiError anywhere is answered by answer_error

@@ -125,6 +125,32 @@ def test_message_streams_a_reply_then_a_stats_line_and_keeps_the_history(main):
     assert all(m.ids for m in chat.conversation().messages if m.role == "assistant")
 
 
+def test_each_reply_is_asked_for_as_the_signed_in_user(main, monkeypatch):
+    """The engine reuses a kept KV cache only between requests of one user: the chat names its user."""
+    import chainlit as cl
+
+    asked, engine_submit = [], main.BACKEND._submit
+
+    def submit(reply, request):  # the Generate message as it goes to the engine
+        asked.append(request.user)
+        return engine_submit(reply, request)
+
+    monkeypatch.setattr(main.BACKEND, "_submit", submit)
+    ada, grace, nobody = Chat(main), Chat(main), Chat(main)
+    ada.session.user = cl.User(identifier="ada", metadata={"provider": "password"})
+    grace.session.user = cl.PersistedUser(id="7", createdAt="2026-01-01", identifier="grace")
+
+    async def scenario():
+        for chat in (ada, grace, nobody):
+            await chat.start()
+            await chat.send("Hello")
+        ada.enter()
+        await main.regenerate(cl.Action(name="regenerate", payload={"answer": ada.conversation().messages[-1].id}))
+
+    run(scenario())
+    assert asked == ["ada", "grace", "local", "ada"]  # no sign-in at all: the one local user
+
+
 def test_stop_ends_the_reply_at_once_keeps_it_and_frees_the_model(main):
     chat = Chat(main)
 

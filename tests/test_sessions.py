@@ -124,6 +124,62 @@ def test_who_is_still_signed_in(tmp_path, secret):
     assert local(sessions.local_user()) and not local(sessions.password_user("ada", passwords))
 
 
+# ---- whose API request it is ----------------------------------------------------------------------
+
+class Recording:
+    """A backend that answers every request with "Hi" and remembers whose request it was."""
+    profiles, default, ready = {"tiny": "/nowhere"}, "tiny", True
+
+    def __init__(self):
+        self.observers, self.users = [], []
+
+    def stream(self, conversation, settings, n=1, user="", **options):
+        return self.reply(user)
+
+    def complete(self, prompt, model, settings, n=1, user="", **options):
+        return self.reply(user)
+
+    def reply(self, user: str):
+        from app.messages import Done, Stats, Text
+
+        class Reply:
+            id = "recorded"
+
+            def cancel(self):
+                pass
+
+            async def __aiter__(self):
+                yield Text("recorded", "Hi")
+                yield Done("recorded", "Hi", "stop", Stats(prompt_tokens=3, new_tokens=1))
+
+        self.users.append(user)
+        return Reply()
+
+
+def ask_api(backend, key: str | None, auth: str | bytes | None) -> list[int]:
+    from fastapi.testclient import TestClient
+
+    from app.api import create_app
+
+    client = TestClient(create_app(backend, key))  # without `with`: see CHAINLIT_NOTES (it exits the process)
+    headers = {"Authorization": b"Bearer " + (auth if isinstance(auth, bytes) else auth.encode())} if auth else {}
+    return [client.post("/v1/chat/completions", json=ASK, headers=headers).status_code,
+            client.post("/v1/completions", json={"prompt": "Once", "stream": True}, headers=headers).status_code]
+
+
+def test_api_requests_are_the_keys_or_without_a_key_the_local_users():
+    from app.api import key_user
+
+    keyed, open_ = Recording(), Recording()
+    assert ask_api(keyed, KEY, KEY) == [200, 200]
+    assert ask_api(keyed, KEY, "wrong") == [401, 401] and ask_api(keyed, KEY, None) == [401, 401]
+    assert ask_api(keyed, KEY, b"\xff\xfe" + KEY.encode()) == [401, 401]  # bytes that are no UTF-8
+    assert ask_api(open_, None, None) == [200, 200]
+    assert ask_api(Recording(), "cl\u00e9 \U0001f511", "cl\u00e9 \U0001f511".encode()) == [200, 200]  # a UTF-8 key
+    assert keyed.users == [key_user(KEY)] * 2 and open_.users == ["local"] * 2
+    assert key_user(KEY).startswith("api key ") and KEY not in key_user(KEY) and key_user("other") != key_user(KEY)
+
+
 # ---- a chat server with sign-in -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

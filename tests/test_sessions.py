@@ -228,12 +228,13 @@ def set_password(path, name: str, password: str) -> None:
 
 
 def test_with_sign_in_the_api_and_metrics_take_the_key_only(signed):
+    users.add(signed.users, "kay", "sparck jones")
     for path in ("/v1/models", "/metrics"):
         assert httpx.get(f"{signed.url}{path}", timeout=30).status_code == 401
         assert httpx.get(f"{signed.url}{path}", headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
         assert httpx.get(f"{signed.url}{path}", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code == 200
-    ada = dict(login(signed, "ada", "lovelace").cookies)
-    assert httpx.get(f"{signed.url}/v1/models", cookies=ada, timeout=30).status_code == 401  # a sign-in is no key
+    kay = dict(login(signed, "kay", "sparck jones").cookies)
+    assert httpx.get(f"{signed.url}/v1/models", cookies=kay, timeout=30).status_code == 401  # a sign-in is no key
     answer = httpx.post(f"{signed.url}/v1/chat/completions", json=ASK, headers={"Authorization": f"Bearer {KEY}"},
                         timeout=60)
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == MODEL_SAYS
@@ -262,21 +263,22 @@ def test_a_new_password_ends_the_sessions_signed_in_with_the_old_one(signed):
 
 
 def test_a_removed_user_is_signed_out_and_their_open_socket_closed(signed):
-    grace = dict(login(signed, "grace", "hopper").cookies)
-    tab = ChatTab(signed.url, grace)
+    users.add(signed.users, "rosalind", "franklin")
+    rosalind = dict(login(signed, "rosalind", "franklin").cookies)
+    tab = ChatTab(signed.url, rosalind)
     try:
         tab.wait_for("chat_settings")
         users.write_lines(signed.users, [line for line in signed.users.read_text().splitlines()
-                                         if not line.startswith("grace:")])
-        assert threads(signed, grace) == 401
+                                         if not line.startswith("rosalind:")])
+        assert threads(signed, rosalind) == 401
         deadline = time.monotonic() + 5 * sessions.SWEEP_S
         while tab.sio.connected and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not tab.sio.connected
     finally:
         tab.close()
-    assert login(signed, "grace", "hopper").status_code == 401
-    assert "closed a socket signed in as 'grace': its sign-in has ended" in signed.log_path.read_text()
+    assert login(signed, "rosalind", "franklin").status_code == 401
+    assert "closed a socket signed in as 'rosalind': its sign-in has ended" in signed.log_path.read_text()
 
 
 def test_x_forwarded_for_from_loopback_is_not_believed_without_trusted_proxies(signed):
@@ -296,7 +298,10 @@ def stalled(url: str, data: bytes, wait_s: float = 60) -> bytes:
     return answer
 
 
-def test_a_client_that_stalls_in_its_headers_or_its_body_is_cut_off(signed):
+def test_a_client_that_stalls_in_its_headers_or_its_body_is_cut_off_and_sockets_are_not(signed):
+    users.add(signed.users, "hedy", "lamarr")
+    tab = ChatTab(signed.url, dict(login(signed, "hedy", "lamarr").cookies))  # open meanwhile, longer than both
+    tab.wait_for("chat_settings")
     headers = stalled(signed.url, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bea")
     assert headers.startswith(b"HTTP/1.1 408 ") and b"The request's headers did not arrive within 2 s" in headers
     body = stalled(signed.url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
@@ -307,6 +312,12 @@ def test_a_client_that_stalls_in_its_headers_or_its_body_is_cut_off(signed):
     assert "request headers did not arrive within 2 s (LLAMA_HEADER_TIMEOUT)" in log
     assert "request body did not arrive within 2 s (LLAMA_BODY_TIMEOUT)" in log
     assert httpx.get(f"{signed.url}/health", timeout=30).status_code == 200  # and the server goes on
+    try:
+        assert tab.sio.connected
+        tab.send("Still there?")
+        assert any(event == "stream_token" for event, _ in tab.events)
+    finally:
+        tab.close()
 
 
 def test_history_files_are_private(signed):

@@ -26,7 +26,7 @@ from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
 
 from .conversation import Conversation
 from .display import plain
-from .private_files import FILE_MODE, open_private, private_folder
+from .private_files import FILE_MODE, open_private, private_file, private_folder
 from .settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,7 @@ def create_schema(path: Path) -> None:
     """Create the database and its tables if missing; add columns that a database from an older
     Chainlit lacks (a column added later is NULL in old rows, which Chainlit reads as unset). The folder
     and the files are made private first: SQLite gives the files it adds the database's mode."""
-    private_folder(path.parent)
-    os.close(open_private(path))
+    private_file(private_folder(path.parent) / path.name)
     for companion in SQLITE_COMPANIONS:
         with contextlib.suppress(FileNotFoundError):
             os.chmod(path.with_name(path.name + companion), FILE_MODE)

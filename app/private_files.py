@@ -22,6 +22,16 @@ def private_folder(folder: Path) -> Path:
     return folder
 
 
+def private_file(path: Path) -> Path:
+    """The file, created empty if missing, made readable by this account only. An existing file is not
+    opened: closing any descriptor of a file drops the process's POSIX locks on it, SQLite's among them."""
+    try:
+        os.close(open_private(path, os.O_EXCL))
+    except FileExistsError:
+        os.chmod(path, FILE_MODE)
+    return path
+
+
 def open_private(path: Path, flags: int = 0) -> int:
     """A descriptor of path for writing, the file created if missing and made readable by this account
     only; flags: more os.O_* flags (O_EXCL, O_TRUNC)."""

@@ -87,7 +87,8 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = _Reader(os.environ if environ is None else environ)
         weights_dir = env.path("LLAMA_WEIGHTS_DIR") or DEFAULT_WEIGHTS_DIR
-        auth, password, users_file = env.choice("LLAMA_AUTH", AUTH_MODES), env.text("LLAMA_PASSWORD"), env.path("LLAMA_USERS")
+        auth, password, users_file = (env.choice("LLAMA_AUTH", AUTH_MODES), env.text("LLAMA_PASSWORD"),
+                                      env.path("LLAMA_USERS"))
         settings = cls(
             checkpoint=env.path("LLAMA_CHECKPOINT") or weights_dir / DEFAULT_MODEL_NAME,
             weights_dir=weights_dir,
@@ -120,9 +121,8 @@ class Settings:
             allowed_hosts=env.items("LLAMA_ALLOWED_HOSTS"),
             allowed_origins=env.items("LLAMA_ALLOWED_ORIGINS"),
             trusted_proxies=env.networks("LLAMA_TRUSTED_PROXIES"),
-            header_timeout=env.number("LLAMA_HEADER_TIMEOUT", low=0.0, high=3600.0, low_open=True)
-            or DEFAULT_HEADER_TIMEOUT_S,
-            body_timeout=env.number("LLAMA_BODY_TIMEOUT", low=0.0, high=3600.0, low_open=True) or DEFAULT_BODY_TIMEOUT_S,
+            header_timeout=env.number("LLAMA_HEADER_TIMEOUT", 0.0, 3600.0, low_open=True) or DEFAULT_HEADER_TIMEOUT_S,
+            body_timeout=env.number("LLAMA_BODY_TIMEOUT", 0.0, 3600.0, low_open=True) or DEFAULT_BODY_TIMEOUT_S,
         )
         _check_sign_in(settings, auth)
         return settings

@@ -287,7 +287,8 @@ def test_an_answer_cut_off_by_a_failure_stays_on_the_page_as_written_and_its_que
     async def scenario():
         await chat.start()
         with monkeypatch.context() as patch:
-            patch.setattr(main.BACKEND, "stream", lambda conversation, settings: CutOff("It costs ", "$5 and $10"))
+            patch.setattr(main.BACKEND, "stream",
+                          lambda conversation, settings, **options: CutOff("It costs ", "$5 and $10"))
             await chat.send("How much?")
 
     run(scenario())
@@ -307,7 +308,8 @@ def test_a_regenerate_cut_off_after_its_first_words_leaves_the_question_to_be_se
         await chat.send("Hello")
         [regenerate] = chat.actions("regenerate")
         with monkeypatch.context() as patch:
-            patch.setattr(main.BACKEND, "stream", lambda conversation, settings: CutOff("Half an ", "answer"))
+            patch.setattr(main.BACKEND, "stream",
+                          lambda conversation, settings, **options: CutOff("Half an ", "answer"))
             await main.regenerate(regenerate)
         await chat.send("Hello again")
         return regenerate

@@ -22,7 +22,8 @@ from app.settings import SettingsError
 pytestmark = pytest.mark.timeout(120)
 
 
-def run_users(*args: str, password: str = "", env: dict | None = None, umask: int = 0o022) -> subprocess.CompletedProcess:
+def run_users(*args: str, password: str = "", env: dict | None = None,
+              umask: int = 0o022) -> subprocess.CompletedProcess:
     """`python -m app.users ...` with the password on standard input (not a terminal: read as one line)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_")} | (env or {})
     return subprocess.run([sys.executable, "-m", "app.users", *args], cwd=ROOT, input=password + "\n",

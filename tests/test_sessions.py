@@ -6,6 +6,7 @@ And the pieces alone: the session check as middleware, and the rules that settin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import socket
@@ -75,41 +76,41 @@ def passwords_of(path, **named) -> users.Passwords:
     return users.Passwords(users.UsersFile(path), key=b"k" * 32)
 
 
-def passed_headers(middleware: sessions.Sessions, headers: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+def passed_headers(valid: sessions.Valid, headers: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """The headers an app behind the Sessions middleware is given."""
     seen = []
 
     async def app(scope, receive, send):
         seen.append(dict(scope["headers"]))
 
-    import asyncio
-    asyncio.run(middleware.__class__(app, middleware.valid)({"type": "http", "headers": headers}, None, None))
+    asyncio.run(sessions.Sessions(app, valid)({"type": "http", "headers": headers}, None, None))
     return seen[0]
 
 
 def test_a_token_whose_stamp_is_no_longer_the_users_is_taken_off_the_request(tmp_path, secret):
     path = tmp_path / "users"
     passwords = passwords_of(path, ada="lovelace", grace="hopper")
-    middleware = sessions.Sessions(None, sessions.still_signed_in(passwords))
+    valid = sessions.still_signed_in(passwords)
     ada = create_jwt(sessions.password_user("ada", passwords))
     grace = create_jwt(sessions.password_user("grace", passwords))
     cookie = [(b"cookie", f"access_token={ada}; theme=dark".encode()), (b"host", b"127.0.0.1")]
-    assert passed_headers(middleware, cookie)[b"cookie"] == cookie[0][1]  # valid: untouched
+    assert passed_headers(valid, cookie)[b"cookie"] == cookie[0][1]  # valid: untouched
     chunked = [(b"cookie", f"access_token_0={grace[:40]}; access_token_1={grace[40:]}".encode())]
-    assert b"cookie" in passed_headers(middleware, chunked)
+    assert b"cookie" in passed_headers(valid, chunked)
     bearer = [(b"authorization", f"Bearer {ada}".encode())]
-    assert b"authorization" in passed_headers(middleware, bearer)
+    assert b"authorization" in passed_headers(valid, bearer)
 
     users.add(path, "ada", "a new password")
-    assert passed_headers(middleware, cookie) == {b"host": b"127.0.0.1"}  # ada's session ended, not the request
-    assert passed_headers(middleware, bearer) == {}
-    assert b"cookie" in passed_headers(middleware, chunked)  # grace's goes on
+    assert passed_headers(valid, cookie) == {b"host": b"127.0.0.1"}  # ada's session ended, not the request
+    assert passed_headers(valid, bearer) == {}
+    assert b"cookie" in passed_headers(valid, chunked)  # grace's goes on
     users.write_lines(path, [line for line in path.read_text().splitlines() if not line.startswith("grace:")])
-    assert b"cookie" not in passed_headers(middleware, chunked)
+    assert b"cookie" not in passed_headers(valid, chunked)
 
     api_key = [(b"authorization", f"Bearer {KEY}".encode())]  # no token of Chainlit's: the API checks it
-    assert passed_headers(middleware, api_key) == dict(api_key)
+    assert passed_headers(valid, api_key) == dict(api_key)
     forged = create_jwt(User(identifier="ada", metadata={"provider": "password", "stamp": "0" * 64}))
-    assert b"cookie" not in passed_headers(middleware, [(b"cookie", f"access_token={forged}".encode())])
+    assert b"cookie" not in passed_headers(valid, [(b"cookie", f"access_token={forged}".encode())])
 
 
 def test_who_is_still_signed_in(tmp_path, secret):

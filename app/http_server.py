@@ -6,12 +6,13 @@ Slow clients. Uvicorn closes a connection idle between requests (its keep-alive 
 for ever on a request that has begun: a client that sends half its headers, or half its body, then
 stalls, holds its connection and a task as long as it likes, and a few hundred such clients hold them
 all. No setting of uvicorn's bounds this, and an ASGI middleware is called only once the headers are
-in, so the deadlines are kept in uvicorn's own HTTP/1.1 protocol (h11), subclassed: a request's
-headers must arrive within LLAMA_HEADER_TIMEOUT seconds of the connection opening (or of the previous
-answer on it ending), its body within LLAMA_BODY_TIMEOUT seconds of its headers. Past either, the
-client is answered 408 (if it sent part of a request) and the connection closed; the app, if it was
-reading the body, sees the client gone (`install` has that answered quietly, as any client that leaves
-before its body is read). Websockets, once upgraded, and answers however long, are not timed.
+in, so the deadlines are kept in uvicorn's own HTTP/1.1 protocol (h11, also where httptools is
+installed), subclassed: a request's headers must arrive within LLAMA_HEADER_TIMEOUT seconds of the
+connection opening (or of the previous answer on it ending), its body within LLAMA_BODY_TIMEOUT
+seconds of its headers. Past either, the client is answered 408 (if it sent part of a request) and
+the connection closed; the app, if it was reading the body, sees the client gone (`install` has that
+answered quietly, as for any client that leaves before its body is read). Websockets, once upgraded,
+and answers however long, are not timed.
 
 Forwarded addresses. Uvicorn believes X-Forwarded-For (and -Proto) from the addresses in its
 `forwarded_allow_ips`, by default loopback: any program on this machine could then claim any address

@@ -228,7 +228,22 @@ def set_password(path, name: str, password: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
+def test_sign_in_without_an_api_key_stops_the_start_with_what_to_set(scripted, tmp_path):
+    path = tmp_path / "users"
+    users.add(path, "ada", "lovelace")
+    env = server_env(checkpoint=scripted, weights_dir=scripted.parent, threads=1, users=path, history="off")
+    server = ChainlitServer(env, log=tmp_path / "chainlit.log")
+    try:
+        assert server.process.wait(timeout=120) == 2
+    finally:
+        server.stop()
+    assert (f"error: sign-in is on (LLAMA_USERS set): the API and /metrics then need a key too, else anyone who "
+            "reaches the port could use them; set LLAMA_API_KEY") in server.log_path.read_text()
+
+
 def test_with_sign_in_the_api_and_metrics_take_the_key_only(signed):
+    config = httpx.get(f"{signed.url}/auth/config", timeout=30).json()
+    assert config["passwordAuth"] and not config["headerAuth"]  # LLAMA_USERS alone: a login form
     users.add(signed.users, "kay", "sparck jones")
     for path in ("/v1/models", "/metrics"):
         for key, status in [(None, 401), ("wrong", 401), (KEY, 200)]:
@@ -324,6 +339,7 @@ def test_a_client_that_stalls_in_its_headers_or_its_body_is_cut_off_and_sockets_
 def test_history_files_are_private(signed):
     data = signed.users.parent / "data"
     assert data.stat().st_mode & 0o777 == 0o700
+    assert (ROOT / ".files").stat().st_mode & 0o777 == 0o700  # where Chainlit keeps the files it sends
     files = {path.name: path.stat().st_mode & 0o777 for path in data.iterdir()}
     assert {"history.db", ".auth_secret"} <= set(files) and set(files.values()) == {0o600}, files
 

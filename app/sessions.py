@@ -73,16 +73,16 @@ def token_user(token: str | None) -> User | None:
         return None
 
 
-def request_token(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """Chainlit's token as it reads it: the cookie (maybe in chunks), else a Bearer header."""
-    cookies, bearer = {}, None
+def request_tokens(headers: list[tuple[bytes, bytes]]) -> list[str]:
+    """Every token of Chainlit's the request carries, however it is read: from each Cookie header (a
+    cookie maybe in chunks), from them all joined as socket.io joins them, from each Bearer header."""
+    cookies = [value.decode("latin-1") for name, value in headers if name == b"cookie"]
+    tokens = [get_token_from_cookies(cookie_parser(text)) for text in [*cookies, ",".join(cookies)]]
     for name, value in headers:
-        if name == b"cookie":
-            cookies.update(cookie_parser(value.decode("latin-1")))
-        elif name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            bearer = token.strip() if scheme.lower() == "bearer" else None
-    return get_token_from_cookies(cookies) or bearer
+        scheme, _, token = value.decode("latin-1").partition(" ")
+        if name == b"authorization" and scheme.lower() == "bearer":
+            tokens.append(token.strip())
+    return [token for token in tokens if token]
 
 
 class Sessions:
@@ -93,10 +93,11 @@ class Sessions:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] in ("http", "websocket"):
-            user = token_user(request_token(scope["headers"]))
-            if user is not None and not self.valid(user):
+            ended = [user for user in map(token_user, request_tokens(scope["headers"]))
+                     if user is not None and not self.valid(user)]
+            if ended:  # all its tokens go: which one Chainlit would read is not ours to guess
                 log.info("a request signed in as %r came with a sign-in that has ended; it goes on signed out",
-                         user.identifier)
+                         ended[0].identifier)
                 scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k not in TOKEN_HEADERS]}
         await self.app(scope, receive, send)
 

@@ -242,8 +242,8 @@ def address_key(address: str) -> str:
 
 
 class Throttle:
-    """Failures per key (a name, an address): the attempts of a key take turns, and each failure is
-    answered after a delay that doubles with the key's recent failures."""
+    """Failures per key (a name from an address, an address): the attempts of a key take turns, and each
+    failure is answered after a delay that doubles with the key's recent failures."""
 
     def __init__(self, first_delay_s: float = FIRST_DELAY_S, max_delay_s: float = MAX_DELAY_S,
                  forget_after_s: float = FORGET_AFTER_S, max_waiting: int = MAX_WAITING,

@@ -107,6 +107,8 @@ def test_a_token_whose_stamp_is_no_longer_the_users_is_taken_off_the_request(tmp
     users.write_lines(path, [line for line in path.read_text().splitlines() if not line.startswith("grace:")])
     assert b"cookie" not in passed_headers(valid, chunked)
 
+    both = [(b"cookie", f"access_token={ada}".encode()), (b"cookie", f"access_token={grace}".encode())]
+    assert passed_headers(valid, both) == {}  # an ended sign-in beside a valid one: Chainlit may read either
     api_key = [(b"authorization", f"Bearer {KEY}".encode())]  # no token of Chainlit's: the API checks it
     assert passed_headers(valid, api_key) == dict(api_key)
     forged = create_jwt(User(identifier="ada", metadata={"provider": "password", "stamp": "0" * 64}))

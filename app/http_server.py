@@ -89,12 +89,14 @@ class Deadlines(H11Protocol):
             self.deadline = None
         self.awaiting = awaiting
         if awaiting is not None:
-            timeout = self.header_timeout_s if awaiting == "headers" else self.body_timeout_s
-            self.deadline = self.loop.call_later(timeout, self._too_slow)
+            self.deadline = self.loop.call_later(self._timeout(awaiting), self._too_slow)
+
+    def _timeout(self, awaiting: str) -> float:
+        return self.header_timeout_s if awaiting == "headers" else self.body_timeout_s
 
     def _too_slow(self) -> None:
         awaiting, self.deadline = self.awaiting, None
-        timeout = self.header_timeout_s if awaiting == "headers" else self.body_timeout_s
+        timeout = self._timeout(awaiting)
         begun = awaiting == "body" or bool(self.conn.trailing_data[0])  # not a connection opened ahead of use
         answered = self.cycle is not None and self.cycle.response_started and awaiting == "body"
         if begun:

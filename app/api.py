@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import hashlib
 import hmac
 import json
 import logging
@@ -45,6 +46,7 @@ from .messages import Done, Failed, Text, TokenLogprob, Trimmed
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .openai_request import ApiError, ApiRequest, ChatRequest, parse_chat, parse_completion
+from .users import LOCAL_USER, utf8
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,12 @@ async def pieces(request) -> AsyncIterator[Piece | Finish | Usage]:
     yield Usage(prompt_tokens, completion_tokens)
 
 
+def key_user(api_key: str) -> str:
+    """Whose requests the ones with this key are: one identity for whoever holds it, which no sign-in name
+    can take without knowing the key (a digest of it)."""
+    return "api key " + hashlib.sha256(utf8(api_key)).hexdigest()[:16]
+
+
 def failure_error(failed: Failed) -> ApiError:
     if failed.reason == "prompt_too_long":
         return ApiError(400, failed.message, param="messages", code="context_length_exceeded")
@@ -138,13 +146,15 @@ def create_router(backend, api_key: str | None = None) -> APIRouter:
     started = int(time.time())
 
     def check_key(http_request: HttpRequest) -> None:
-        """Every route's dependency: with LLAMA_API_KEY set, the key must come with the request."""
+        """Every route's dependency: with LLAMA_API_KEY set, the key must come with the request. Notes whose
+        request it is in request.state.user (the scope of the engine's KV cache reuse)."""
+        http_request.state.user = key_user(api_key) if api_key else LOCAL_USER
         if not api_key:
             return
         scheme, _, token = http_request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise ApiError(401, "No API key given: send it as 'Authorization: Bearer <key>'.", code="invalid_api_key")
-        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        if not hmac.compare_digest(token.strip().encode("latin-1"), utf8(api_key)):  # the header's bytes, as sent
             raise ApiError(401, "Incorrect API key.", code="invalid_api_key")
 
     router = APIRouter(dependencies=[Depends(check_key)])  # an ApiError anywhere is answered by answer_error
@@ -176,14 +186,15 @@ def create_router(backend, api_key: str | None = None) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(http_request: HttpRequest) -> Response:
         chat = parse_chat(await json_body(http_request), backend.profiles, backend.default)
-        return await answer(http_request, chat, lambda: backend.stream(chat.conversation, chat.settings,
-                                                                        **chat.options()))
+        return await answer(http_request, chat, lambda: backend.stream(
+            chat.conversation, chat.settings, **chat.options(), user=http_request.state.user))
 
     @router.post("/v1/completions")
     async def completions(http_request: HttpRequest) -> Response:
         completion = parse_completion(await json_body(http_request), backend.profiles, backend.default)
         return await answer(http_request, completion, lambda: backend.complete(
-            completion.prompt, completion.model, completion.settings, **completion.options()))
+            completion.prompt, completion.model, completion.settings, **completion.options(),
+            user=http_request.state.user))
 
     return router
 
@@ -339,7 +350,7 @@ def create_app(backend, api_key: str | None = None) -> FastAPI:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from . import guard
+    from . import guard, http_server
     from .backend import open_backend
     from .settings import Settings, SettingsError
 
@@ -360,9 +371,10 @@ def main(argv: list[str] | None = None) -> int:
                     args.host)
     app = create_app(backend, settings.api_key)
     guard.install(app, allowed)
+    http_server.install(app)
     log.info("%s", allowed.summary())
     gc.freeze()  # what is loaded by now lives as long as the process: no collection walks it again (see app/main.py)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **http_server.uvicorn_options(settings))
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sqlite3
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from .conversation import Conversation
 from .history import conversation_from_steps
+from .private_files import open_private
 from .settings import Settings, SettingsError
 
 TITLE_CHARS = 60  # a chat's title in the file name, at most
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         chat, conversation = read_chat(db, args.chat)
         args.out.mkdir(parents=True, exist_ok=True)
         for name, content in files(conversation, chat.name or None).items():
-            (args.out / name).write_bytes(content)
+            with os.fdopen(open_private(args.out / name, os.O_TRUNC), "wb") as f:  # a chat: for its owner's eyes
+                f.write(content)
             print(args.out / name)
     except (SettingsError, LookupError, OSError, sqlite3.Error) as e:
         print(f"error: {e}", file=sys.stderr)

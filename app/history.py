@@ -7,11 +7,13 @@ Chainlit 2.12 really writes (its documented schema lacks some). Chainlit only li
 the chats of a signed-in user, so history also means sign-in: by default one local user with no
 login form (header authentication that accepts every request), or a password login for a shared
 machine (app.users checks the passwords). Chainlit's JSON web tokens need a secret: CHAINLIT_AUTH_SECRET, else one generated once
-and kept in `.auth_secret` beside the database.
+and kept in `.auth_secret` beside the database. The database's folder and files, the secret included,
+are readable by the app's account only (app.private_files).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,12 +26,13 @@ from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
 
 from .conversation import Conversation
 from .display import plain
+from .private_files import FILE_MODE, open_private, private_file, private_folder
 from .settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 
-LOCAL_USER = "local"
 SECRET_FILE = ".auth_secret"
+SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")  # files SQLite keeps beside a database
 REPLY = "reply"  # metadata["kind"] of a step that holds one of the model's replies
 
 # Every column Chainlit 2.12's SQLAlchemyDataLayer reads or writes (StepDict, Message.to_dict,
@@ -59,8 +62,12 @@ TABLES: dict[str, dict[str, str]] = {
 
 def create_schema(path: Path) -> None:
     """Create the database and its tables if missing; add columns that a database from an older
-    Chainlit lacks (a column added later is NULL in old rows, which Chainlit reads as unset)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    Chainlit lacks (a column added later is NULL in old rows, which Chainlit reads as unset). The folder
+    and the files are made private first: SQLite gives the files it adds the database's mode."""
+    private_file(private_folder(path.parent) / path.name)
+    for companion in SQLITE_COMPANIONS:
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(path.with_name(path.name + companion), FILE_MODE)
     with sqlite3.connect(path) as db:
         db.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer (kept in the file)
         for table, columns in TABLES.items():
@@ -99,7 +106,8 @@ def prepare(settings: Settings) -> None:
     try:
         create_schema(settings.history_db)
     except (OSError, sqlite3.Error) as e:
-        raise SettingsError(f"LLAMA_HISTORY_DB={settings.history_db}: cannot create the database there: {e}") from None
+        raise SettingsError(f"LLAMA_HISTORY_DB={settings.history_db}: cannot create the database there, readable by "
+                            f"this account only: {e}") from None
 
 
 def data_layer(settings: Settings) -> SQLiteDataLayer:
@@ -126,11 +134,11 @@ def auth_secret(folder: Path) -> str:
     """CHAINLIT_AUTH_SECRET, else the secret in folder/.auth_secret, created (mode 0600) the first time."""
     if os.environ.get("CHAINLIT_AUTH_SECRET"):
         return os.environ["CHAINLIT_AUTH_SECRET"]
-    path = folder / SECRET_FILE
-    folder.mkdir(parents=True, exist_ok=True)
+    path = private_folder(folder) / SECRET_FILE
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = open_private(path, os.O_EXCL)
     except FileExistsError:
+        os.chmod(path, FILE_MODE)
         secret = path.read_text().strip()
         if not secret:
             raise SettingsError(f"{path} is empty: delete it to have a new secret made, or set CHAINLIT_AUTH_SECRET")

@@ -34,18 +34,20 @@ if str(ROOT) not in sys.path:  # `chainlit run app/main.py` imports this file by
 
 import chainlit as cl  # noqa: E402
 from chainlit.chat_context import chat_contexts  # noqa: E402
+from chainlit.config import FILES_DIRECTORY  # noqa: E402
 from chainlit.config import config as chainlit_config  # noqa: E402
 from chainlit.input_widget import Select, Slider, TextInput  # noqa: E402
 from chainlit.server import app as chainlit_app  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
-from app import api, export, guard, history, users  # noqa: E402
+from app import api, export, guard, history, http_server, sessions, users  # noqa: E402
 from app.backend import ServerBusy, open_backend  # noqa: E402
 from app.conversation import Conversation, Message  # noqa: E402
 from app.display import ShownStream, shown  # noqa: E402
 from app.messages import Done, Failed, Loading, Queued, ReplySettings, Text, Trimmed  # noqa: E402
 from app.presets import CUSTOM, preset_of, read_presets  # noqa: E402
+from app.private_files import private_folder  # noqa: E402
 from app.prompt import prompt_budget  # noqa: E402
 from app.settings import Settings, SettingsError  # noqa: E402
 from model.checkpoint import CheckpointError  # noqa: E402
@@ -58,18 +60,26 @@ try:
     PRESETS = read_presets(SETTINGS.presets)
     ALLOWED = guard.Allowed.from_settings(SETTINGS, chainlit_config.run.host, chainlit_config.run.port,
                                           "https" if chainlit_config.run.ssl_cert else "http")
-    SIGN_IN = users.SignIn.from_settings(SETTINGS) if SETTINGS.auth == "password" else None
     BACKEND = open_backend(SETTINGS)
     if SETTINGS.history:
         history.prepare(SETTINGS)
-    if SETTINGS.history or SIGN_IN:  # sign-in tokens need a secret
+    SIGNING_IN = SETTINGS.history or SETTINGS.auth == "password"  # Chainlit signs users in: with a form, or as local
+    if SIGNING_IN:  # its tokens need a secret
         os.environ["CHAINLIT_AUTH_SECRET"] = history.auth_secret(SETTINGS.history_db.parent)
+    SIGN_IN = (users.SignIn.from_settings(SETTINGS, key=os.environ["CHAINLIT_AUTH_SECRET"].encode())
+               if SETTINGS.auth == "password" else None)
+    SIGNED_IN = sessions.still_signed_in(SIGN_IN.passwords if SIGN_IN else None)
+    private_folder(FILES_DIRECTORY)  # Chainlit keeps there the files it sends, an exported chat among them
+    http_server.configure_chainlit(SETTINGS)  # slow clients cut off; X-Forwarded-For only from trusted proxies
 except SettingsError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 if chainlit_app.middleware_stack is None:  # not serving yet (a reload by `chainlit run -w` keeps the first ones)
     guard.install(chainlit_app, ALLOWED)  # in front of every route: the page, socket.io, sign-in, history, the API
     chainlit_app.add_middleware(users.ClientAddress)  # failed sign-ins are slowed per address too
+    http_server.install(chainlit_app)
+    if SIGNING_IN:
+        chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
 api.mount(chainlit_app, BACKEND, SETTINGS.api_key)
 
 
@@ -94,6 +104,7 @@ EXPORT_COMMAND = "Export"
 COMMANDS = [{"id": EXPORT_COMMAND, "icon": "download", "description": "Download this chat as Markdown and JSON",
              "button": False, "persistent": False}]
 DESCRIPTIONS: dict[str, str] = {}  # model name -> describe(name)
+SWEEPING: set[asyncio.Task] = set()  # the task that closes sockets whose sign-in ended (held: tasks are weak)
 STARTERS = [
     ("Capital of France", "What is the capital of France?"),
     ("Prime numbers in Python", "Write a Python function that checks whether a number is prime."),
@@ -109,6 +120,8 @@ async def start_backend():
     """Wait for the engine to list its models; it loads (on first start, prepares) the default one
     meanwhile, and /health says 200 once it is loaded."""
     log.info("%s", ALLOWED.summary())
+    if SIGNING_IN:
+        SWEEPING.add(asyncio.create_task(sessions.sweep(SIGNED_IN)))  # open sockets whose sign-in ended
     await BACKEND.start()
     for name, path in BACKEND.profiles.items():  # where each model comes from, symbolic links followed
         log.info("model %s%s: %s", name, " (default)" if name == BACKEND.default else "",
@@ -131,11 +144,11 @@ if SIGN_IN:
     @cl.password_auth_callback
     async def password_login(username: str, password: str):
         name = await SIGN_IN(username, password)
-        return cl.User(identifier=name, metadata={"provider": "password"}) if name else None
+        return sessions.password_user(name, SIGN_IN.passwords) if name else None
 elif SETTINGS.history:  # one local user, signed in without a form
     @cl.header_auth_callback
     async def local_user(headers):
-        return cl.User(identifier=history.LOCAL_USER, metadata={"provider": "local"})
+        return sessions.local_user()
 
 
 @cl.on_chat_resume
@@ -327,6 +340,12 @@ async def end_chat():
         chat_contexts.pop(session.id, None)
 
 
+def chat_user() -> str:
+    """Whose chat this is: the engine reuses a kept KV cache only between requests of the same user."""
+    user = cl.context.session.user
+    return user.identifier if user else users.LOCAL_USER
+
+
 def current_conversation() -> Conversation:
     conversation = cl.user_session.get("conversation")
     if conversation is None:  # a message that came before on_chat_start was done
@@ -354,7 +373,8 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
             conversation.messages = [m for m in conversation.messages if m is not asked]
 
     try:
-        request = BACKEND.stream(conversation, settings or cl.user_session.get("reply_settings") or ReplySettings())
+        request = BACKEND.stream(conversation, settings or cl.user_session.get("reply_settings") or ReplySettings(),
+                                 user=chat_user())
     except ServerBusy:
         not_answered()
         await cl.ErrorMessage(content=BUSY_NOTE).send()

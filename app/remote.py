@@ -107,9 +107,10 @@ class RemoteClient:
         return self.defaults.over(FALLBACK)
 
     def stream(self, conversation: Conversation, settings: ReplySettings | None = None, n: int = 1,
-               **options) -> Reply:
+               user: str = "", **options) -> Reply:
         """Start a reply (n replies) to the conversation's last message; call from the event loop that
-        iterates it. options: as EngineClient.stream's (tools, json_schema, logprobs, ...)."""
+        iterates it. options: as EngineClient.stream's (tools, json_schema, logprobs, ...). The user is not
+        sent on: that server knows only LLAMA_BACKEND_KEY, and scopes its caches by that."""
         if not conversation.messages:
             raise ValueError("the conversation has no message to reply to")
         reply = self._reply(conversation, settings, n)
@@ -120,7 +121,7 @@ class RemoteClient:
         return self._start(reply, "chat/completions", request)
 
     def complete(self, prompt: str, model: str | None = None, settings: ReplySettings | None = None,
-                 n: int = 1, logprobs: int | None = None) -> Reply:
+                 n: int = 1, logprobs: int | None = None, user: str = "") -> Reply:
         """Continue a raw text prompt (POST /completions); otherwise as stream()."""
         return self._start(self._reply(Conversation(model=model), settings, n), "completions",
                            {"prompt": prompt, "logprobs": logprobs})

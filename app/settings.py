@@ -11,6 +11,7 @@ Sampling values left unset come from each checkpoint's generation_config.json
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 from collections.abc import Mapping
@@ -32,6 +33,8 @@ QUANTIZE = ("off", "int8", "int4")
 DEFAULT_HISTORY_DB = PROJECT_ROOT / "data" / "history.db"
 DEFAULT_PRESETS = PROJECT_ROOT / "presets"  # system-prompt presets (app.presets)
 AUTH_MODES = ("none", "password")
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # a request's headers must arrive within this (app.http_server)
+DEFAULT_BODY_TIMEOUT_S = 30.0  # and its body within this after them
 SWITCH = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 
 
@@ -65,12 +68,15 @@ class Settings:
     auth: str = "none"  # "none": one local user, no login form; "password": a login form
     password: str | None = None
     users_file: Path | None = None
-    api_key: str | None = None
+    api_key: str | None = None  # needed with sign-in on: the API and /metrics then take it
     backend_url: str | None = None  # an OpenAI-compatible server that generates instead of this process
     backend_key: str | None = None
     backend_model: str | None = None
     allowed_hosts: tuple[str, ...] = ()  # host names besides loopback that requests may name (app.guard)
     allowed_origins: tuple[str, ...] = ()  # web pages besides the app's own that may send requests (app.guard)
+    trusted_proxies: tuple[str, ...] = ()  # addresses or networks whose X-Forwarded-For is believed
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S
 
     @property
     def is_default_checkpoint(self) -> bool:
@@ -81,6 +87,8 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = _Reader(os.environ if environ is None else environ)
         weights_dir = env.path("LLAMA_WEIGHTS_DIR") or DEFAULT_WEIGHTS_DIR
+        auth, password, users_file = (env.choice("LLAMA_AUTH", AUTH_MODES), env.text("LLAMA_PASSWORD"),
+                                      env.path("LLAMA_USERS"))
         settings = cls(
             checkpoint=env.path("LLAMA_CHECKPOINT") or weights_dir / DEFAULT_MODEL_NAME,
             weights_dir=weights_dir,
@@ -103,19 +111,42 @@ class Settings:
             max_waiting=_default(env.integer("LLAMA_MAX_WAITING", low=0), DEFAULT_MAX_WAITING),
             history=env.switch("LLAMA_HISTORY", default=True),
             history_db=env.path("LLAMA_HISTORY_DB") or DEFAULT_HISTORY_DB,
-            auth=env.choice("LLAMA_AUTH", AUTH_MODES) or "none",
-            password=env.text("LLAMA_PASSWORD"),
-            users_file=env.path("LLAMA_USERS"),
+            auth=auth or ("password" if password or users_file else "none"),  # a password or users file: sign-in
+            password=password,
+            users_file=users_file,
             api_key=_strip(env.text("LLAMA_API_KEY")),
             backend_url=env.url("LLAMA_BACKEND_URL"),
             backend_key=_strip(env.text("LLAMA_BACKEND_KEY")),
             backend_model=_strip(env.text("LLAMA_BACKEND_MODEL")),
             allowed_hosts=env.items("LLAMA_ALLOWED_HOSTS"),
             allowed_origins=env.items("LLAMA_ALLOWED_ORIGINS"),
+            trusted_proxies=env.networks("LLAMA_TRUSTED_PROXIES"),
+            header_timeout=env.number("LLAMA_HEADER_TIMEOUT", 0.0, 3600.0, low_open=True) or DEFAULT_HEADER_TIMEOUT_S,
+            body_timeout=env.number("LLAMA_BODY_TIMEOUT", 0.0, 3600.0, low_open=True) or DEFAULT_BODY_TIMEOUT_S,
         )
-        if settings.auth == "password" and not (settings.password or settings.users_file):
-            raise SettingsError("LLAMA_AUTH=password: expected LLAMA_PASSWORD or LLAMA_USERS to be set too")
+        _check_sign_in(settings, auth)
         return settings
+
+
+def _check_sign_in(settings: Settings, auth: str | None) -> None:
+    """LLAMA_PASSWORD or LLAMA_USERS turns sign-in on, and sign-in needs LLAMA_API_KEY (else the API and
+    /metrics would stay open to anyone who reaches the port)."""
+    given = " and ".join(name for name, value in [("LLAMA_PASSWORD", settings.password),
+                                                  ("LLAMA_USERS", settings.users_file)] if value)
+    if auth == "none" and given:
+        raise SettingsError(f"LLAMA_AUTH=none with {given} set: unset LLAMA_AUTH (or set it to password) to have "
+                            f"sign-in, or unset {given} to have one local user and no sign-in")
+    if auth == "password" and not given:
+        raise SettingsError("LLAMA_AUTH=password: expected LLAMA_PASSWORD or LLAMA_USERS to be set too")
+    if given and not settings.api_key:
+        raise SettingsError(f"sign-in is on ({given} set): the API and /metrics then need a key too, else anyone "
+                            "who reaches the port could use them; set LLAMA_API_KEY to a long random string (e.g. "
+                            "from: python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+
+
+def users_file(environ: Mapping[str, str] | None = None) -> Path | None:
+    """LLAMA_USERS alone: `python -m app.users` needs no other setting."""
+    return _Reader(os.environ if environ is None else environ).path("LLAMA_USERS")
 
 
 def _default(value, default):
@@ -139,6 +170,17 @@ class _Reader:
     def items(self, name: str) -> tuple[str, ...]:
         """A comma-separated list (app.guard checks the entries, naming the variable)."""
         return tuple(item.strip() for item in (self.text(name) or "").split(",") if item.strip())
+
+    def networks(self, name: str) -> tuple[str, ...]:
+        """Comma-separated addresses or networks (CIDR), each written as ipaddress writes it."""
+        networks = []
+        for item in self.items(name):
+            try:
+                networks.append(str(ipaddress.ip_network(item, strict=False)))
+            except ValueError:
+                raise SettingsError(f"{name}: {item!r} is not an address or network: expected entries such as "
+                                    "127.0.0.1, 10.0.0.0/8 or ::1, comma-separated") from None
+        return tuple(networks)
 
     def path(self, name: str) -> Path | None:
         """Absolute: a relative path is taken from the working folder at start-up."""

@@ -9,12 +9,24 @@ argon2id string (argon2-cffi) written by
 
 (both on the file named by --file, else by LLAMA_USERS). A line with a password in plain text stops
 the app at start with a message naming these commands. LLAMA_PASSWORD is one password, kept in the
-environment, with which any name that is not in the file signs in.
+environment, with which any name that is not in the file signs in. The file is read again whenever it
+changes: a new password or a removed line takes effect at once, and ends the sessions signed in before
+(each carries a stamp of the password it was signed in with, `Passwords.stamp`, checked by app.sessions).
 
-Each failed sign-in is answered later than the one before it, per name and per client address:
-1 s, 2 s, 4 s, ... at most 30 s, counted again from 1 s after 15 minutes without a failure. The
-sign-ins of one name or one address are checked one at a time, so guessing runs at one try per delay
-however many requests are sent at once. Behind a reverse proxy every client has the proxy's address.
+Each failed sign-in is answered later than the one before it, per name and client address together
+and per address: 1 s, 2 s, 4 s, ... at most 30 s, counted again from 1 s after 15 minutes without a
+failure. The sign-ins of one name from one address, and of one address, are checked one at a time, so
+an address guesses at one try per delay however many requests it sends at once. A name alone is never
+slowed: a burst of wrong passwords for it from elsewhere does not keep its owner out. An IPv6 address
+counts as its /64 (one home has the whole /64).
+
+Someone with many addresses still has each address's turn and delays: N addresses try about N
+passwords per 30 s at one name, after each address's first few, and each try costs the server one
+argon2 verify (as many at once as asyncio's thread pool has threads). They cannot lock the owner out,
+go faster per address, or tell which names exist (an unknown name takes as long to refuse). What holds
+against them is a password that N x 2,880 guesses a day do not find. The address is the connection's,
+or the X-Forwarded-For of a peer in LLAMA_TRUSTED_PROXIES (app.http_server); people behind one NAT
+share theirs.
 """
 
 from __future__ import annotations
@@ -24,7 +36,9 @@ import asyncio
 import contextlib
 import contextvars
 import getpass
+import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
@@ -35,16 +49,19 @@ from pathlib import Path
 from argon2 import PasswordHasher, extract_parameters
 from argon2.exceptions import InvalidHashError, VerificationError
 
-from .settings import Settings, SettingsError
+from .private_files import open_private
+from .settings import Settings, SettingsError, users_file
 
 log = logging.getLogger(__name__)
 
+LOCAL_USER = "local"  # everyone, when sign-in is off
 HASHER = PasswordHasher()  # argon2id with argon2-cffi's defaults (RFC 9106's low-memory profile)
 HASH_PREFIX = "$argon2"
 FIRST_DELAY_S = 1.0
 MAX_DELAY_S = 30.0
 FORGET_AFTER_S = 900.0  # failures older than this no longer count
-MAX_WAITING = 8  # sign-ins of one name or address waiting their turn; more are refused at once
+MAX_WAITING = 8  # sign-ins of one name and address, or of one address, waiting their turn; more are refused at once
+MAX_NAME = 256  # characters of a name that can sign in (any name can, with LLAMA_PASSWORD)
 
 CLIENT_ADDRESS: contextvars.ContextVar[str] = contextvars.ContextVar("client_address", default="unknown")
 
@@ -70,12 +87,8 @@ def is_hash(secret: str) -> bool:
 
 def read_users(path: Path) -> dict[str, str]:
     """`name:hash` lines -> {name: argon2 hash}; SettingsError names the file, the line and the fix."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise SettingsError(f"LLAMA_USERS={path}: cannot read the file: {e.strerror}") from None
     users = {}
-    for number, line, name, secret in parse_lines(text):
+    for number, line, name, secret in parse_lines(read_text(path)):
         if name is None:
             if line.strip() and not line.lstrip().startswith("#"):
                 raise SettingsError(f"LLAMA_USERS={path}, line {number}: expected name:hash "
@@ -100,53 +113,137 @@ def read_users(path: Path) -> dict[str, str]:
     return users
 
 
+def read_text(path: Path) -> str:
+    """The file's text; SettingsError names the file and what was wrong."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise SettingsError(f"LLAMA_USERS={path}: cannot read the file: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SettingsError(f"LLAMA_USERS={path}: expected UTF-8 text, found byte {e.object[e.start]:#04x} at "
+                            f"offset {e.start}") from None
+
+
 def write_lines(path: Path, lines: list[str]) -> None:
     """Replace the file at once (a new file renamed over it), readable by its owner only."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
+    with os.fdopen(open_private(temporary, os.O_TRUNC), "w", encoding="utf-8") as f:
         f.write("".join(line + "\n" for line in lines))
     os.replace(temporary, path)
 
 
 # ---- checking a sign-in -------------------------------------------------------------------------
 
+class UsersFile:
+    """LLAMA_USERS as it is now: read again whenever it changes on disk, so that a new password or a
+    removed line takes effect at once, sessions included (app.sessions)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.version = _version(path)
+        self.users: dict[str, str] | None = read_users(path)  # at start, a file that cannot be used stops the app
+
+    def read(self) -> dict[str, str] | None:
+        """{name: hash}, or None while the file cannot be used: then nobody signs in or stays signed in (a
+        broken file must not let a removed user back in, nor give their name to LLAMA_PASSWORD)."""
+        version = _version(self.path)
+        if version != self.version:
+            self.version = version
+            try:
+                self.users = read_users(self.path)
+                log.info("LLAMA_USERS=%s changed: %d users", self.path, len(self.users))
+            except SettingsError as e:
+                self.users = None
+                log.error("%s; nobody can sign in until it is fixed", e)
+        return self.users
+
+
+def _version(path: Path) -> tuple[int, ...] | None:
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return status.st_ino, status.st_mtime_ns, status.st_ctime_ns, status.st_size  # renamed over it: a new inode
+
+
 class Passwords:
     """A named user of LLAMA_USERS with their password, or any other name with LLAMA_PASSWORD."""
 
-    def __init__(self, users: dict[str, str], shared: str | None = None):
-        self.users, self.shared = users, shared
+    def __init__(self, users: dict[str, str] | UsersFile, shared: str | None = None, key: bytes | None = None):
+        self.file, self.fixed = (users, None) if isinstance(users, UsersFile) else (None, users)
+        self.shared = shared
+        self.key = key or secrets.token_bytes(32)  # keys the stamps: the sign-in secret, so they last across starts
         self.decoy: str | None = None  # verified for unknown names, so that they take as long as known ones
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Passwords:
-        return cls(read_users(settings.users_file) if settings.users_file else {}, settings.password)
+    def from_settings(cls, settings: Settings, key: bytes) -> Passwords:
+        return cls(UsersFile(settings.users_file) if settings.users_file else {}, settings.password, key)
+
+    @property
+    def users(self) -> dict[str, str] | None:
+        return self.file.read() if self.file else self.fixed
 
     def check(self, name: str, password: str) -> str | None:
         """The user's identifier if the password is right, else None (an argon2 verify: a fraction of a second)."""
-        name = name.strip()
-        if not name:
+        name, users = name.strip(), self.users
+        if not name or len(name) > MAX_NAME or users is None:
             return None
-        if name in self.users:
-            return name if _verify(self.users[name], password) else None
-        if self.users:
+        secret = utf8(password)
+        if name in users:
+            return name if _verify(users[name], secret) else None
+        if users:
             self.decoy = self.decoy or HASHER.hash(secrets.token_urlsafe(16))
-            _verify(self.decoy, password)
-        if self.shared is not None and hmac.compare_digest(password.encode(), self.shared.encode()):
+            _verify(self.decoy, secret)
+        if self.shared is not None and hmac.compare_digest(secret, utf8(self.shared)):
             return name
         return None
 
+    def stamp(self, name: str) -> str | None:
+        """What a session signed in as name carries, and must match on every request: a digest (keyed) of
+        the user's password hash, or of LLAMA_PASSWORD for other names. A new password, a removed line or
+        another LLAMA_PASSWORD changes it; None when the name cannot sign in now."""
+        users = self.users
+        if users is None or not name or name != name.strip():
+            return None
+        if name in users:
+            what = b"hash\0" + users[name].encode()
+        elif self.shared is not None:
+            what = b"shared\0" + utf8(self.shared)
+        else:
+            return None
+        return hmac.new(self.key, utf8(name) + b"\0" + what, hashlib.sha256).hexdigest()
 
-def _verify(hash: str, password: str) -> bool:
+
+def utf8(text: str) -> bytes:
+    """UTF-8, lone surrogates included (they can only be wrong, never an error)."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _verify(hash: str, password: bytes) -> bool:
     try:
         return HASHER.verify(hash, password)
     except (VerificationError, InvalidHashError):
         return False
 
 
+def address_key(address: str) -> str:
+    """Whose failures an address's sign-ins count with: an IPv6 address's /64 (a home or a rented server
+    is given a whole /64, which would otherwise be 2^64 fresh addresses to guess from), any other address
+    itself."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.version == 6:
+        if ip.ipv4_mapped:  # ::ffff:192.0.2.7, an IPv4 client of a dual-stack socket
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
 class Throttle:
-    """Failures per key (a name, an address): the attempts of a key take turns, and each failure is
-    answered after a delay that doubles with the key's recent failures."""
+    """Failures per key (a name from an address, an address): the attempts of a key take turns, and each
+    failure is answered after a delay that doubles with the key's recent failures."""
 
     def __init__(self, first_delay_s: float = FIRST_DELAY_S, max_delay_s: float = MAX_DELAY_S,
                  forget_after_s: float = FORGET_AFTER_S, max_waiting: int = MAX_WAITING,
@@ -167,7 +264,7 @@ class Throttle:
             self.turns[key] = (lock, count + 1)
         async with contextlib.AsyncExitStack() as held:
             try:
-                for key in keys:  # always in the same order (name, then address): no two attempts wait on each other
+                for key in keys:  # always in the same order (name and address, then address): no deadlock
                     await held.enter_async_context(self.turns[key][0])
                 yield True
             finally:
@@ -202,23 +299,26 @@ class SignIn:
         self.passwords, self.throttle = passwords, throttle or Throttle()
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> SignIn:
-        return cls(Passwords.from_settings(settings))
+    def from_settings(cls, settings: Settings, key: bytes) -> SignIn:
+        return cls(Passwords.from_settings(settings, key))
 
     async def __call__(self, name: str, password: str, address: str | None = None) -> str | None:
         address = address or CLIENT_ADDRESS.get()
-        keys = (f"name {name.strip()}", f"address {address}")
+        where = address_key(address)
+        named = hashlib.sha256(utf8(name.strip())).hexdigest()  # a name of any length takes 64 characters here
+        keys = (f"name {named} from {where}", f"address {where}")  # never the name alone: see the top
+        shown = repr(name[:64]) + ("..." if len(name) > 64 else "")
         async with self.throttle.turn(keys) as admitted:
             if not admitted:
-                log.warning("sign-in as %r from %s refused unchecked: more than %d sign-ins of that name or "
-                            "address wait their turn", name, address, self.throttle.max_waiting)
+                log.warning("sign-in as %s from %s refused unchecked: more than %d sign-ins of that name from "
+                            "there, or from that address, wait their turn", shown, address, self.throttle.max_waiting)
                 return None
             user = await asyncio.to_thread(self.passwords.check, name, password)  # argon2 keeps the CPU busy
             if user is not None:
                 self.throttle.succeeded(keys[0])
                 return user
             delay = await self.throttle.failed(keys)
-            log.info("sign-in as %r from %s failed; answered after %.0f s", name, address, delay)
+            log.info("sign-in as %s from %s failed; answered after %.0f s", shown, address, delay)
             return None
 
 
@@ -243,7 +343,7 @@ class ClientAddress:
 def add(path: Path, name: str, password: str) -> None:
     """Give name this password in the file (created if missing): its line is replaced, else appended."""
     line, lines, placed = f"{name}:{HASHER.hash(password)}", [], False
-    for _, text, other, _ in parse_lines(path.read_text()) if path.exists() else []:
+    for _, text, other, _ in parse_lines(read_text(path)) if path.exists() else []:
         if other == name:
             if placed:
                 continue  # a later line for the same name would count instead: drop it
@@ -255,7 +355,7 @@ def add(path: Path, name: str, password: str) -> None:
 def convert(path: Path) -> list[str]:
     """Hash every plain-text password of the file in place; returns the names converted."""
     lines, converted = [], []
-    for _, text, name, secret in parse_lines(path.read_text()):
+    for _, text, name, secret in parse_lines(read_text(path)):
         if name is not None and not is_hash(secret):
             text = f"{name}:{HASHER.hash(secret)}"
             converted.append(name)
@@ -285,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--file", type=Path, help="the users file (default: LLAMA_USERS)")
     args = parser.parse_args(argv)
     try:
-        path = args.file or Settings.from_env().users_file
+        path = args.file or users_file()
         if path is None:
             raise SettingsError("expected --file FILE, or LLAMA_USERS naming the users file")
         if args.command == "add":

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import stat
 from datetime import datetime
 
 from app import export
@@ -77,6 +79,21 @@ def test_the_command_lists_chats_and_writes_one(tmp_path, capsys):
         {"role": "assistant", "content": "4."}, {"role": "user", "content": "Thanks"}]
     text = (tmp_path / "out" / "what-is-2-2.md").read_text()
     assert text.startswith("# What is 2 + 2?\n\n*Model tiny · exported ") and "2 tokens" not in text
+
+
+def test_the_written_chat_is_readable_by_its_owner_only_whatever_the_umask(tmp_path):
+    db = tmp_path / "history.db"
+    stored_chat(db)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "what-is-2-2.md").write_text("an older export, left readable by all")
+    before = os.umask(0)
+    try:
+        assert export.main([THREAD, "--db", str(db), "--out", str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(before)
+    for name in ("what-is-2-2.md", "what-is-2-2.json"):
+        path = tmp_path / "out" / name
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and "older export" not in path.read_text()
 
 
 def test_the_command_says_what_it_did_not_find(tmp_path, capsys):

@@ -25,6 +25,7 @@ import httpx
 import pytest
 import socketio
 import torch
+from chainlit.user import User
 from support.chat_tab import ChatTab, sign_in
 from support.checkpoints import write_tiny_checkpoint
 from support.servers import ChainlitServer, server_env
@@ -176,12 +177,63 @@ def test_the_auth_secret_is_made_once_and_kept_private(tmp_path, monkeypatch):
     assert not (tmp_path / "other").exists()
 
 
+@pytest.fixture
+def permissive_umask():
+    """A umask that takes nothing away (files created 0666, folders 0777), as some systems set."""
+    before = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(before)
+
+
+def modes(folder: Path) -> dict[str, int]:
+    return {path.name: stat.S_IMODE(path.stat().st_mode) for path in [folder, *folder.iterdir()]}
+
+
+def test_the_database_its_sqlite_files_and_the_secret_are_private_whatever_the_umask(tmp_path, monkeypatch,
+                                                                                      permissive_umask):
+    monkeypatch.delenv("CHAINLIT_AUTH_SECRET", raising=False)
+    settings = Settings.from_env({"LLAMA_HISTORY_DB": str(tmp_path / "data" / "history.db")})
+    history.prepare(settings)
+    history.auth_secret(settings.history_db.parent)
+
+    async def write():
+        layer = history.data_layer(settings)
+        user = await layer.create_user(User(identifier="ada"))
+        await layer.update_thread("t1", name="Secrets", user_id=user.id)
+        await layer.engine.dispose()
+
+    with sqlite3.connect(settings.history_db) as db:  # held open: SQLite's -wal and -shm exist meanwhile
+        db.execute("SELECT 1 FROM threads").fetchall()
+        asyncio.run(write())
+        found = modes(settings.history_db.parent)
+    assert {"history.db", "history.db-wal", "history.db-shm", ".auth_secret"} <= set(found), found
+    assert found == {"data": 0o700} | {name: 0o600 for name in found if name != "data"}
+
+
+def test_an_older_history_made_readable_by_others_is_made_private(tmp_path, monkeypatch, permissive_umask):
+    monkeypatch.delenv("CHAINLIT_AUTH_SECRET", raising=False)
+    folder = tmp_path / "data"
+    folder.mkdir(mode=0o755)
+    (folder / history.SECRET_FILE).write_text("x" * 48)  # as an older start, or a copy, left them: 0666
+    db = folder / "history.db"
+    with sqlite3.connect(db) as older:  # open meanwhile: its -wal and -shm exist, with the database's 0644
+        older.execute("PRAGMA journal_mode=WAL").fetchall()
+        older.execute("CREATE TABLE notes (text)")
+        assert modes(folder)["history.db-wal"] == 0o644
+        history.prepare(Settings.from_env({"LLAMA_HISTORY_DB": str(db)}))
+        assert history.auth_secret(folder) == "x" * 48
+        assert modes(folder) == {"data": 0o700, "history.db": 0o600, "history.db-wal": 0o600,
+                                 "history.db-shm": 0o600, history.SECRET_FILE: 0o600}
+
+
 def test_history_and_auth_settings():
     settings = Settings.from_env({})
     assert settings.history and settings.history_db.parts[-2:] == ("data", "history.db")
     assert settings.auth == "none" and settings.password is None
     assert not Settings.from_env({"LLAMA_HISTORY": "off"}).history
-    assert Settings.from_env({"LLAMA_AUTH": "password", "LLAMA_PASSWORD": "x"}).password == "x"
+    assert Settings.from_env({"LLAMA_AUTH": "password", "LLAMA_PASSWORD": "x", "LLAMA_API_KEY": "k"}).password == "x"
     with pytest.raises(SettingsError, match="LLAMA_HISTORY=maybe: expected on or off"):
         Settings.from_env({"LLAMA_HISTORY": "maybe"})
     with pytest.raises(SettingsError, match="LLAMA_AUTH=password: expected LLAMA_PASSWORD or LLAMA_USERS"):
@@ -354,7 +406,8 @@ def test_with_password_logins_each_person_sees_only_their_own_chats(tiny, tmp_pa
     users = tmp_path / "users"
     users.write_text(f"ada:{HASHER.hash('lovelace')}\ngrace:{HASHER.hash('hopper')}\n")
     env = server_env(checkpoint=tiny, weights_dir=tiny.parent, temperature=0, dtype="fp32", threads=1,
-                     max_new_tokens=8, history_db=tmp_path / "history.db", auth="password", users=users)
+                     max_new_tokens=8, history_db=tmp_path / "history.db", auth="password", users=users,
+                     api_key="a-key")
     env.pop("CHAINLIT_AUTH_SECRET", None)
     server = ChainlitServer(env, log=tmp_path / "chainlit.log")
 

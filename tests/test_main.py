@@ -125,6 +125,32 @@ def test_message_streams_a_reply_then_a_stats_line_and_keeps_the_history(main):
     assert all(m.ids for m in chat.conversation().messages if m.role == "assistant")
 
 
+def test_each_reply_is_asked_for_as_the_signed_in_user(main, monkeypatch):
+    """The engine reuses a kept KV cache only between requests of one user: the chat names its user."""
+    import chainlit as cl
+
+    asked, engine_submit = [], main.BACKEND._submit
+
+    def submit(reply, request):  # the Generate message as it goes to the engine
+        asked.append(request.user)
+        return engine_submit(reply, request)
+
+    monkeypatch.setattr(main.BACKEND, "_submit", submit)
+    ada, grace, nobody = Chat(main), Chat(main), Chat(main)
+    ada.session.user = cl.User(identifier="ada", metadata={"provider": "password"})
+    grace.session.user = cl.PersistedUser(id="7", createdAt="2026-01-01", identifier="grace")
+
+    async def scenario():
+        for chat in (ada, grace, nobody):
+            await chat.start()
+            await chat.send("Hello")
+        ada.enter()
+        await main.regenerate(cl.Action(name="regenerate", payload={"answer": ada.conversation().messages[-1].id}))
+
+    run(scenario())
+    assert asked == ["ada", "grace", "local", "ada"]  # no sign-in at all: the one local user
+
+
 def test_stop_ends_the_reply_at_once_keeps_it_and_frees_the_model(main):
     chat = Chat(main)
 
@@ -261,7 +287,8 @@ def test_an_answer_cut_off_by_a_failure_stays_on_the_page_as_written_and_its_que
     async def scenario():
         await chat.start()
         with monkeypatch.context() as patch:
-            patch.setattr(main.BACKEND, "stream", lambda conversation, settings: CutOff("It costs ", "$5 and $10"))
+            patch.setattr(main.BACKEND, "stream",
+                          lambda conversation, settings, **options: CutOff("It costs ", "$5 and $10"))
             await chat.send("How much?")
 
     run(scenario())
@@ -281,7 +308,8 @@ def test_a_regenerate_cut_off_after_its_first_words_leaves_the_question_to_be_se
         await chat.send("Hello")
         [regenerate] = chat.actions("regenerate")
         with monkeypatch.context() as patch:
-            patch.setattr(main.BACKEND, "stream", lambda conversation, settings: CutOff("Half an ", "answer"))
+            patch.setattr(main.BACKEND, "stream",
+                          lambda conversation, settings, **options: CutOff("Half an ", "answer"))
             await main.regenerate(regenerate)
         await chat.send("Hello again")
         return regenerate

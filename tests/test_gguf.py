@@ -161,7 +161,7 @@ def test_imported_without_dequantizing_it_is_int4_and_int8_with_the_same_logits(
     the logits of transformers reading the GGUF (prefill: F.linear on dequantized blocks of rows), and
     greedy decode through the int4 and int8 kernels answers as the float32 folder does."""
     from model import generate, load_checkpoint
-    from model.linear import MAX_KERNEL_ROWS
+    from model.linear import FEW_ROWS
     folder = convert_gguf(smollm2_gguf, tmp_path / "int4")
     assert json.loads((folder / "config.json").read_text())["quantization"] == {"method": "int4", "group_size": 32}
     ckpt = load_checkpoint(folder, dtype=torch.float32)
@@ -172,11 +172,11 @@ def test_imported_without_dequantizing_it_is_int4_and_int8_with_the_same_logits(
     for ids, expected in reference_logits:
         with torch.no_grad(), x_in_int8(False):
             diff = (m(ids) - expected).abs().max().item()
-        # up to MAX_KERNEL_ROWS tokens go to the kernels, where the int4 and int8 matrices round x to int16
+        # up to FEW_ROWS tokens go to the kernels, where the int4 and int8 matrices round x to int16
         # here (1/65534 of its largest element, in every matrix: up to 0.05 of these logits of 20 to 30;
         # the AVX-512 builds' int8 blocks of x for int4, on by default, are tested in test_kernels.py and
         # by the reply below); more tokens go to F.linear in fp32
-        tolerance = 0.1 if ids.shape[1] <= MAX_KERNEL_ROWS else 1e-4
+        tolerance = 0.1 if ids.shape[1] <= FEW_ROWS else 1e-4
         assert diff <= tolerance, f"{ids.shape[1]} tokens: max abs logit difference {diff}"
     reply = generate(ckpt, ours.encode(PROMPTS[1]).ids, max_new_tokens=12, temperature=0.0)
     assert "".join(reply) == "The capital of France is Paris."

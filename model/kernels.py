@@ -50,8 +50,8 @@ class Kernels:
     matvec_int4(x, ws, scales, offsets) (each with fp32_out=True for y in fp32 whatever x's dtype),
     decode_layers(...) (model/decode_step.py calls it), dequantize_int4(w, scale, offset, dtype) and dequantize_int8(w, scale, dtype) (prefill), path(),
     set_int8_x(on) (AVX-512 builds round x to int8 blocks for int4 weights, and AMX builds for int8 batches in
-    tiles; off: int16 rows, for tests) and set_amx(on) (bf16 and int8 batches in AMX tiles where the CPU has
-    them; off: the AVX-512 loops)."""
+    tiles; off: int16 rows, for tests), set_amx(on) (bf16 and int8 batches in AMX tiles where the CPU has
+    them; off: the AVX-512 loops) and set_amx_int8(on) (int8 batches alone)."""
 
     march: str
     name: str  # the library's and the ops' namespace: one per -march, so builds load side by side
@@ -88,13 +88,16 @@ def build(march: str = "native") -> Kernels:
 
 def kernels():
     """The ops linears() uses (the LLAMA_KERNEL_MARCH build), built on first call; None where
-    LLAMA_KERNELS=0 or the kernel cannot be built. Decided once per process."""
+    LLAMA_KERNELS=0 or the kernel cannot be built. Decided once per process. With LLAMA_DETERMINISTIC=1,
+    int8 batches keep out of AMX tiles (csrc/matvec.cpp: their x rounds otherwise than one sequence's)."""
     global _engine
     if _engine is None:  # once decided, no lock and no exception (torch.compile traces the callers)
         try:
             _engine = False if os.environ.get("LLAMA_KERNELS", "1") == "0" else build(engine_march()).ops
         except KernelBuildError:
             _engine = False
+        if _engine and os.environ.get("LLAMA_DETERMINISTIC", "0") == "1":
+            _engine.set_amx_int8(False)
     return _engine or None
 
 

@@ -494,6 +494,10 @@ Int8Blocks round_to_int8_blocks(const at::Tensor& x, int64_t rows) {
 // memory (docs/benchmarks.md): as fast at 2 rows (so the tiles start at 3), 1.0-1.2x at 3 and 1.3-1.9x
 // at 8, rows of K = 576 (the default model) as well as the 1B shape's.
 constexpr int64_t kAmxInt8MinRows = 3, kAmxInt8MinK = 512;
+// Off (LLAMA_DETERMINISTIC=1): int8 batches stay in the loop, x rounded to int16 per row as for one or two
+// rows, so a sequence's tokens do not depend on how many decode beside it (the tiles' int8 x rounds
+// otherwise than the loop's int16 x); batched int8 decode on AMX CPUs is then up to 1.45x slower.
+std::atomic<bool> use_amx_int8{true};
 
 bool amx_int8_fits(at::TensorList ws, int64_t k_dim, const std::vector<int64_t>& groups) {
   const int64_t group = groups.front();
@@ -578,6 +582,16 @@ at::Tensor matvec_int8_amx(const at::Tensor& x, at::TensorList ws, const std::ve
 }
 #endif
 
+// Switches int8 batches in AMX tiles on or off; returns the setting before. Builds without them: always false.
+bool set_amx_int8(bool on) {
+#ifdef HAVE_AMX_INT8
+  return use_amx_int8.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList scales, bool fp32_out) {
   const int64_t rows = check("matvec_int8", x, ws, at::kChar);
   const at::ScalarType out = out_type(x, fp32_out);
@@ -604,7 +618,8 @@ at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList sc
     align = std::lcm(align, groups.back());
   }
 #ifdef HAVE_AMX_INT8
-  if (rows >= kAmxInt8MinRows && use_amx && int8_x && amx_int8_fits(ws, k_dim, groups) && amx::enabled())
+  if (rows >= kAmxInt8MinRows && use_amx && use_amx_int8 && int8_x && amx_int8_fits(ws, k_dim, groups) &&
+      amx::enabled())
     return matvec_int8_amx(x, ws, w, s, groups.front(), rows, out);
 #endif
   const Int16Rows xq = round_to_int16(x, rows);
@@ -731,6 +746,7 @@ DEFINE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("path() -> str", &path);  // which of the code paths above this build compiled
   m.def("set_int8_x(bool on) -> bool", &set_int8_x);
   m.def("set_amx(bool on) -> bool", &set_amx);
+  m.def("set_amx_int8(bool on) -> bool", &set_amx_int8);
 }
 
 IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) {

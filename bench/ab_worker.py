@@ -1,0 +1,75 @@
+"""One round of bench/ab.py in one version of the engine: prints one JSON line of tokens/s.
+
+    python bench/ab_worker.py --root TREE --checkpoint FOLDER [--threads N]
+
+Imports `model` from TREE, so it uses only what every version has: load_checkpoint, KVCache, the
+model's forward pass (prefill) and Llama.decode (decode steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--threads", type=int, required=True)
+    args = p.parse_args()
+    sys.path.insert(0, args.root)
+    import torch
+
+    from model import KVCache, load_checkpoint
+
+    torch.set_num_threads(args.threads)
+    ckpt = load_checkpoint(args.checkpoint, dtype=torch.bfloat16)
+    net, config = ckpt.model, ckpt.config
+    g = torch.Generator().manual_seed(1)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(2, min(config.vocab_size, 128000), (n,), generator=g).tolist()
+
+    def prefill(prompt: list[int], max_len: int) -> tuple[KVCache, int]:
+        cache = KVCache(config, max_len, dtype=net.compute_dtype)
+        for start in range(0, len(prompt), 256):
+            chunk = prompt[start:start + 256]
+            logits = net(torch.tensor([chunk]), start_pos=start, kv_cache=cache, last_only=True)[0, -1]
+            cache.tokens.extend(chunk)
+        return cache, int(logits.argmax())
+
+    def decode(caches: list[KVCache], tokens: list[int], steps: int) -> float:
+        started = time.perf_counter()
+        for _ in range(steps):
+            logits = net.decode(torch.tensor(tokens), caches)
+            for cache, token in zip(caches, tokens):
+                cache.tokens.append(token)
+            tokens = logits.argmax(-1).tolist()
+        return len(caches) * steps / (time.perf_counter() - started)
+
+    with torch.inference_mode():
+        prompt = ids(512)
+        prefill(prompt, 600)  # warm: pages of the file, the kernel's first calls
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            prefill(prompt, 600)
+            times.append(time.perf_counter() - started)
+        result = {"prefill": 512 / statistics.median(times)}
+        one = []
+        for _ in range(3):
+            cache, token = prefill(ids(64), 200)
+            one.append(decode([cache], [token], 64))
+        result["decode_1"] = statistics.median(one)
+        batch = [prefill(ids(40 + 10 * i), 200) for i in range(8)]
+        decode([c for c, _ in batch], [t for _, t in batch], 4)  # warm
+        result["decode_8"] = decode([c for c, _ in batch], [t for _, t in batch], 32)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -176,6 +176,32 @@ class Engine:
         return any(s.ready for s in self.sequences)
 
     @property
+    def idle_work(self) -> bool:
+        """Whether refine() has a kept cache to compute again (the loop does it when nothing else runs)."""
+        return any(scope[0] in self.checkpoints for scope, _ in self.prefix_cache.inexact())
+
+    @torch.inference_mode()
+    def refine(self) -> None:
+        """One whole prefill chunk of the most recently kept cache that holds ids a decode step (a reply)
+        or a partial chunk computed: computed again as a prefill computes it (model/kv_cache.py), so that
+        the conversation's next request, whose prompt holds that reply, reuses it. Run only while no
+        request is waiting to be computed: a request that comes meanwhile waits for one chunk at most."""
+        for scope, cache in self.prefix_cache.inexact():
+            checkpoint = self.checkpoints.get(scope[0])
+            if checkpoint is None:
+                continue
+            start, ids = cache.inexact_chunk()
+            try:
+                checkpoint.model(torch.tensor([ids], device=checkpoint.device), start_pos=start, kv_cache=cache,
+                                 last_only=True)
+            except Exception:  # a bug or out of memory: that cache is not kept, nothing else changes
+                log.exception("computing a kept cache again failed; dropping it")
+                self.prefix_cache.drop(cache)
+                return
+            cache.exact = start + len(ids)
+            return
+
+    @property
     def loading(self) -> bool:
         """Whether a model is loading (its thread hands it to step())."""
         return bool(self._loading)
@@ -459,9 +485,13 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
         engine.start()
         flush(idle=True)
         while os.getppid() == parent:
-            if inbox.poll(0 if engine.busy else 1000 * (LOADING_POLL_S if engine.loading else IDLE_POLL_S)):
+            idle_work = not engine.busy and engine.idle_work
+            if inbox.poll(0 if engine.busy or idle_work else
+                          1000 * (LOADING_POLL_S if engine.loading else IDLE_POLL_S)):
                 while inbox.poll(0):
                     engine.handle(decode(inbox.recv()))
+            elif idle_work:
+                engine.refine()
             engine.step()
             if len(engine.checkpoints) != frozen:
                 # The imports and the loaded models live as long as this process: frozen, no garbage

@@ -9,8 +9,10 @@ prefill chunks, exactly as this request would compute them, so its reply is the 
 the cache). When the new prompt goes on from the whole kept cache (a conversation going on), the
 request takes it over: no copy. When they part somewhere inside (an edited message, another chat
 with the same system prompt), the reused part is copied into a new cache and the kept one stays for
-others. The kept caches and those of running requests together stay within a memory budget; past
-it, the caches used longest ago are dropped first.
+others. While nothing else runs, the engine computes a kept cache's reply again, a whole chunk at a
+time, as a prefill would (`inexact`), so that the conversation's next request reuses that too. The
+kept caches and those of running requests together stay within a memory budget; past it, the caches
+used longest ago are dropped first.
 
 Written by hand: a few dozen lines over our KVCache; a paged-attention library would bring block
 tables our CPU attention does not use.
@@ -66,6 +68,15 @@ class PrefixCache:
     def trim(self, in_use_bytes: int = 0) -> None:
         while self._kept and self.nbytes + in_use_bytes > self.max_bytes:
             self._kept.popitem(last=False)
+
+    def drop(self, cache: KVCache) -> None:
+        self._kept.pop(id(cache), None)
+
+    def inexact(self) -> list[tuple[Hashable, KVCache]]:
+        """Kept caches holding whole prefill chunks of ids not yet computed as a prefill computes them (a
+        reply's tokens, a partial chunk: KVCache.inexact_chunk), the most recently used first."""
+        return [(scope, cache) for scope, cache in reversed(self._kept.values())
+                if cache.exact + cache.chunk <= cache.length]
 
     def clear(self, scope: Hashable | None = None) -> None:
         for key in [k for k, (owner, _) in self._kept.items() if scope in (None, owner)]:

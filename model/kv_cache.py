@@ -95,6 +95,15 @@ class KVCache:
         if start == self.exact and start % self.chunk == 0 and len(ids) == self.chunk:
             self.exact = self.length
 
+    def inexact_chunk(self) -> tuple[int, list[int]] | None:
+        """The first whole chunk of the ids held here that was not computed as a prefill computes it (a
+        reply's decoded tokens, a partial chunk): (its start, its ids), or None. Run through the model
+        as a prefill chunk, it makes `exact` reach its end (`exact = start + chunk`)."""
+        start = self.exact
+        if start + self.chunk > self.length:
+            return None
+        return start, self.tokens[start:start + self.chunk]
+
     def truncate(self, n: int) -> None:
         """Keep the first n positions (later writes go over the rest)."""
         del self.tokens[n:]

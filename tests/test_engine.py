@@ -218,6 +218,26 @@ def test_a_follow_up_takes_the_whole_prefill_chunks_of_its_conversation(tiny, ch
     assert last(fresh.ask(again)[again.id]).token_ids == second.token_ids
 
 
+@pytest.mark.parametrize("refine", [True, False])
+def test_while_idle_a_kept_reply_is_computed_again_so_the_follow_up_reuses_it(tiny, checkpoint, refine):
+    """A reply of 300 tokens crosses whole prefill chunks; while nothing else runs, the engine computes them
+    again as a prefill would (Engine.refine), and the follow-up reuses them, with the reply a fresh engine gives."""
+    long_reply = ReplySettings(max_new_tokens=300, temperature=0.0, ignore_eos=True)
+    h = harness(tiny, checkpoint, refine=refine)
+    conversation = chat("Tell me a long story.", system=LONG_SYSTEM)
+    first = last(h.ask(r := request(conversation, long_reply))[r.id])
+    assert first.stats.new_tokens == 300
+    held = first.stats.prompt_tokens + 300 - 1  # the last token was sampled, never fed
+    conversation.add("assistant", first.text, ids=first.token_ids)
+    conversation.add("user", "And then?")
+    second = last(h.ask(r := request(conversation, GREEDY))[r.id])
+    exact = held // PREFILL_CHUNK * PREFILL_CHUNK if refine else first.stats.prompt_tokens // PREFILL_CHUNK * PREFILL_CHUNK
+    assert second.stats.reused_tokens == exact
+    fresh = harness(tiny, checkpoint, kv_cache_mb=0)
+    again = request(conversation, GREEDY)
+    assert last(fresh.ask(again)[again.id]).token_ids == second.token_ids
+
+
 def test_conversations_that_share_a_start_share_its_keys_and_values(tiny, checkpoint):
     h = harness(tiny, checkpoint)
     one = request(chat("Question one", system=LONG_SYSTEM), GREEDY)

@@ -17,10 +17,13 @@ _ids = itertools.count()
 
 
 class EngineHarness:
-    """An Engine whose events land in `events`; `run()` steps it until it has nothing left to do."""
+    """An Engine whose events land in `events`; `run()` steps it until it has nothing left to do. As the
+    engine's loop does, it computes kept caches again while nothing else runs (Engine.refine), unless
+    refine=False."""
 
-    def __init__(self, checkpoint: Path, loader=None, **config):
+    def __init__(self, checkpoint: Path, loader=None, refine: bool = True, **config):
         self.events: list = []
+        self.refine = refine
         self.engine = Engine(EngineConfig(checkpoint=str(checkpoint), **config), self.events.append, loader)
         self.engine.start()
         self.run()
@@ -31,6 +34,9 @@ class EngineHarness:
         for message in messages:
             self.engine.handle(message)
         for _ in itertools.count() if max_steps is None else range(max_steps):
+            if not self.engine.busy and self.refine and self.engine.idle_work:
+                self.engine.refine()
+                continue
             if not (self.engine.busy or self.engine.loading):
                 break
             if not self.engine.busy:

@@ -118,7 +118,7 @@ def test_the_budget_drops_the_least_recently_used_first_counting_running_caches(
 
 def test_kept_caches_holding_chunks_not_computed_as_a_prefill_are_listed_most_recent_first():
     pool = PrefixCache(max_bytes=10**9)
-    older, newer = filled(list(range(1, 31)), prefilled=12), filled(list(range(1, 23)), prefilled=21)
+    older, newer = filled(list(range(1, 31)), prefilled=12), filled(list(range(1, 27)), prefilled=21)
     pool.put(ALICE, older)
     pool.put(BOB, newer)
     pool.put(ALICE, filled(list(range(1, 21))))  # exact already: nothing to compute again
@@ -126,5 +126,5 @@ def test_kept_caches_holding_chunks_not_computed_as_a_prefill_are_listed_most_re
     assert older.inexact_chunk() == (10, list(range(11, 16)))
     older.exact = 15  # what the engine sets once it has run that chunk (Engine.refine)
     assert older.inexact_chunk() == (15, list(range(16, 21)))
-    older.exact, newer.exact = 30, 20  # newer holds 22: its last chunk is not whole, never computed again
+    older.exact, newer.exact = 30, 25  # newer holds 26: its last chunk is not whole, never computed again
     assert pool.inexact() == [] and newer.inexact_chunk() is None

@@ -243,7 +243,7 @@ bool amx_fits(at::TensorList ws, int64_t k_dim) {
   return true;
 }
 
-// y = x W_i^T for bf16 x of 2-8 rows with AMX tiles (tiles_amx.h), 16 weight rows at a time, the
+// y = x W_i^T for bf16 x of 1-8 rows with AMX tiles (tiles_amx.h), 16 weight rows at a time, the
 // blocks split across threads as in rows_to.
 at::Tensor matvec_amx(const at::Tensor& x, at::TensorList ws, int64_t rows, at::ScalarType out_dtype) {
   const int64_t k_dim = x.size(-1);

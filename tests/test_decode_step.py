@@ -397,9 +397,9 @@ def test_the_default_model_with_fp32_activations_decodes_the_same_greedy_tokens(
 @pytest.mark.parametrize("quantize", [None, "int4"])
 def test_the_default_model_with_bf16_activations_picks_the_reference_tokens_but_for_ties(monkeypatch, quantize):
     """In bf16 the greedy token is often a tie or nearly (logits of 10 to 40 in steps of 2^-4 to 2^-2),
-    and one bf16 rounding that goes the other way can break it either way: the reference itself, run
-    in batches of 1 instead of 8, parts from its own tokens within 64 on 14 of these 20 prompts.
-    So both paths are fed the reference's tokens; their logits may differ by a few bf16 steps (bf16
+    and one bf16 rounding that goes the other way can break it either way: the fused op and the reference
+    round in other places and sum in other orders (each alone gives the same tokens in any batch,
+    tests/test_determinism.py). So both paths are fed the reference's tokens; their logits may differ by a few bf16 steps (bf16
     weights: at the largest |logit|'s size, the largest difference of a step was 4.5 steps in the
     median and 11-13 at most, with the attention's dot products summed in three different orders;
     more with int4 weights), and at every step where the

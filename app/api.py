@@ -170,7 +170,7 @@ def create_router(backend, api_key: str | None = None, max_body_mb: int = DEFAUL
         created = int(path.stat().st_mtime) if "://" not in where and path.exists() else started
         return {"id": name, "object": "model", "created": created, "owned_by": "llama-chat"}
 
-    metrics = Metrics(lambda: backend.stats)
+    metrics = Metrics(lambda: backend.stats, backend)
     backend.observers.append(metrics.observe)
 
     @router.get("/metrics")

@@ -59,7 +59,7 @@ def json_problem(value: object, max_depth: int = MAX_DEPTH) -> tuple[str, str] |
     todo: list[tuple[object, str, int]] = [(value, "", 1)]
     while todo:
         item, where, depth = todo.pop()
-        if isinstance(item, dict | list):
+        if isinstance(item, dict | list | tuple):
             if depth > max_depth:
                 return where, f"nests deeper than {max_depth} levels"
             children = item.items() if isinstance(item, dict) else enumerate(item)

@@ -334,7 +334,7 @@ def read_body(body: object, kind: type[B]) -> B:
 def _invalid(error: str, kind: type[Body], body: dict) -> ApiError:
     """msgspec's error ("Expected `int` <= 4 - at `$.n`") as OpenAI's, with the parameter as `param`."""
     at = AT.fullmatch(error)
-    what, where = at["what"], (at["path"] or "").lstrip(".")
+    what, where = at["what"], (at["path"] or "").replace("[...]", "").lstrip(".")  # ([...]: a value of a dict)
     field = FIELD.fullmatch(what)
     if field:
         where = f"{where}.{field['name']}".lstrip(".")
@@ -345,20 +345,22 @@ def _invalid(error: str, kind: type[Body], body: dict) -> ApiError:
                             code="unsupported_parameter")
     bounds = _bounds(kind, where) if RANGE.match(what) else None
     if bounds is not None:
-        message = f"'{where}' must be between {bounds[0]} and {bounds[1]}, not {json.dumps(body.get(where))}."
+        message = f"'{where}' must be {bounds}, not {json.dumps(body.get(where))}."
     else:
         message = f"Invalid '{where}': {what[0].lower()}{what[1:]}." if where else f"Invalid request: {what}."
     return ApiError(400, message, param=where or None, code="invalid_type" if "got `" in what else "invalid_value")
 
 
-def _bounds(kind: type[Body], name: str) -> tuple[str, str] | None:
-    """The lowest and highest value of a top-level number field, as text (every number field has both)."""
+def _bounds(kind: type[Body], name: str) -> str | None:
+    """The range of a top-level number field in words: "between 0 and 2", "greater than 0 and at most 1"."""
     for info in msgspec.inspect.type_info(kind).fields:
         if info.name == name:
             for t in getattr(info.type, "types", (info.type,)):
                 if isinstance(t, msgspec.inspect.IntType | msgspec.inspect.FloatType):
-                    low, high = (t.ge if t.ge is not None else t.gt), (t.le if t.le is not None else t.lt)
-                    return (f"{low:g}", f"{high:g}") if isinstance(t, msgspec.inspect.FloatType) else (low, high)
+                    if t.gt is None and t.le is not None:
+                        return f"between {t.ge:g} and {t.le:g}" if isinstance(t.ge, float) else \
+                            f"between {t.ge} and {t.le}"
+                    return f"greater than {t.gt:g} and at most {t.le:g}"
     return None
 
 

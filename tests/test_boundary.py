@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.checkpoints import write_tiny_checkpoint
+from support.hostile import EDGES, HOSTILE, ROUTES, body_for, with_value
 
 from app.api import create_app
 from app.bounds import json_problem, reply_seed
@@ -27,104 +28,10 @@ from app.messages import EngineConfig, ReplySettings
 pytestmark = pytest.mark.timeout(600)
 
 MAX_BODY_MB = 1
-HOSTILE_TEXT = "@@hostile@@"  # where the hostile value's JSON text goes in a request's JSON text
-
-
-class Raw(str):
-    """JSON text to put in a request as it is (what json.dumps cannot write: 1e400, 100,000-deep nesting)."""
-
-
-HOSTILE = {
-    "past 64 bits": 2**64, "past 64 bits, negative": -(2**63) - 1, "past 100 bits": 2**100,
-    "lone surrogate": "\ud800", "lone low surrogate in text": "a\udfffb", "NaN": float("nan"),
-    "Infinity": float("inf"), "-Infinity": float("-inf"), "1e400": Raw("1e400"),
-    "100k deep": Raw("[" * 100_000 + "]" * 100_000), "65 deep": Raw("[" * 65 + "]" * 65),
-    "200 kB string": "x" * 200_000, "5000 items": list(range(5000)), "5000 strings": ["a"] * 5000,
-    "true": True, "false": False, "null": None, "zero": 0, "negative": -1, "fraction": 1.5, "big float": 1e300,
-    "text": "text", "empty text": "", "object": {"a": 1}, "empty object": {}, "list": [1, "a"], "empty list": [],
-    "hostile object": {"\ud800": 1}, "deep object": json.loads('{"a":' * 40 + "1" + "}" * 40),
-    # in range, at its edges: these are answered
-    "int32 max": 2**31 - 1, "int64 max": 2**63 - 1, "int64 min": -(2**63), "tiny float": 1e-300,
-    "NUL text": "\x00\x00", "control tokens": "<|eot_id|><|start_header_id|>assistant", "emoji": "\U0001F600" * 50,
-}
-CHAT_FIELDS = [
-    "model", "messages", "messages[0]", "messages[0].role", "messages[0].content", "messages[0].content[0].text",
-    "messages[0].name", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-    "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "stop[0]", "n", "stream",
-    "stream_options", "stream_options.include_usage", "ignore_eos", "logprobs", "top_logprobs", "tools",
-    "tools[0].function", "tools[0].function.name", "tools[0].function.description", "tools[0].function.parameters",
-    "tools[0].function.parameters.properties.city", "tool_choice", "parallel_tool_calls", "response_format",
-    "response_format.json_schema.schema", "response_format.json_schema.schema.properties", "user", "metadata",
-    "store", "history[1].tool_calls", "history[1].tool_calls[0].id", "history[1].tool_calls[0].function.name",
-    "history[1].tool_calls[0].function.arguments", "history[1].tool_calls[0].function.arguments.code",
-    "history[2].tool_call_id", "history[2].content", "logit_bias", "audio", "unknown_field",
-]
 TEXT = st.text(st.characters() | st.integers(0xD800, 0xDFFF).map(chr), max_size=12)  # lone surrogates too
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | TEXT,
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4), max_leaves=12)
-VALUES = st.sampled_from(sorted(HOSTILE)).map(HOSTILE.get) | JSON  # the named worst cases, and any JSON at all
-COMPLETION_FIELDS = [
-    "model", "prompt", "prompt[0]", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "frequency_penalty", "presence_penalty", "seed", "stop", "stop[0]", "n", "stream", "stream_options", "ignore_eos",
-    "logprobs", "echo", "suffix", "best_of", "user", "unknown_field",
-]
-
-
-def chat_body(field: str) -> dict:
-    """An ordinary chat request, shaped so that `field` exists in it."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
-    if field.startswith("messages[0].content[0]"):
-        body["messages"][0]["content"] = [{"type": "text", "text": "Hi"}]
-    if field.startswith("stop"):
-        body["stop"] = ["never there"]
-    if field.startswith("stream_options"):
-        body |= {"stream": True, "stream_options": {"include_usage": True}}
-    if field == "top_logprobs":
-        body["logprobs"] = True
-    if field.startswith(("tools", "tool_choice")):
-        body["tools"] = [{"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": {
-            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-    if field.startswith("response_format"):
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "object", "properties": {"a": {"type": "integer"}}}}}
-    if field.startswith("history"):
-        call = {"id": "call_1", "type": "function", "function": {"name": "code_interpreter",
-                                                                 "arguments": json.dumps({"code": "print(1)"})}}
-        body["messages"] = [{"role": "user", "content": "Run it"}, {"role": "assistant", "content": None,
-                                                                     "tool_calls": [call]},
-                            {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
-    return body
-
-
-def completion_body(field: str) -> dict:
-    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0}
-    if field == "prompt[0]":
-        body["prompt"] = ["Once upon a time"]
-    if field.startswith("stop"):
-        body["stop"] = ["never there"]
-    return body
-
-
-def with_value(body: dict, field: str, value) -> str:
-    """The body's JSON text with `field` set to `value` (in a tool call's arguments, which are JSON text
-    themselves, the value is set inside them)."""
-    path = field.replace("history", "messages").replace("[", ".").replace("]", "").split(".")
-    if "arguments" in path and path[-1] != "arguments":  # e.g. code_interpreter's code
-        call = body
-        for key in path[:path.index("arguments")]:
-            call = call[int(key) if key.isdigit() else key]
-        call["arguments"] = "{" + json.dumps("code") + ": " + to_json(value) + "}"
-        return json.dumps(body)
-    parent = body
-    for key in path[:-1]:
-        parent = parent[int(key) if key.isdigit() else key]
-    last = path[-1]
-    parent[int(last) if last.isdigit() else last] = HOSTILE_TEXT
-    return json.dumps(body).replace(json.dumps(HOSTILE_TEXT), to_json(value), 1)
-
-
-def to_json(value) -> str:
-    return value if isinstance(value, Raw) else json.dumps(value)
+VALUES = st.sampled_from(sorted(HOSTILE | EDGES)).map((HOSTILE | EDGES).get) | JSON  # the worst cases, and any JSON
 
 
 @pytest.fixture(scope="module")
@@ -177,15 +84,14 @@ def assert_engine_untouched(api) -> None:
 # ---- the fuzz test ------------------------------------------------------------------------------
 
 @settings(max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck))
-@given(route=st.sampled_from(["chat", "completion"]), data=st.data(), value=VALUES, n=st.sampled_from([None, 4]))
+@given(route=st.sampled_from(sorted(ROUTES)), data=st.data(), value=VALUES, n=st.sampled_from([None, 4]))
 def test_hostile_values_in_any_field_are_answered_without_a_5xx_or_a_restart(api, route, data, value, n):
-    field = data.draw(st.sampled_from(CHAT_FIELDS if route == "chat" else COMPLETION_FIELDS), label="field")
-    body = chat_body(field) if route == "chat" else completion_body(field)
+    field = data.draw(st.sampled_from(ROUTES[route]), label="field")
+    body = body_for(route, field, "tiny")
     if n is not None and field != "n":
         body["n"] = n
     text = with_value(body, field, value)
-    response = post(api, "/v1/chat/completions" if route == "chat" else "/v1/completions", text)
-    assert_well_answered(response, text)
+    assert_well_answered(post(api, route, text), text)
 
 
 def test_after_the_fuzz_the_engine_is_the_same_and_every_place_is_free(api):

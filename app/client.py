@@ -107,6 +107,7 @@ class EngineClient:
         self._encode = msgspec.msgpack.Encoder().encode
         self._check = msgspec.msgpack.Decoder(Generate).decode
         self._decode = msgspec.msgpack.Decoder(list[FromEngine]).decode
+        self._decode_one = msgspec.msgpack.Decoder(FromEngine).decode
         self._spawn()
         self._reader = threading.Thread(target=self._read, name="engine events", daemon=True)
         self._reader.start()
@@ -318,13 +319,7 @@ class EngineClient:
                     self.restarts += 1
                     self._spawn()  # it loads the default model by itself
         elif self._events.poll(POLL_MS):
-            data = self._events.recv()
-            try:
-                messages = self._decode(data)
-            except msgspec.DecodeError as e:
-                log.error("a message from the engine (%d bytes) could not be read: %s", len(data), e)
-                messages = []
-            for message in messages:
+            for message in self._messages(self._events.recv()):
                 try:
                     self._dispatch(message)
                 except Exception as e:
@@ -333,6 +328,25 @@ class EngineClient:
         elif self._process.poll() is not None and not self._closed:
             self._engine_stopped()
         self._give_up_waiting()
+
+    def _messages(self, data: bytes) -> list[FromEngine]:
+        """The engine's messages in data; one that cannot be read is left out (its request, if it names
+        one, ends with a Failed), the others are read."""
+        try:
+            return self._decode(data)
+        except msgspec.DecodeError:
+            pass
+        messages = []
+        for item in msgspec.msgpack.decode(data, type=list[msgspec.Raw]):
+            try:
+                messages.append(self._decode_one(item))
+            except msgspec.DecodeError as e:
+                log.error("a message from the engine could not be read: %s", e)
+                found = msgspec.msgpack.decode(item)
+                request_id = found.get("id") if isinstance(found, dict) else None
+                if isinstance(request_id, str):
+                    self._end(request_id, f"An event of this reply could not be read: {e}", "error")
+        return messages
 
     def _dispatch(self, message: FromEngine) -> None:
         if isinstance(message, EngineStats):

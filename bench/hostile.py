@@ -12,10 +12,11 @@ environment are not passed on) and stops it at the end. Two parts, one after the
   still taken once all have ended (llama_places_taken), and how many of 5 ordinary requests are
   answered afterwards;
 - kill under load: --clients threads send ordinary requests (half of them streamed) one after the
-  other while the engine process is killed (SIGKILL) --kills times, --kill-every seconds apart
-  (the next kill once the server answers /health again): the requests, the answers by status, a
-  stream that ended without its last line, the requests without any answer within --timeout seconds,
-  and whether an ordinary request is answered afterwards.
+  other while the engine process is killed (SIGKILL) --kills times, each --kill-every seconds after
+  a new engine was ready (/health 200 again): the requests, the answers by status (a stream cut by
+  the crash: 200 then an error event), a stream that ended without its last line, the requests
+  without any answer within --timeout seconds, how long the server took to be ready again after
+  each kill, and whether an ordinary request is answered afterwards.
 
 Writes bench/results/hostile.json.
 """
@@ -33,7 +34,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from common import RESULTS, ROOT, engine_pid, machine, write_result
+import psutil
+from common import RESULTS, ROOT, machine, write_result
 
 sys.path.insert(0, str(ROOT / "tests"))  # the test suite's servers and corpus
 
@@ -98,10 +100,16 @@ def hostile(url: str, model: str, workers: int, timeout: float) -> dict:
 
 
 def running_engine(server_pid: int) -> int | None:
-    try:
-        return engine_pid(server_pid)
-    except RuntimeError:  # between two engines
-        return None
+    """The server's engine process, while it runs: its child (a new engine is started by the server's
+    reader thread, so /proc's children list of the main thread does not have it; a killed one stays a
+    zombie until the server notices)."""
+    for child in psutil.Process(server_pid).children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "app.engine" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
 
 
 def kill_under_load(url: str, server_pid: int, clients: int, kills: int, every: float, timeout: float) -> dict:
@@ -114,8 +122,13 @@ def kill_under_load(url: str, server_pid: int, clients: int, kills: int, every: 
                 stream = i % 2 == 0
                 try:
                     response = http.post("/v1/chat/completions", json=ORDINARY | {"stream": stream, "temperature": 1})
-                    cut = stream and response.status_code == 200 and not response.text.rstrip().endswith("[DONE]")
-                    outcomes.append("stream without its end" if cut else str(response.status_code))
+                    outcome = str(response.status_code)
+                    if stream and response.status_code == 200:
+                        if not response.text.rstrip().endswith("[DONE]"):
+                            outcome = "200, a stream without its end"
+                        elif '"error"' in response.text:
+                            outcome = "200, a stream ended by an error event"
+                    outcomes.append(outcome)
                     if response.status_code != 200:
                         time.sleep(0.2)
                 except httpx.HTTPError as e:
@@ -129,12 +142,13 @@ def kill_under_load(url: str, server_pid: int, clients: int, kills: int, every: 
     try:
         for _ in range(kills):
             time.sleep(every)
-            pid = engine_pid(server_pid)
+            pid = running_engine(server_pid)
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
             while True:  # until a new engine has the default model loaded
                 time.sleep(0.1)
-                if httpx.get(f"{url}/health", timeout=30).status_code == 200 and running_engine(server_pid) != pid:
+                if (running_engine(server_pid) not in (None, pid)
+                        and httpx.get(f"{url}/health", timeout=30).status_code == 200):
                     break
             recovered.append(round(time.monotonic() - killed, 1))
         time.sleep(every)
@@ -158,7 +172,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4, help="hostile requests in flight at once")
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--kills", type=int, default=4)
-    parser.add_argument("--kill-every", type=float, default=5.0, help="seconds between kills")
+    parser.add_argument("--kill-every", type=float, default=10.0,
+                        help="seconds from a new engine's being ready to the next kill")
     parser.add_argument("--timeout", type=float, default=180.0, help="a request with no answer by then has none")
     parser.add_argument("--skip", default="", help="comma-separated: hostile, kill")
     args = parser.parse_args()

@@ -454,3 +454,41 @@ def test_a_cut_reply_is_stored_as_cut_and_a_resumed_chat_leaves_it_out(main, mon
     run(again())
     assert [m.content for m in chat_.conversation().messages if m.role == "user"] == ["What is the capital of France?"]
     assert len(chat_.stats()) == 1
+
+
+def test_the_settings_panel_values_are_held_to_the_requests_ranges(main):
+    """A crafted settings update (the panel's sliders cannot send these) leaves the bad values out, says
+    which, and the next message is answered: before, top_k -1 or a seed past 64 bits stopped the engine."""
+    settings, note = main.read_settings({"top_k": -1, "temperature": "warm", "top_p": 0.5, "max_new_tokens": 8.0,
+                                         "seed": str(2**64), "min_p": float("nan")})
+    assert (settings.top_k, settings.temperature, settings.seed, settings.min_p) == (None, None, None, None)
+    assert (settings.top_p, settings.max_new_tokens) == (0.5, 8)
+    assert all(name in note for name in ("top_k", "temperature", "seed", "min_p")) and "top_p" not in note
+    from support.handlers import Chat
+
+    chat_ = Chat(main)
+
+    async def scenario():
+        await chat_.start()
+        await main.update_settings({"top_k": -1, "seed": str(2**64), "repetition_penalty": 0})
+        await chat_.send("Hi")
+
+    run(scenario())
+    assert len(chat_.stats()) == 1 and not chat_.errors()
+    assert any("top_k" in reply and "seed" in reply for reply in chat_.replies())
+
+
+def test_an_event_that_cannot_be_read_ends_its_request_and_the_others_are_read(client):
+    """The reader reads the engine's messages one by one when a batch of them cannot be read whole."""
+    async def scenario():
+        reply = client.stream(chat("Long story"), LONG)
+        async for event in reply:
+            if isinstance(event, Text):
+                break
+        batch = msgspec.msgpack.encode([Text(reply.id, "fine"), {"type": "Text", "id": reply.id, "text": 5}])
+        await asyncio.to_thread(client._messages, batch)
+        return await reply.events()
+
+    events = run(scenario())
+    assert isinstance(events[-1], Failed) and "could not be read" in events[-1].message
+    assert_all_places_free(client)

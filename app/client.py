@@ -307,6 +307,7 @@ class EngineClient:
             except Exception:
                 log.exception("the engine's events: a step of the reader failed; it goes on")
                 time.sleep(POLL_MS / 1000)
+            self._give_up_waiting()
 
     def _read_once(self) -> None:
         if self._spawn_at is not None:  # the engine died: the next one starts after a pause
@@ -315,9 +316,10 @@ class EngineClient:
                 time.sleep(min(wait, POLL_MS / 1000))
             else:
                 with self._lock:
+                    self._spawn_at = time.monotonic() + RESTART_DELAYS_S[-1]  # again then, if this start fails
+                    self._spawn()  # it loads the default model by itself
                     self._spawn_at = None
                     self.restarts += 1
-                    self._spawn()  # it loads the default model by itself
         elif self._events.poll(POLL_MS):
             for message in self._messages(self._events.recv()):
                 try:
@@ -327,7 +329,6 @@ class EngineClient:
                     self._end(getattr(message, "id", None), f"The reply could not be delivered: {e}", "error")
         elif self._process.poll() is not None and not self._closed:
             self._engine_stopped()
-        self._give_up_waiting()
 
     def _messages(self, data: bytes) -> list[FromEngine]:
         """The engine's messages in data; one that cannot be read is left out (its request, if it names
@@ -430,6 +431,8 @@ class EngineClient:
 
     def _give_up_waiting(self) -> None:
         """Requests (and model loads) that waited for a new engine longer than RESTART_WAIT_S end."""
+        if self._restarting_since is None:
+            return
         now = time.monotonic()
         with self._lock:
             expired = [request_id for request_id, (_, deadline) in self._held.items() if deadline <= now]

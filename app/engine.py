@@ -355,6 +355,7 @@ class Engine:
         self.abandon(request_id)
 
     def fail_all(self, message: str) -> None:
+        """End every request (the loop itself failed, outside any one request's work)."""
         for request_id in list(self.requests):
             self._fail(request_id, message, "error")
 

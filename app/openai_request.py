@@ -138,15 +138,16 @@ class UserMessage(Struct, tag_field="role", tag="user"):
     content: Content
 
 
+# The tool structs are passed on as the client wrote them (msgspec.to_builtins): a field left out stays out.
 class FunctionCall(Struct, omit_defaults=True):
     name: Name
-    arguments: str | dict[str, object] = "{}"  # JSON text, as OpenAI writes it
+    arguments: str | dict[str, object] | None = None  # JSON text, as OpenAI writes it
 
 
-class ToolCall(Struct, omit_defaults=True):
+class ToolCall(Struct, omit_defaults=True, kw_only=True):
+    id: Name | None = None
+    type: Literal["function"] | None = None
     function: FunctionCall
-    id: Name = ""
-    type: Literal["function"] = "function"
 
 
 class AssistantMessage(Struct, tag_field="role", tag="assistant"):
@@ -169,18 +170,18 @@ class FunctionDefinition(Struct, omit_defaults=True):
     strict: bool | None = None
 
 
-class Tool(Struct, omit_defaults=True):
+class Tool(Struct, omit_defaults=True, kw_only=True):
+    type: Literal["function"] | None = None
     function: FunctionDefinition
-    type: Literal["function"] = "function"
 
 
 class NamedFunction(Struct, omit_defaults=True):
     name: Name
 
 
-class NamedToolChoice(Struct, omit_defaults=True):
+class NamedToolChoice(Struct, omit_defaults=True, kw_only=True):
+    type: Literal["function"] | None = None
     function: NamedFunction
-    type: Literal["function"] = "function"
 
 
 class JsonSchema(Struct):

@@ -8,9 +8,9 @@ environment are not passed on) and stops it at the end. Two parts, one after the
 - hostile: the corpus of tests/support/hostile.py, every field of both routes replaced in turn by
   each hostile value (integers past 64 bits, lone surrogates, NaN, Infinity, 1e400, deep nesting, 200 kB
   strings, 5,000-item arrays, wrong types), alone and with n: 4, sent by --workers threads: the count
-  of answers by status, the engine's restarts (llama_engine_restarts_total in /metrics), the places
-  still taken once all have ended (llama_places_taken), and how many of 5 ordinary requests are
-  answered afterwards;
+  of answers by status, the engine's restarts (llama_engine_restarts_total in /metrics, and the engine
+  processes seen as the server's child), the places still taken once all have ended
+  (llama_places_taken), and how many of 5 ordinary requests are answered afterwards;
 - kill under load: --clients threads send ordinary requests (half of them streamed) one after the
   other while the engine process is killed (SIGKILL) --kills times, each --kill-every seconds after
   a new engine was ready (/health 200 again): the requests, the answers by status (a stream cut by
@@ -45,11 +45,16 @@ from support.servers import DEFAULT_MODEL, ApiServer, server_env  # noqa: E402
 ORDINARY = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16}
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str) -> float | None:
+    """A value of /metrics; None where the server does not report it."""
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
-    raise KeyError(f"{name} is not in {url}/metrics")
+    return None
+
+
+def difference(after: float | None, before: float | None) -> float | None:
+    return None if after is None or before is None else after - before
 
 
 def ordinary_answered(url: str, count: int, timeout: float) -> int:
@@ -65,14 +70,39 @@ def ordinary_answered(url: str, count: int, timeout: float) -> int:
 def places_when_settled(url: str, wait: float = 15.0) -> float:
     """Places still taken, once the last replies' ends (a refused one's cancel) had time to come back."""
     deadline = time.monotonic() + wait
-    while (taken := metric(url, "llama_places_taken")) and time.monotonic() < deadline:
+    while (taken := metric(url, "llama_places_taken")) and time.monotonic() < deadline:  # (None: not reported)
         time.sleep(0.2)
     return taken
 
 
-def hostile(url: str, model: str, workers: int, timeout: float) -> dict:
+class EngineWatch:
+    """The engine processes a server ran while this watched (its child, looked at every 0.2 s): a count
+    of restarts for a server whose /metrics has none."""
+
+    def __init__(self, server_pid: int | None):
+        self.pids: list[int] = []
+        self.watched = server_pid is not None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(server_pid,), daemon=True)
+        if server_pid is not None:
+            self._thread.start()
+
+    def _watch(self, server_pid: int) -> None:
+        while not self._stop.wait(0.2):
+            pid = running_engine(server_pid)
+            if pid is not None and pid not in self.pids:
+                self.pids.append(pid)
+
+    def stop(self) -> int | None:
+        """Engine processes started after the first one seen (None: not watched)."""
+        self._stop.set()
+        return max(len(self.pids) - 1, 0) if self.watched else None
+
+
+def hostile(url: str, model: str, workers: int, timeout: float, server_pid: int | None) -> dict:
     requests = corpus(model, HOSTILE)
     restarts = metric(url, "llama_engine_restarts_total")
+    watch = EngineWatch(server_pid)
     statuses: collections.Counter = collections.Counter()
     server_errors: list[dict] = []
 
@@ -94,7 +124,8 @@ def hostile(url: str, model: str, workers: int, timeout: float) -> dict:
         list(pool.map(send, requests))
     return {"requests": len(requests), "seconds": round(time.monotonic() - started, 1),
             "by_status": dict(sorted(statuses.items())), "server_errors": server_errors,
-            "engine_restarts": metric(url, "llama_engine_restarts_total") - restarts,
+            "engine_restarts": difference(metric(url, "llama_engine_restarts_total"), restarts),
+            "engine_processes_started_meanwhile": watch.stop(),
             "places_left_taken": places_when_settled(url), "ordinary_answered_after": ordinary_answered(url, 5, timeout),
             "ordinary_asked_after": 5}
 
@@ -160,7 +191,7 @@ def kill_under_load(url: str, server_pid: int, clients: int, kills: int, every: 
     return {"clients": clients, "kills": kills, "requests": len(outcomes), "by_outcome": dict(sorted(counts.items())),
             "without_an_answer": sum(n for outcome, n in counts.items() if outcome.startswith("no answer")),
             "seconds_to_healthy_after_each_kill": recovered,
-            "engine_restarts": metric(url, "llama_engine_restarts_total") - restarts,
+            "engine_restarts": difference(metric(url, "llama_engine_restarts_total"), restarts),
             "places_left_taken": places_when_settled(url), "ordinary_answered_after": ordinary_answered(url, 1, timeout)}
 
 
@@ -193,7 +224,7 @@ def main() -> int:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         result = {"machine": machine(), "url": url, "model": model}
         if "hostile" not in skip:
-            result["hostile"] = hostile(url, model, args.workers, args.timeout)
+            result["hostile"] = hostile(url, model, args.workers, args.timeout, server_pid)
             print(json.dumps(result["hostile"], indent=2), flush=True)
         if "kill" not in skip:
             if server_pid is None:

@@ -92,6 +92,7 @@ def test_hostile_values_in_any_field_are_answered_without_a_5xx_or_a_restart(api
         body["n"] = n
     text = with_value(body, field, value)
     assert_well_answered(post(api, route, text), text)
+    assert api.backend.restarts == 0
 
 
 def test_after_the_fuzz_the_engine_is_the_same_and_every_place_is_free(api):

@@ -28,7 +28,6 @@ from model.tools import read_tool_calls, read_tool_choice, read_tools
 from .bounds import (
     MAX_JSON_CHARS,
     MAX_MESSAGES,
-    MAX_N,
     MAX_STOP_STRINGS,
     MAX_TOOLS,
     MinP,

@@ -126,7 +126,8 @@ def hostile(url: str, model: str, workers: int, timeout: float, server_pid: int 
             "by_status": dict(sorted(statuses.items())), "server_errors": server_errors,
             "engine_restarts": difference(metric(url, "llama_engine_restarts_total"), restarts),
             "engine_processes_started_meanwhile": watch.stop(),
-            "places_left_taken": places_when_settled(url), "ordinary_answered_after": ordinary_answered(url, 5, timeout),
+            "places_left_taken": places_when_settled(url),
+            "ordinary_answered_after": ordinary_answered(url, 5, timeout),
             "ordinary_asked_after": 5}
 
 
@@ -192,7 +193,8 @@ def kill_under_load(url: str, server_pid: int, clients: int, kills: int, every: 
             "without_an_answer": sum(n for outcome, n in counts.items() if outcome.startswith("no answer")),
             "seconds_to_healthy_after_each_kill": recovered,
             "engine_restarts": difference(metric(url, "llama_engine_restarts_total"), restarts),
-            "places_left_taken": places_when_settled(url), "ordinary_answered_after": ordinary_answered(url, 1, timeout)}
+            "places_left_taken": places_when_settled(url),
+            "ordinary_answered_after": ordinary_answered(url, 1, timeout)}
 
 
 def main() -> int:

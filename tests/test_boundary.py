@@ -138,7 +138,8 @@ def test_ten_requests_with_a_lone_surrogate_stop_give_every_place_back(api):
         {"id": "c", "type": "function", "function": {"name": "code_interpreter", "arguments": '{"code": 5}'}}]},
         {"role": "tool", "tool_call_id": "c", "content": "5"}]}, "messages[1].tool_calls"),
     ({"messages": [{"role": "user", "content": "Run"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": ' + "[" * 500 + "]" * 500 + "}"}}]},
+        {"id": "c", "type": "function", "function": {"name": "f",
+                                                    "arguments": '{"a": ' + "[" * 500 + "]" * 500 + "}"}}]},
         {"role": "tool", "tool_call_id": "c", "content": "5"}]}, "messages[1].tool_calls[0].function.arguments"),
     ({"messages": [{"role": "user", "content": "Run"}, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "\ud800", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},

@@ -492,3 +492,19 @@ def test_an_event_that_cannot_be_read_ends_its_request_and_the_others_are_read(c
     events = run(scenario())
     assert isinstance(events[-1], Failed) and "could not be read" in events[-1].message
     assert_all_places_free(client)
+
+
+def test_a_message_sent_while_the_model_restarts_waits_and_is_answered(main):
+    from support.handlers import Chat
+
+    chat_ = Chat(main)
+
+    async def scenario():
+        await chat_.start()
+        await asyncio.to_thread(kill_engine, main.BACKEND)
+        await chat_.send("Are you there?")
+
+    run(scenario())
+    assert main.RESTARTING_NOTE in [s["output"] for s in chat_.sent()]  # shown while it waited, then removed
+    assert len(chat_.stats()) == 1 and not chat_.errors() and main.BACKEND.restarts == 1
+    assert [m.role for m in chat_.conversation().messages] == ["user", "assistant"]

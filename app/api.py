@@ -13,10 +13,11 @@
 The chat app mounts these routes on Chainlit's server (`mount`), so API requests are computed by
 the same engine, in the same batches, as the chats. `python -m app.api --port 8001` serves them
 alone. Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
-parameter or a prompt too long for the context (code context_length_exceeded), 401 for a missing
-or wrong key when LLAMA_API_KEY is set, 404 for an unknown model, 415 for a body that is not
-application/json, 429 (with Retry-After) when the server's queue is full. A client that goes away
-cancels its request. Sampling values left out are the model's defaults, as in the UI. Every parameter of OpenAI's is either done or refused with a 400
+parameter (named in `param`) or a prompt too long for the context (code context_length_exceeded), 401
+for a missing or wrong key when LLAMA_API_KEY is set, 404 for an unknown model, 413 for a body larger
+than LLAMA_MAX_BODY_MB, 415 for a body that is not application/json, 429 (with Retry-After) when the
+server's queue is full, 503 (with Retry-After) when the model process stopped or is restarting. A
+client that goes away cancels its request. Sampling values left out are the model's defaults, as in the UI. Every parameter of OpenAI's is either done or refused with a 400
 that names it (app.openai_request). Both servers refuse requests from other web sites and host names
 (app.guard).
 """
@@ -41,11 +42,12 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .backend import ServerBusy
+from .backend import InvalidRequest, ServerBusy
 from .messages import Done, Failed, Text, TokenLogprob, Trimmed
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .openai_request import ApiError, ApiRequest, ChatRequest, parse_chat, parse_completion
+from .settings import DEFAULT_MAX_BODY_MB
 from .users import LOCAL_USER, utf8
 
 log = logging.getLogger(__name__)
@@ -128,20 +130,36 @@ async def cancel_on_disconnect(http_request: HttpRequest, request) -> None:
 
 # ---- routes -------------------------------------------------------------------------------------
 
-async def json_body(http_request: HttpRequest) -> object:
-    """The request's JSON body. Only application/json is read (415 otherwise): a web page may send
-    text/plain to another site without the browser asking that site first, application/json it may not."""
+async def json_body(http_request: HttpRequest, max_mb: int = DEFAULT_MAX_BODY_MB) -> object:
+    """The request's JSON body, of at most max_mb MB (413 past it, read no further). Only application/json
+    is read (415 otherwise): a web page may send text/plain to another site without the browser asking
+    that site first, application/json it may not."""
     kind = http_request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if kind != "application/json":
         raise ApiError(415, f"Expected a body of Content-Type application/json, found {kind or 'none'}.",
                        code="unsupported_media_type")
+    too_large = ApiError(413, f"The request body is larger than {max_mb} MB (LLAMA_MAX_BODY_MB).",
+                         code="request_too_large")
+    limit, declared = max_mb * 2**20, http_request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in http_request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
     try:
-        return json.loads(await http_request.body())
+        # json.loads reads "\ud800" escapes as lone surrogates, NaN and Infinity as floats, 1e400 as inf
+        # and integers of any size (up to 4300 digits), so that app.bounds.json_problem can name where
+        # they are; msgspec's decoder refuses the first two without saying where. Deep nesting stops it.
+        return json.loads(body)
+    except RecursionError:
+        raise ApiError(400, "The request body is not valid JSON: it nests too deeply.") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"The request body is not valid JSON: {e}.") from None
 
 
-def create_router(backend, api_key: str | None = None) -> APIRouter:
+def create_router(backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> APIRouter:
     """The /v1 routes over a backend (`app.backend`: anything with its profiles, default and stream())."""
     started = int(time.time())
 
@@ -165,7 +183,7 @@ def create_router(backend, api_key: str | None = None) -> APIRouter:
         created = int(path.stat().st_mtime) if "://" not in where and path.exists() else started
         return {"id": name, "object": "model", "created": created, "owned_by": "llama-chat"}
 
-    metrics = Metrics(lambda: backend.stats)
+    metrics = Metrics(lambda: backend.stats, backend)
     backend.observers.append(metrics.observe)
 
     @router.get("/metrics")
@@ -185,13 +203,13 @@ def create_router(backend, api_key: str | None = None) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(http_request: HttpRequest) -> Response:
-        chat = parse_chat(await json_body(http_request), backend.profiles, backend.default)
+        chat = parse_chat(await json_body(http_request, max_body_mb), backend.profiles, backend.default)
         return await answer(http_request, chat, lambda: backend.stream(
             chat.conversation, chat.settings, **chat.options(), user=http_request.state.user))
 
     @router.post("/v1/completions")
     async def completions(http_request: HttpRequest) -> Response:
-        completion = parse_completion(await json_body(http_request), backend.profiles, backend.default)
+        completion = parse_completion(await json_body(http_request, max_body_mb), backend.profiles, backend.default)
         return await answer(http_request, completion, lambda: backend.complete(
             completion.prompt, completion.model, completion.settings, **completion.options(),
             user=http_request.state.user))
@@ -209,6 +227,8 @@ async def answer(http_request: HttpRequest, asked: ApiRequest, start) -> Respons
     except ServerBusy as e:
         return ApiError(429, f"The server is busy: {e}. Retry in a few seconds.", type="server_error",
                         code="server_busy").response()
+    except InvalidRequest as e:  # what the request body's types let through and the engine cannot take
+        return ApiError(400, f"The request cannot be computed: {e}.").response()
     watcher = asyncio.create_task(cancel_on_disconnect(http_request, request))
     items = pieces(request)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request.id}", "created": int(time.time()), "model": asked.model}
@@ -313,10 +333,10 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def mount(app: FastAPI, backend, api_key: str | None = None) -> None:
+def mount(app: FastAPI, backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> None:
     """Add the API's routes to an app, in front of its own: Chainlit's catch-all GET route would
     otherwise answer /v1/models with its web page."""
-    app.router.routes[0:0] = create_router(backend, api_key).routes
+    app.router.routes[0:0] = create_router(backend, api_key, max_body_mb).routes
     app.add_exception_handler(ApiError, answer_error)
 
 
@@ -327,7 +347,7 @@ async def answer_error(http_request: HttpRequest, error: ApiError) -> Response:
 
 # ---- standalone server --------------------------------------------------------------------------
 
-def create_app(backend, api_key: str | None = None) -> FastAPI:
+def create_app(backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> FastAPI:
     """The API alone; /health says 200 once the default model is loaded."""
 
     @contextlib.asynccontextmanager
@@ -337,7 +357,7 @@ def create_app(backend, api_key: str | None = None) -> FastAPI:
         backend.close()
 
     app = FastAPI(title="llama-chat API", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    mount(app, backend, api_key)
+    mount(app, backend, api_key, max_body_mb)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -369,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     if not settings.api_key and not guard.is_loopback(args.host):
         log.warning("serving on %s without LLAMA_API_KEY: anyone who can reach this port can use the model",
                     args.host)
-    app = create_app(backend, settings.api_key)
+    app = create_app(backend, settings.api_key, settings.max_body_mb)
     guard.install(app, allowed)
     http_server.install(app)
     log.info("%s", allowed.summary())

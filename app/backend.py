@@ -13,7 +13,7 @@ Both offer the same calls, which is all the chat UI (`app.main`) and the API (`a
 
 from __future__ import annotations
 
-from .client import EngineClient, EngineError, ServerBusy
+from .client import EngineClient, EngineError, InvalidRequest, ServerBusy
 from .messages import EngineConfig, ReplySettings
 from .remote import RemoteClient
 from .settings import Settings
@@ -42,4 +42,4 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_batch=settings.max_batch, kv_cache_mb=settings.kv_cache_mb, threads=settings.threads)
 
 
-__all__ = ["Backend", "EngineError", "ServerBusy", "engine_config", "open_backend"]
+__all__ = ["Backend", "EngineError", "InvalidRequest", "ServerBusy", "engine_config", "open_backend"]

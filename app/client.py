@@ -9,9 +9,18 @@
 The engine (`python -m app.engine`) is a child process; requests go to it over a ZeroMQ PUSH
 socket and its events come back over a PULL socket, both MessagePack-encoded `app.messages`
 structs, through Unix domain sockets in a private folder (mode 0700). One thread reads the events
-and hands each to its reply's event loop. If the engine dies (killed, out of memory, a crash in a
-kernel), every unfinished reply ends with a Failed event saying so, and a new engine starts and
-loads the default model again; the web process keeps serving throughout.
+and hands each to its reply's event loop; nothing an event holds stops that thread.
+
+A request is checked before it takes a place in the queue: encoded, and decoded back as the
+`Generate` the engine reads (its ranges and sizes, `app.bounds`); one that fails is an
+InvalidRequest naming the field, and takes no place. Every place taken is given back when the
+request ends, whichever way: its last Done, a Failed, a cancel, the engine's death.
+
+If the engine dies (killed, out of memory, a crash in a kernel), every reply it was computing ends
+with a Failed event saying so, and a new engine starts (after a pause when crashes come in quick
+succession) and loads the default model again; the web process keeps serving throughout. Requests
+that come meanwhile wait for the new engine (they are told so with a Restarting event) and are
+sent when it has started; one that waits longer than RESTART_WAIT_S ends with a Failed "restarting".
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import msgspec
 import zmq
 
 from .conversation import Conversation
+from .bounds import json_problem
 from .messages import (
     Cancel,
     Done,
@@ -46,6 +56,7 @@ from .messages import (
     ModelInfo,
     ModelReady,
     ReplySettings,
+    Restarting,
     Started,
 )
 from .reply import STREAM_INTERVAL, Reply
@@ -56,6 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 POLL_MS = 200  # how often the reader looks at the engine process while no event comes
 START_TIMEOUT_S = 120.0  # from starting the process to its first message (importing torch, finding models)
 RESTART_DELAYS_S = (0.0, 1.0, 5.0, 30.0)  # after crashes in quick succession, wait longer before the next start
+RESTART_WAIT_S = 60.0  # how long a request that comes while the engine restarts waits for it
 
 
 class EngineError(Exception):
@@ -64,6 +76,11 @@ class EngineError(Exception):
 
 class ServerBusy(Exception):
     """As many requests are running and waiting as the server takes (LLAMA_MAX_BATCH + LLAMA_MAX_WAITING)."""
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot take (a number out of range, too many of something, a string that is
+    not Unicode); the message names the field."""
 
 
 class EngineClient:
@@ -78,14 +95,19 @@ class EngineClient:
         self.observers: list[Callable[[Event], None]] = []  # called with each reply's last event (metrics)
         self._models: dict[str, ModelInfo] = {}
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
-        self._replies: dict[str, Reply] = {}
+        self._replies: dict[str, Reply] = {}  # every request holding places: sent, or held for a new engine
+        self._held: dict[str, tuple[bytes, float]] = {}  # request id -> (its Generate, encoded; when it gives up)
         self._lock = threading.RLock()
         self._started = threading.Event()
         self._closed = False
         self._crashes: list[float] = []
+        self._restarting_since: float | None = None  # the engine died; no new one has started since
+        self._spawn_at: float | None = None  # when to start the next engine
         self._context = zmq.Context()
         self._encode = msgspec.msgpack.Encoder().encode
+        self._check = msgspec.msgpack.Decoder(Generate).decode
         self._decode = msgspec.msgpack.Decoder(list[FromEngine]).decode
+        self._decode_one = msgspec.msgpack.Decoder(FromEngine).decode
         self._spawn()
         self._reader = threading.Thread(target=self._read, name="engine events", daemon=True)
         self._reader.start()
@@ -117,7 +139,7 @@ class EngineClient:
                 return self._models[name]
             future = loop.create_future()
             self._waiters.setdefault(name, []).append((loop, future))
-            self._send(Load(name))
+            self._send(Load(name))  # (while the engine restarts: once the new one has started)
         return await future
 
     def context_limit(self, name: str | None = None) -> int:
@@ -130,7 +152,8 @@ class EngineClient:
                **options) -> Reply:
         """Start a reply (n replies) to the conversation's last message; call from the event loop that
         iterates it. options: more fields of the Generate message (tools, tool_choice, json_schema,
-        json_object, logprobs, ...). Raises ServerBusy when the queue is full."""
+        json_object, logprobs, ...). Raises ServerBusy when the queue is full, InvalidRequest for a request
+        the engine cannot take."""
         if not conversation.messages:
             raise ValueError("the conversation has no message to reply to")
         reply = self._reply(conversation, settings, n)
@@ -150,6 +173,7 @@ class EngineClient:
         return Reply(conversation, settings or ReplySettings(), model, self._cancel, self.stream_interval, n)
 
     def _submit(self, reply: Reply, request: Generate) -> Reply:
+        data = self.checked(request)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine client is closed")
@@ -158,9 +182,31 @@ class EngineClient:
                 raise ServerBusy(f"{taken} replies are running or waiting, and this server takes "
                                  f"{self.config.max_batch + self.max_waiting} (LLAMA_MAX_BATCH={self.config.max_batch} + "
                                  f"LLAMA_MAX_WAITING={self.max_waiting})")
+            held = self._restarting_since is not None
+            if held:
+                self._held[reply.id] = (data, time.monotonic() + RESTART_WAIT_S)
+            else:
+                self._requests.send(data)
             self._replies[reply.id] = reply
-            self._send(request)
+        if held:
+            reply.deliver(Restarting(reply.id))
         return reply
+
+    def checked(self, request: Generate) -> bytes:
+        """The request encoded, once it is known to be one the engine takes: decoded back as a Generate,
+        its ranges and sizes hold (app.bounds). Raises InvalidRequest naming the field."""
+        try:
+            data = self._encode(request)
+            self._check(data)
+        except msgspec.ValidationError as e:
+            raise InvalidRequest(str(e)) from None
+        except (ValueError, OverflowError, TypeError, RecursionError) as e:  # not Unicode, past 64 bits, ...
+            try:
+                found = json_problem(msgspec.to_builtins(request), max_depth=sys.getrecursionlimit())
+            except Exception:  # (as unusual as the request)
+                found = None
+            raise InvalidRequest(f"{e} - at `$.{found[0]}`" if found else str(e)) from None
+        return data
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a running or waiting reply by id; False if there is none."""
@@ -171,8 +217,14 @@ class EngineClient:
 
     @property
     def active(self) -> int:
-        """Replies running or waiting."""
+        """Requests running or waiting (for a place, or for the engine to restart)."""
         return len(self._replies)
+
+    @property
+    def places_taken(self) -> int:
+        """Places in the queue taken: a request for n replies takes n."""
+        with self._lock:
+            return sum(reply.n for reply in self._replies.values())
 
     @property
     def pid(self) -> int:
@@ -188,6 +240,10 @@ class EngineClient:
         self._reader.join(timeout)
         self._stop_engine(timeout)
         self._fail_all("The server is shutting down.", "engine")
+        with self._lock:
+            waiters, self._waiters = self._waiters, {}
+        for loop, future in (w for ws in waiters.values() for w in ws):
+            _resolve(loop, future, error=EngineError("the server is shutting down"))
         self._context.term()
 
     # -- the engine process
@@ -220,33 +276,92 @@ class EngineClient:
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self._events.close(linger=0)
         self._requests.close(linger=0)
         shutil.rmtree(self._folder, ignore_errors=True)
 
     def _send(self, message) -> None:
         with self._lock:
-            self._requests.send(self._encode(message))
+            if self._restarting_since is None and not self._closed:  # else: nobody would read it
+                self._requests.send(self._encode(message))
 
     def _cancel(self, reply: Reply) -> None:
         with self._lock:
-            if reply.id in self._replies and not self._closed:
+            held = self._held.pop(reply.id, None) is not None
+            if held:  # never sent: it ends here
+                del self._replies[reply.id]
+            elif reply.id in self._replies:
                 self._send(Cancel(reply.id))
+        if held:
+            for index in range(reply.n):
+                reply.deliver(Done(reply.id, "", "cancelled", index=index))
 
     def _read(self) -> None:
-        """The reader thread: events to their replies; a dead engine is replaced."""
+        """The reader thread: events to their replies; a dead engine is replaced. Nothing stops it but close()."""
         while not self._closed:
-            if self._events.poll(POLL_MS):
-                for message in self._decode(self._events.recv()):
+            try:
+                self._read_once()
+            except Exception:
+                log.exception("the engine's events: a step of the reader failed; it goes on")
+                time.sleep(POLL_MS / 1000)
+            self._give_up_waiting()
+
+    def _read_once(self) -> None:
+        if self._spawn_at is not None:  # the engine died: the next one starts after a pause
+            wait = self._spawn_at - time.monotonic()
+            if wait > 0:
+                time.sleep(min(wait, POLL_MS / 1000))
+            else:
+                with self._lock:
+                    self._spawn_at = time.monotonic() + RESTART_DELAYS_S[-1]  # again then, if this start fails
+                    self._spawn()  # it loads the default model by itself
+                    self._spawn_at = None
+                    self.restarts += 1
+        elif self._events.poll(POLL_MS):
+            for message in self._messages(self._events.recv()):
+                try:
                     self._dispatch(message)
-            elif self._process.poll() is not None and not self._closed:
-                self._restart()
+                except Exception as e:
+                    log.exception("an event of the engine could not be delivered")
+                    self._end(getattr(message, "id", None), f"The reply could not be delivered: {e}", "error")
+        elif self._process.poll() is not None and not self._closed:
+            self._engine_stopped()
+
+    def _messages(self, data: bytes) -> list[FromEngine]:
+        """The engine's messages in data; one that cannot be read is left out (its request, if it names
+        one, ends with a Failed), the others are read."""
+        try:
+            return self._decode(data)
+        except msgspec.DecodeError:
+            pass
+        messages = []
+        for item in msgspec.msgpack.decode(data, type=list[msgspec.Raw]):
+            try:
+                messages.append(self._decode_one(item))
+            except msgspec.DecodeError as e:
+                log.error("a message from the engine could not be read: %s", e)
+                found = msgspec.msgpack.decode(item)
+                request_id = found.get("id") if isinstance(found, dict) else None
+                if isinstance(request_id, str):
+                    self._end(request_id, f"An event of this reply could not be read: {e}", "error")
+        return messages
 
     def _dispatch(self, message: FromEngine) -> None:
         if isinstance(message, EngineStats):
             self.stats = message
         elif isinstance(message, Started):
-            self.profiles, self.default = message.profiles, message.default
+            with self._lock:
+                self.profiles, self.default = message.profiles, message.default
+                if self._restarting_since is not None:  # what waited for this engine goes to it now
+                    self._restarting_since = None
+                    for data, _ in self._held.values():
+                        self._requests.send(data)
+                    self._held.clear()
+                    for name in self._waiters:
+                        self._send(Load(name))
             self._started.set()
         elif isinstance(message, ModelReady | ModelFailed):
             name = message.info.name if isinstance(message, ModelReady) else message.model
@@ -269,36 +384,77 @@ class EngineClient:
             if reply is not None and isinstance(message, Done | Failed):
                 self._observe(message)
 
-    def _restart(self) -> None:
+    def _end(self, request_id: str | None, message: str, reason: str) -> None:
+        """End a request here, with a Failed (its place is given back)."""
+        with self._lock:
+            reply = self._replies.pop(request_id, None) if request_id is not None else None
+            self._held.pop(request_id, None)
+        if reply is not None:
+            failed = Failed(reply.id, message, reason)
+            reply.deliver(failed)
+            self._observe(failed)
+            self._send(Cancel(reply.id))  # in case the engine still computes it
+
+    def _engine_stopped(self) -> None:
+        """The engine process is gone: fail what it was computing; a new one starts after a pause."""
         code = self._process.returncode
         started = self._started.is_set()
         log.error("the engine process stopped unexpectedly (exit code %s); starting a new one", code)
-        with self._lock:
-            self._models.clear()
-            waiters, self._waiters = self._waiters, {}
         message = (f"The model process stopped unexpectedly (exit code {code}); a new one is starting. "
                    "Please send your message again in a moment.")
-        self._fail_all(message, "engine")
+        now = time.monotonic()
+        with self._lock:
+            self._models.clear()
+            waiters = {} if self._restarting_since is not None else self._waiters  # (else sent to it)
+            if waiters:
+                self._waiters = {}
+            sent = [reply for request_id, reply in self._replies.items() if request_id not in self._held]
+            for reply in sent:
+                del self._replies[reply.id]
+            self._restarting_since = self._restarting_since or now
+            self._close_sockets()
+            if started:
+                self._crashes = [t for t in self._crashes if now - t < 300] + [now]
+                self._spawn_at = now + RESTART_DELAYS_S[min(len(self._crashes) - 1, len(RESTART_DELAYS_S) - 1)]
+        self.stats = EngineStats()
+        for reply in sent:
+            failed = Failed(reply.id, message, "engine")
+            reply.deliver(failed)
+            self._observe(failed)
         for loop, future in (w for ws in waiters.values() for w in ws):
             _resolve(loop, future, error=EngineError(message))
         if not started:  # it never came up: the same start would fail again
             log.error("the engine process exited before it started; not restarting it")
             self._closed = True
+            self._fail_all(message, "engine")
             self._started.set()
+
+    def _give_up_waiting(self) -> None:
+        """Requests (and model loads) that waited for a new engine longer than RESTART_WAIT_S end."""
+        if self._restarting_since is None:
             return
         now = time.monotonic()
-        self._crashes = [t for t in self._crashes if now - t < 300] + [now]
-        time.sleep(RESTART_DELAYS_S[min(len(self._crashes) - 1, len(RESTART_DELAYS_S) - 1)])
-        self.restarts += 1
         with self._lock:
-            self._events.close(linger=0)
-            self._requests.close(linger=0)
-            shutil.rmtree(self._folder, ignore_errors=True)
-            self._spawn()  # it loads the default model by itself
+            expired = [request_id for request_id, (_, deadline) in self._held.items() if deadline <= now]
+            replies = [self._replies.pop(request_id) for request_id in expired]
+            for request_id in expired:
+                del self._held[request_id]
+            waiters = {}
+            if self._restarting_since is not None and now - self._restarting_since > RESTART_WAIT_S:
+                waiters, self._waiters = self._waiters, {}
+        message = (f"The model is restarting after a failure and was not back within {RESTART_WAIT_S:.0f} s. "
+                   "Please try again in a moment.")
+        for reply in replies:
+            failed = Failed(reply.id, message, "restarting")
+            reply.deliver(failed)
+            self._observe(failed)
+        for loop, future in (w for ws in waiters.values() for w in ws):
+            _resolve(loop, future, error=EngineError(message))
 
     def _fail_all(self, message: str, reason: str) -> None:
         with self._lock:
             replies, self._replies = list(self._replies.values()), {}
+            self._held.clear()
         for reply in replies:
             failed = Failed(reply.id, message, reason)
             reply.deliver(failed)
@@ -327,4 +483,4 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, *, result=
         pass
 
 
-__all__ = ["EngineClient", "EngineError", "ServerBusy"]
+__all__ = ["EngineClient", "EngineError", "InvalidRequest", "ServerBusy"]

@@ -10,10 +10,15 @@ first token as soon as it is sampled, further text pieces at most every 50 ms: a
 Models load on a thread of their own, so streams keep running while another model loads.
 
 `Engine` is the loop's state and step without the sockets, so tests can drive it directly.
+
+A fault stays with its request: whatever one request's building (prompt, chat template, tools, JSON
+schema), prefill, sampling, end or sending raises ends that request with a Failed event, and the
+loop goes on with the others. A forward pass shared by a batch fails the requests of that batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -32,6 +37,7 @@ from model.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_
 from model.generation import PromptTooLong, sampling_defaults
 from model.kv_cache import PREFILL_CHUNK, KVCache
 
+from .bounds import reply_seed
 from .messages import (
     Cancel,
     EngineConfig,
@@ -95,9 +101,11 @@ class Engine:
 
     def handle(self, message: ToEngine) -> None:
         if isinstance(message, Generate):
-            self.submit(message)
+            with self._contained(message.id, "Starting the request"):
+                self.submit(message)
         elif isinstance(message, Cancel):
-            self.cancel(message.id)
+            with self._contained(message.id, "Cancelling the request"):
+                self.cancel(message.id)
         elif isinstance(message, Load):
             self.load(message.model)
 
@@ -211,18 +219,30 @@ class Engine:
     def step(self) -> None:
         self._take_loaded()
         for sequence in self.scheduler.admit():
-            self._take_cache(sequence)
+            with self._contained(sequence.id, "Reserving the reply's memory"):
+                self._take_cache(sequence)
         step = self.scheduler.schedule()
         for sequence in step.prefill:
-            self._guarded([sequence], self._prefill, sequence)
+            if sequence.id in self.requests:  # (a request failed by an earlier piece of this step is gone)
+                with self._contained(sequence.id, "Reading the prompt"):
+                    self._prefill(sequence)
         by_model: dict[str, list[Sequence]] = {}
         for sequence in step.decode:
             by_model.setdefault(sequence.model, []).append(sequence)
         for model, batch in by_model.items():
-            self._guarded(batch, self._decode, model, batch)
+            batch = [sequence for sequence in batch if sequence.id in self.requests]
+            if not batch:
+                continue
+            try:
+                self._decode(model, batch)
+            except Exception as e:  # the forward pass the batch shares (a bug, out of memory)
+                log.exception("decoding a batch of %d failed", len(batch))
+                for request_id in dict.fromkeys(sequence.id for sequence in batch):
+                    self._fail(request_id, f"Generation failed: {e}", "error")
         for sequence in self.sequences:
-            if sequence.finished:
-                self._finish(sequence)
+            if sequence.finished and sequence in self.requests.get(sequence.id, ()):  # (not failed meanwhile)
+                with self._contained(sequence.id, "Ending the reply"):
+                    self._finish(sequence)
         self._announce_positions()
         self._announce_stats()
 
@@ -246,8 +266,10 @@ class Engine:
         caches = [sequence.cache for sequence in batch]
         logits = model.decode(torch.tensor(last, device=model.tok_embeddings.weight.device), caches)  # (b, vocab)
         for sequence, token, row in zip(batch, last, logits):
-            sequence.cache.extend([token])
-            self._accept(sequence, sequence.sample(row))
+            if sequence.id in self.requests:  # (another reply of its request may have failed it just now)
+                with self._contained(sequence.id, "Sampling"):
+                    sequence.cache.extend([token])
+                    self._accept(sequence, sequence.sample(row))
 
     def _accept(self, sequence: Sequence, token: int) -> None:
         text = sequence.accept(token)
@@ -255,14 +277,15 @@ class Engine:
         if text or logprobs:
             self.emit(Text(sequence.id, text, sequence.index, logprobs))
 
-    def _guarded(self, batch: list[Sequence], work: Callable, *args) -> None:
-        """Run one piece of a step; a failure (a bug, out of memory) ends only the sequences in it."""
+    @contextlib.contextmanager
+    def _contained(self, request_id: str, what: str):
+        """One request's piece of work: what it raises (a bug, out of memory, input nothing checked)
+        fails that request alone."""
         try:
-            work(*args)
+            yield
         except Exception as e:
-            log.exception("generation failed")
-            for request_id in dict.fromkeys(sequence.id for sequence in batch):
-                self._fail(request_id, f"Generation failed: {e}", "error")
+            log.exception("request %s: %s failed", request_id, what.lower())
+            self._fail(request_id, f"{what} failed: {type(e).__name__}: {e}", "error")
 
     # -- sequences coming and going
 
@@ -288,18 +311,18 @@ class Engine:
         except PromptTooLong as e:
             self._fail(request_id, str(e), "prompt_too_long")
             return
-        except ValueError as e:  # messages the chat format cannot take
+        except (ValueError, TypeError, RecursionError) as e:  # messages or tools the chat format cannot take
             self._fail(request_id, f"The request cannot be answered: {e}", "bad_request")
             return
         if left_out > request.left_out:
             self.emit(Trimmed(request_id, left_out))
         try:
             constraints = [self._constraint(request, checkpoint) for _ in sequences]
-        except ValueError as e:  # a schema that cannot be compiled (SchemaError)
+        except (ValueError, TypeError, RecursionError) as e:  # a schema that cannot be compiled (SchemaError)
             self._fail(request_id, str(e), "bad_request")
             return
         for sequence, constraint in zip(sequences, constraints):  # n replies: seeds seed, seed + 1, ...
-            seed = None if settings.seed is None else settings.seed + sequence.index
+            seed = None if settings.seed is None else reply_seed(settings.seed, sequence.index)
             sequence.start(checkpoint, prompt, msgspec.structs.replace(settings, seed=seed), info.context_limit,
                            constraint=constraint, token_bytes=self._token_bytes(request))
 
@@ -357,6 +380,15 @@ class Engine:
     def _fail(self, request_id: str, message: str, reason: str) -> None:
         """End a whole request (all its sequences) with one Failed; its caches are not kept."""
         self.emit(Failed(request_id, message, reason))
+        self.abandon(request_id)
+
+    def fail_all(self, message: str) -> None:
+        """End every request (the loop itself failed, outside any one request's work)."""
+        for request_id in list(self.requests):
+            self._fail(request_id, message, "error")
+
+    def abandon(self, request_id: str) -> None:
+        """Forget a request (its end is told already, or cannot be): its sequences and their caches go."""
         for sequence in list(self.requests.get(request_id, [])):
             sequence.cache = None
             self._forget(sequence)
@@ -384,7 +416,8 @@ class Engine:
             self.emit(ModelReady(self.infos[name]))
             for request_id in waiting:
                 if not self.requests[request_id][0].finished:  # else cancelled while its model loaded
-                    self._prepare(request_id)
+                    with self._contained(request_id, "Starting the request"):
+                        self._prepare(request_id)
 
     def _announce_positions(self) -> None:
         positions = {sequence.id: position for sequence, position in self.scheduler.positions().items()
@@ -468,7 +501,9 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
 
     def flush(idle: bool = False) -> None:
         if outbox.due(idle):
-            data = encode(outbox.take())
+            data, failed = outbox.take_encoded(encode)
+            for request_id in failed:  # told by a Failed in data: nothing more of it is computed
+                engine.abandon(request_id)
             while not sender.poll(1000 * IDLE_POLL_S, zmq.POLLOUT):  # the web process is not reading
                 if os.getppid() != parent:
                     raise SystemExit(0)
@@ -489,10 +524,20 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
             if inbox.poll(0 if engine.busy or idle_work else
                           1000 * (LOADING_POLL_S if engine.loading else IDLE_POLL_S)):
                 while inbox.poll(0):
-                    engine.handle(decode(inbox.recv()))
+                    data = inbox.recv()
+                    try:
+                        message = decode(data)
+                    except msgspec.DecodeError as e:  # the web side checks what it sends: not expected
+                        log.error("a message that is no request (%d bytes) was left out: %s", len(data), e)
+                        continue
+                    engine.handle(message)
             elif idle_work:
                 engine.refine()
-            engine.step()
+            try:
+                engine.step()
+            except Exception:  # a fault of the loop itself, outside any one request's work
+                log.exception("an engine step failed")
+                engine.fail_all("The engine failed; please send your message again.")
             if len(engine.checkpoints) != frozen:
                 # The imports and the loaded models live as long as this process: frozen, no garbage
                 # collection walks them again (a full one took 124-141 ms with the default model loaded,

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 SECRET_FILE = ".auth_secret"
 SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")  # files SQLite keeps beside a database
 REPLY = "reply"  # metadata["kind"] of a step that holds one of the model's replies
+CUT = "cut"  # ... of a reply cut off by a failure (the question is to be sent again): not remembered
 
 # Every column Chainlit 2.12's SQLAlchemyDataLayer reads or writes (StepDict, Message.to_dict,
 # ElementDict, Feedback), in SQLite's types. JSON and list values are stored as text.
@@ -154,9 +155,10 @@ def auth_secret(folder: Path) -> str:
 def conversation_from_steps(steps: Iterable[dict], *, model: str | None, system_prompt: str | None) -> Conversation:
     """The Conversation a chat had, rebuilt from its stored steps (in order).
 
-    Only the user's messages and the model's replies (steps marked as replies) count; notes, errors
-    and statistics lines do not. As in a live chat, a message that failed (an error followed it and
-    no reply) is left out, and a reply stopped before its first token is an empty reply. A reply is
+    Only the user's messages and the model's replies (steps marked as replies) count; notes, errors,
+    statistics lines and replies cut off by a failure do not. As in a live chat, a message that failed
+    (an error followed it and no whole reply) is left out, and a reply stopped before its first token
+    is an empty reply. A reply is
     taken as the model wrote it, without the escapes the page needed (app.display).
     """
     conversation = Conversation(model=model, system_prompt=system_prompt)

@@ -42,10 +42,11 @@ from fastapi.responses import JSONResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
 from app import api, export, guard, history, http_server, sessions, users  # noqa: E402
-from app.backend import ServerBusy, open_backend  # noqa: E402
+from app.backend import InvalidRequest, ServerBusy, open_backend  # noqa: E402
+from app.bounds import reply_seed  # noqa: E402
 from app.conversation import Conversation, Message  # noqa: E402
 from app.display import ShownStream, shown  # noqa: E402
-from app.messages import Done, Failed, Loading, Queued, ReplySettings, Text, Trimmed  # noqa: E402
+from app.messages import Done, Failed, Loading, Queued, ReplySettings, Restarting, Text, Trimmed  # noqa: E402
 from app.presets import CUSTOM, preset_of, read_presets  # noqa: E402
 from app.private_files import private_folder  # noqa: E402
 from app.prompt import prompt_budget  # noqa: E402
@@ -80,7 +81,7 @@ if chainlit_app.middleware_stack is None:  # not serving yet (a reload by `chain
     http_server.install(chainlit_app)
     if SIGNING_IN:
         chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
-api.mount(chainlit_app, BACKEND, SETTINGS.api_key)
+api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb)
 
 
 async def health(request) -> JSONResponse:
@@ -98,6 +99,7 @@ NEAR_FULL_NOTE = ("*This chat fills {used} of the model's context, and the next 
                   "will be left out soon, and the model will no longer see them.*")
 BUSY_NOTE = ("The server is busy: as many replies are running and waiting as it takes. Please send your "
              "message again in a moment.")
+RESTARTING_NOTE = "The model is restarting after a failure; your message is answered as soon as it is back…"
 STOPPED_WAIT_S = 2.0  # how long a stopped reply may take to hand back its last tokens and stats
 SESSION_STATE = {"request": None, "actions": [], "regenerated": 0}  # a resumed chat starts with these
 EXPORT_COMMAND = "Export"
@@ -295,7 +297,8 @@ async def regenerate(action: cl.Action):
     regenerated = (cl.user_session.get("regenerated") or 0) + 1
     cl.user_session.set("regenerated", regenerated)
     settings = cl.user_session.get("reply_settings") or ReplySettings()
-    settings = msgspec.structs.replace(settings, seed=None if settings.seed is None else settings.seed + regenerated)
+    settings = msgspec.structs.replace(settings, seed=None if settings.seed is None
+                                       else reply_seed(settings.seed, regenerated))
     emitter = cl.context.emitter
     await emitter.task_start()  # the Stop button, as for a message (an action has no task of its own)
     try:
@@ -362,7 +365,8 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
     `on_first_text()` takes the old one off the page), a failure, a busy server or Stop puts the old
     one back, and the question stays answered. Stopped after its first text, an answer stays as far as
     it came, in the history too; failed, it stays on the page but the question leaves the history, as
-    when nothing came: the error asks to send it again."""
+    when nothing came: the error asks to send it again. So a cut answer is stored marked as cut
+    (history.CUT), and a resumed chat leaves it and its question out too."""
 
     asked = conversation.messages[-1]
 
@@ -378,6 +382,10 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
     except ServerBusy:
         not_answered()
         await cl.ErrorMessage(content=BUSY_NOTE).send()
+        return
+    except InvalidRequest as e:  # (a chat too long in messages, ...)
+        not_answered()
+        await cl.ErrorMessage(content=f"This message cannot be answered: {e}").send()
         return
     cl.user_session.set("request", request)
     answer = cl.Message(content="", metadata={"kind": history.REPLY})  # what a resumed chat remembers
@@ -401,6 +409,8 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
                                                    " in line…")
             elif isinstance(event, Loading):
                 status = await show_status(status, loading_note(event.model))
+            elif isinstance(event, Restarting):
+                status = await show_status(status, RESTARTING_NOTE)
             elif isinstance(event, Trimmed):
                 conversation.left_out = event.left_out  # later prompts start there too, and reuse the cache
                 if not cl.user_session.get("told_trimmed"):
@@ -415,6 +425,7 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
                 not_answered()
                 if answer.content:  # cut off midway (the engine stopped): no endless cursor
                     answer.content = display.end()  # with a last "$..." held back, if any
+                    answer.metadata = {"kind": history.CUT}  # not an answer a resumed chat remembers
                     await answer.send()
                 await cl.ErrorMessage(content=event.message).send()
     except asyncio.CancelledError:  # the Stop button: keep what was written
@@ -535,27 +546,29 @@ def settings_widgets(defaults: ReplySettings, system_prompt: str | None, limit: 
     return widgets
 
 
+PANEL = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+
+
 def read_settings(values: dict) -> tuple[ReplySettings, str | None]:
-    """The panel's values as ReplySettings, and a note for the user if the seed was not a number."""
-    text, seed, problem = str(values.get("seed") or "").strip(), None, None
-    if text:
+    """The panel's values as ReplySettings, each checked as any request's are (app.bounds' ranges); a
+    value that is not one is left out (its default applies), and the note for the user names it."""
+    given = {name: values.get(name) for name in PANEL if values.get(name) not in (None, "")}
+    problems = []
+    if "seed" in given:
+        text = str(given.pop("seed")).strip()
         try:
-            seed = int(text)
+            given["seed"] = int(text) if text else None
         except ValueError:
-            problem = f"The seed must be a whole number, not “{text}”; replies use a random seed."
-    return ReplySettings(
-        max_new_tokens=_number(values.get("max_new_tokens"), int),
-        temperature=_number(values.get("temperature"), float),
-        top_k=_number(values.get("top_k"), int),
-        top_p=_number(values.get("top_p"), float),
-        min_p=_number(values.get("min_p"), float),
-        repetition_penalty=_number(values.get("repetition_penalty"), float),
-        seed=seed,
-    ), problem
-
-
-def _number(value, kind):
-    return None if value is None or value == "" else kind(value)
+            problems.append(f"The seed must be a whole number, not “{text[:40]}”; replies use a random seed.")
+    kept = {}
+    for name, value in given.items():
+        try:
+            msgspec.convert({name: value}, ReplySettings, strict=False)
+            kept[name] = value
+        except msgspec.ValidationError as e:
+            problems.append(f"The setting {name} = {str(value)[:40]} was left out ({str(e).split(' - at ')[0]}); "
+                            "its default applies.")
+    return msgspec.convert(kept, ReplySettings, strict=False), " ".join(problems) or None
 
 
 # What is loaded by now (Chainlit, this app) lives as long as the process: frozen, no garbage collection

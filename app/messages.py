@@ -17,6 +17,7 @@ Engine -> web, each event naming its request:
     Text(text)          a piece of the reply; the web side joins pieces to about one per 50 ms
     Done(text, finish_reason, stats, token_ids)   the last event of a reply, also of a cancelled one
     Failed(message, reason)                        the last event of a request that could not run
+    Restarting()        (from the web side itself) the engine process is restarting; the request waits for it
 
 A request for n replies (the API's `n`) gets Text and Done events for each, told apart by `index`.
 
@@ -26,27 +27,51 @@ EngineStats(running, waiting, kv_cache_bytes, kept_caches).
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
+from msgspec import Meta
 
 from model.config import DEFAULT_MAX_CONTEXT
+
+from .bounds import (
+    MAX_MESSAGES,
+    MAX_STOP_STRINGS,
+    MAX_TOOLS,
+    Count,
+    MinP,
+    Name,
+    Penalty,
+    RepetitionPenalty,
+    Replies,
+    Seed,
+    StopString,
+    Temperature,
+    TokenId,
+    Tokens,
+    TopK,
+    TopLogprobs,
+    TopP,
+)
 
 FINISH_REASONS = {"stop": "stop token", "length": "length limit (Max new tokens, in the settings)",
                   "cancelled": "stopped by user"}
 
 
 class ReplySettings(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Sampling and limits of one reply; None means the default (the server's, else the model's)."""
+    """Sampling and limits of one reply; None means the default (the server's, else the model's).
+    The ranges (app.bounds) are what the engine takes; msgspec checks them where these are decoded."""
 
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None  # 0: off
-    top_p: float | None = None
-    min_p: float | None = None  # llama.cpp's: keep tokens at least this share of the top token's probability
-    repetition_penalty: float | None = None  # llama.cpp's, over the last 64 tokens; 1 is off
-    frequency_penalty: float | None = None  # OpenAI's, over the reply; 0 is off
-    presence_penalty: float | None = None
-    seed: int | None = None  # None: random
-    stop: tuple[str, ...] = ()  # strings that end the reply (not included in it)
+    max_new_tokens: Tokens | None = None
+    temperature: Temperature | None = None
+    top_k: TopK | None = None  # 0: off
+    top_p: TopP | None = None
+    min_p: MinP | None = None  # llama.cpp's: keep tokens at least this share of the top token's probability
+    repetition_penalty: RepetitionPenalty | None = None  # llama.cpp's, over the last 64 tokens; 1 is off
+    frequency_penalty: Penalty | None = None  # OpenAI's, over the reply; 0 is off
+    presence_penalty: Penalty | None = None
+    seed: Seed | None = None  # None: random; reply i of n takes bounds.reply_seed(seed, i)
+    stop: Annotated[tuple[StopString, ...], Meta(max_length=MAX_STOP_STRINGS)] = ()  # end the reply (not in it)
     ignore_eos: bool = False  # go on past the model's stop tokens, to the token limit (for benchmarks)
 
     def over(self, base: ReplySettings) -> ReplySettings:
@@ -56,11 +81,11 @@ class ReplySettings(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
-    role: str  # "system", "user", "assistant" or "tool"
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
-    ids: list[int] | None = None  # a reply of the model's: the token ids it was generated as
-    tool_calls: list[dict] | None = None  # an assistant's calls, as OpenAI writes them
-    tool_call_id: str | None = None  # a tool result: the call it answers
+    ids: list[TokenId] | None = None  # a reply of the model's: the token ids it was generated as
+    tool_calls: Annotated[list[dict], Meta(max_length=MAX_TOOLS)] | None = None  # an assistant's calls, as OpenAI's
+    tool_call_id: Name | None = None  # a tool result: the call it answers
 
 
 class Stats(msgspec.Struct, omit_defaults=True):
@@ -96,19 +121,22 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
 
 
 class Generate(msgspec.Struct, tag=True, omit_defaults=True):
-    id: str
-    model: str
+    """A request, as checked at the edge: the web side encodes it and decodes it back as this type
+    (every range and size holds, every string is encodable) before it takes a place in the queue."""
+
+    id: Name
+    model: Name
     settings: ReplySettings = ReplySettings()
-    messages: list[ChatMessage] = []  # a chat: the system prompt, if any, comes first
-    left_out: int = 0  # leading non-system messages already left out of this chat's prompt before
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)] = []  # a chat: any system prompt first
+    left_out: Count = 0  # leading non-system messages already left out of this chat's prompt before
     prompt: str | None = None  # a raw completion prompt instead of messages
-    n: int = 1  # replies to compute from the one prompt (prefilled once; seeds seed, seed + 1, ...)
-    tools: list[dict] | None = None  # OpenAI tool definitions (Llama 3 checkpoints)
+    n: Replies = 1  # replies to compute from the one prompt (prefilled once; seeds seed, seed + 1, ...)
+    tools: Annotated[list[dict], Meta(max_length=MAX_TOOLS)] | None = None  # OpenAI tool definitions (Llama 3)
     tool_choice: str | dict | None = None  # "none", "auto", "required" or {"type": "function", ...}
     parallel_tool_calls: bool = True  # False: at most one call per reply
     json_schema: dict | None = None  # the reply is a document of this JSON schema (constrained decoding)
     json_object: bool = False  # the reply is a JSON object (OpenAI's json_object mode)
-    logprobs: int | None = None  # report each token's log-probability and this many alternatives; None: off
+    logprobs: TopLogprobs | None = None  # report each token's log-probability and this many alternatives; None: off
     user: str = ""  # whose request: the engine reuses a kept KV cache only for requests of the same user
 
 
@@ -182,10 +210,16 @@ class Done(msgspec.Struct, tag=True):
 class Failed(msgspec.Struct, tag=True):
     id: str
     message: str
-    reason: str  # "prompt_too_long", "load", "busy", "bad_request", "engine" or "error"
+    reason: str  # "prompt_too_long", "load", "busy", "bad_request", "engine", "restarting" or "error"
 
 
-Event = Queued | Loading | Trimmed | Text | Done | Failed
+class Restarting(msgspec.Struct, tag=True):
+    """The engine process stopped; this request waits for the new one (app.client), a while at most."""
+
+    id: str
+
+
+Event = Queued | Loading | Trimmed | Text | Done | Failed | Restarting
 
 
 # ---- engine -> web: about the engine ------------------------------------------------------------

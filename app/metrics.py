@@ -8,6 +8,8 @@
     llama_decode_tokens_per_second           histogram, per reply (replies of two tokens or more)
     llama_requests_running / _waiting        now: sequences in the engine's batch, and waiting for a place
     llama_kv_cache_bytes, llama_kv_caches_kept   now: KV cache memory written, and finished replies' caches kept
+    llama_places_taken                       now: places in the web side's queue taken (n for a request of n)
+    llama_engine_restarts_total              engine processes started again after one stopped
 
 Replies are counted as the backend hands their last event to the web side (`observe`); the gauges are
 read from the backend when scraped. Each Metrics has its own registry, so a process may hold several.
@@ -16,7 +18,7 @@ read from the backend when scraped. Each Metrics has its own registry, so a proc
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .messages import Done, EngineStats, Event, Failed
 
@@ -26,10 +28,12 @@ SPEED_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 250)
 
 
 class Metrics:
-    def __init__(self, stats=lambda: EngineStats()):
-        """stats: returns the backend's EngineStats now (read at each scrape)."""
+    def __init__(self, stats=lambda: EngineStats(), backend=None):
+        """stats: returns the backend's EngineStats now (read at each scrape); backend: its places_taken and
+        restarts are read at each scrape too."""
         self.registry = CollectorRegistry()
         self._stats = stats
+        self._backend = backend
         self.requests = Counter("llama_requests", "Replies ended, by outcome", ["outcome"], registry=self.registry)
         self.prompt_tokens = Counter("llama_prompt_tokens", "Prompt tokens of ended replies", registry=self.registry)
         self.cached_tokens = Counter("llama_prompt_tokens_cached",
@@ -76,3 +80,9 @@ class _Gauges:
             ("llama_kv_caches_kept", "Finished replies' KV caches kept for reuse", stats.kept_caches),
         ]:
             yield GaugeMetricFamily(name, text, value=value)
+        backend = self.metrics._backend
+        if backend is not None:
+            yield GaugeMetricFamily("llama_places_taken", "Places in the queue taken by requests running or waiting "
+                                    "(a request for n replies takes n)", value=backend.places_taken)
+            yield CounterMetricFamily("llama_engine_restarts", "Engine processes started again after one stopped",
+                                      value=backend.restarts)

@@ -1,41 +1,52 @@
 """OpenAI request bodies -> what the backend takes; every parameter is either done or refused by name.
 
-`parse_chat` reads a /v1/chat/completions body, `parse_completion` a /v1/completions body. A
-parameter this server does is read and checked; one it cannot do (audio, logit_bias, ...) is a 400
-naming it; one that only labels the request (user, metadata, ...) is accepted and has no effect; and
-one OpenAI does not know either is a 400 too ("Unrecognized request argument"), as OpenAI answers.
+`parse_chat` reads a /v1/chat/completions body, `parse_completion` a /v1/completions body: each is
+converted by msgspec into a declared type (`ChatBody`, `CompletionBody`) whose fields carry their
+types and ranges (`app.bounds`, the same as the engine's messages), so a wrong type, a number out of
+range or too many of something is a 400 that names the parameter. A parameter this server does is in
+those types; one it cannot do (audio, logit_bias, ...) is a 400 naming it, unless its value asks for
+nothing; one that only labels the request (user, metadata, ...) is accepted and has no effect; and one
+OpenAI does not know either is a 400 too ("Unrecognized request argument"), as OpenAI answers. Before
+that, `app.bounds.json_problem` finds what no JSON in a request may hold (a string that is not
+Unicode, a number that is not finite or is past 64 bits, nesting past 64 levels), wherever it is.
 Errors are `ApiError`s in OpenAI's shape.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import re
 from dataclasses import dataclass, field
+from typing import Annotated, Literal, TypeVar
 
+import msgspec
 from fastapi.responses import JSONResponse
+from msgspec import Meta, Struct
 
 from model.tools import read_tool_calls, read_tool_choice, read_tools
 
+from .bounds import (
+    MAX_JSON_CHARS,
+    MAX_MESSAGES,
+    MAX_STOP_STRINGS,
+    MAX_TOOLS,
+    MinP,
+    Name,
+    Penalty,
+    Replies,
+    Seed,
+    StopString,
+    Tokens,
+    TopK,
+    TopLogprobs,
+    TopP,
+    json_problem,
+)
 from .conversation import Conversation
 from .messages import ReplySettings
 
-MAX_STOP_STRINGS = 4
-MAX_N = 4  # replies per request (they share the prompt's prefill)
-MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
-RETRY_AFTER_S = 5  # what a client refused for a full queue is told to wait
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-
-# Read by both endpoints (llama.cpp's and vLLM's extras among them).
-SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-            "frequency_penalty", "presence_penalty", "seed", "stop", "n", "stream", "stream_options",
-            "ignore_eos"}
-CHAT = SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                   "parallel_tool_calls", "response_format"}
-COMPLETION = SAMPLING | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-# Labels of the request, with no effect on the reply: accepted and not used.
-LABELS = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+RETRY_AFTER_S = 5  # what a client refused for a full queue, or while the model restarts, is told to wait
 # What the API has and this server does not do: a 400 that says so, unless the value asks for nothing.
 REFUSED = {
     "audio": "audio output is not supported: this server answers in text",
@@ -48,8 +59,7 @@ REFUSED = {
     "reasoning_effort": "this model does not reason in a separate channel",
     "verbosity": "verbosity is not supported",
 }
-HARMLESS = {"modalities": [["text"]], "logit_bias": [{}], "store": [False], "n": [1], "best_of": [1],
-            "echo": [False], "tools": [[]], "tool_choice": ["none"]}
+HARMLESS = {"modalities": [["text"]], "logit_bias": [{}]}
 
 
 class ApiError(Exception):
@@ -64,9 +74,154 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": str(RETRY_AFTER_S)}}.get(self.status)
+        headers = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": str(RETRY_AFTER_S)},
+                   503: {"Retry-After": str(RETRY_AFTER_S)}}.get(self.status)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
+
+# ---- the bodies, as declared types --------------------------------------------------------------
+
+Temperature = Annotated[float, Meta(ge=0, le=2)]  # OpenAI's range (the engine takes more)
+RepetitionPenalty = Annotated[float, Meta(ge=0.01, le=10)]
+CompletionLogprobs = Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)]
+Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
+
+
+class StreamOptions(Struct):
+    include_usage: bool | None = None
+
+
+class Body(Struct, forbid_unknown_fields=True, kw_only=True):
+    """What both endpoints read (llama.cpp's and vLLM's extras among them), and the labels they accept."""
+
+    model: Name | None = None
+    max_tokens: Tokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    seed: Seed | None = None  # the n replies take seed, seed + 1, ...
+    stop: Stop | None = None
+    n: Replies | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    # Labels of the request, with no effect on the reply.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+class TextPart(Struct, tag_field="type", tag="text"):
+    text: str
+
+
+Content = str | list[TextPart]
+
+
+class SystemMessage(Struct, tag_field="role", tag="system"):
+    content: Content
+
+
+class DeveloperMessage(SystemMessage, tag="developer"):
+    pass
+
+
+class UserMessage(Struct, tag_field="role", tag="user"):
+    content: Content
+
+
+# The tool structs are passed on as the client wrote them (msgspec.to_builtins): a field left out stays out.
+class FunctionCall(Struct, omit_defaults=True):
+    name: Name
+    arguments: str | dict[str, object] | None = None  # JSON text, as OpenAI writes it
+
+
+class ToolCall(Struct, omit_defaults=True, kw_only=True):
+    id: Name | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall
+
+
+class AssistantMessage(Struct, tag_field="role", tag="assistant"):
+    content: Content | None = None
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOLS)] | None = None
+
+
+class ToolMessage(Struct, tag_field="role", tag="tool"):
+    content: Content
+    tool_call_id: Name
+
+
+Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
+
+
+class FunctionDefinition(Struct, omit_defaults=True):
+    name: Name
+    description: str | None = None
+    parameters: dict[str, object] | None = None  # a JSON schema (model.tools reads it)
+    strict: bool | None = None
+
+
+class Tool(Struct, omit_defaults=True, kw_only=True):
+    type: Literal["function"] | None = None
+    function: FunctionDefinition
+
+
+class NamedFunction(Struct, omit_defaults=True):
+    name: Name
+
+
+class NamedToolChoice(Struct, omit_defaults=True, kw_only=True):
+    type: Literal["function"] | None = None
+    function: NamedFunction
+
+
+class JsonSchema(Struct):
+    schema: dict[str, object]
+    name: str | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextFormat(Struct, tag_field="type", tag="text"):
+    pass
+
+
+class JsonObjectFormat(Struct, tag_field="type", tag="json_object"):
+    pass
+
+
+class JsonSchemaFormat(Struct, tag_field="type", tag="json_schema"):
+    json_schema: JsonSchema
+
+
+class ChatBody(Body):
+    messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Tokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
+
+
+class CompletionBody(Body):
+    prompt: str | Annotated[list[str], Meta(min_length=1, max_length=1)]  # a list of one string is that string
+    logprobs: CompletionLogprobs | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: Replies | None = None
+
+
+# ---- what the backend takes ---------------------------------------------------------------------
 
 @dataclass
 class ApiRequest:
@@ -106,156 +261,152 @@ class CompletionRequest(ApiRequest):
 
 def parse_chat(body: object, profiles: dict, default: str) -> ChatRequest:
     """A /v1/chat/completions body; ApiError (400, 404) names what is wrong."""
-    body = _object(body)
-    _check_names(body, CHAT)
-    common = _common(body, profiles, default, max_tokens=_number(body, "max_completion_tokens", int, low=1))
-    logprobs = None
-    if _flag(body, "logprobs"):
-        logprobs = _number(body, "top_logprobs", int, low=0, high=MAX_TOP_LOGPROBS) or 0
-    elif body.get("top_logprobs") is not None:
+    chat = read_body(body, ChatBody)
+    common = _common(chat, profiles, default, max_tokens=chat.max_completion_tokens or chat.max_tokens)
+    if chat.top_logprobs is not None and not chat.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
-    tools, tool_choice = body.get("tools") or None, body.get("tool_choice")
+    tools = _json_within(msgspec.to_builtins(chat.tools), "tools") if chat.tools else None
+    tool_choice = msgspec.to_builtins(chat.tool_choice)
     try:
         read_tool_choice(tool_choice, read_tools(tools))
     except ValueError as e:
         raise ApiError(400, str(e), param="tool_choice" if str(e).startswith("tool_choice") else "tools") from None
-    json_schema, json_object = _response_format(body.get("response_format"))
+    json_schema, json_object = None, isinstance(chat.response_format, JsonObjectFormat)
+    if isinstance(chat.response_format, JsonSchemaFormat):
+        json_schema = _json_within(chat.response_format.json_schema.schema, "response_format.json_schema.schema")
     if (json_schema is not None or json_object) and tools and tool_choice != "none":
         raise ApiError(400, "'response_format' and 'tools' cannot be used together: a reply is either JSON or a "
                             "tool call.", param="response_format")
     if (json_schema is not None or json_object) and common["settings"].ignore_eos:
         raise ApiError(400, "'ignore_eos' cannot be used with a JSON response_format: the document ends the reply.",
                        param="ignore_eos")
-    return ChatRequest(**common, logprobs=logprobs, conversation=_conversation(body.get("messages"), common["model"]),
-                       tools=tools, tool_choice=tool_choice,
-                       parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+    return ChatRequest(**common, logprobs=(chat.top_logprobs or 0) if chat.logprobs else None,
+                       conversation=_conversation(chat.messages, common["model"]), tools=tools,
+                       tool_choice=tool_choice, parallel_tool_calls=chat.parallel_tool_calls is not False,
                        json_schema=json_schema, json_object=json_object)
 
 
 def parse_completion(body: object, profiles: dict, default: str) -> CompletionRequest:
     """A /v1/completions body (OpenAI's default of 16 tokens for max_tokens); ApiError names what is wrong."""
-    body = _object(body)
-    _check_names(body, COMPLETION)
+    completion = read_body(body, CompletionBody)
     for name, why in [("echo", "echo (the prompt again in the reply) is not supported"),
                       ("suffix", "suffix (insertion) is not supported")]:
-        if body.get(name) not in (None, False):
+        if getattr(completion, name) not in (None, False):
             raise ApiError(400, f"'{name}': {why}.", param=name, code="unsupported_parameter")
-    common = _common(body, profiles, default, max_tokens=None)
-    best_of = _number(body, "best_of", int, low=1)
-    if best_of is not None and best_of != common["n"]:
+    common = _common(completion, profiles, default, max_tokens=completion.max_tokens)
+    if completion.best_of is not None and completion.best_of != common["n"]:
         raise ApiError(400, "'best_of' is not supported: ask for the replies you want with 'n'.", param="best_of",
                        code="unsupported_parameter")
     if common["settings"].max_new_tokens is None:
         common["settings"] = ReplySettings(max_new_tokens=16).over(common["settings"])
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise ApiError(400, "'prompt' must be a string (or a list of one string).", param="prompt")
-    return CompletionRequest(**common, logprobs=_number(body, "logprobs", int, low=0, high=MAX_COMPLETION_LOGPROBS),
-                             prompt=prompt)
+    prompt = completion.prompt if isinstance(completion.prompt, str) else completion.prompt[0]
+    return CompletionRequest(**common, logprobs=completion.logprobs, prompt=prompt)
 
 
-# ---- the parts ----------------------------------------------------------------------------------
+# ---- reading a body -----------------------------------------------------------------------------
 
-def _response_format(value: object) -> tuple[dict | None, bool]:
-    """response_format -> (JSON schema or None, JSON object mode)."""
-    if value is None:
-        return None, False
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
-        return None, False
-    if kind == "json_object":
-        return None, True
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema object.",
-                           param="response_format.json_schema.schema")
-        return schema, False
-    raise ApiError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                        "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}.",
-                   param="response_format")
+B = TypeVar("B", bound=Body)
+AT = re.compile(r"(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?", re.DOTALL)  # msgspec's "... - at `$.a[0].b`"
+FIELD = re.compile(r"Object (?P<kind>missing required|contains unknown) field `(?P<name>[^`]*)`")
+RANGE = re.compile(r"Expected `(int|float)` [<>]")
 
 
-def _object(body: object) -> dict:
+def read_body(body: object, kind: type[B]) -> B:
+    """The body as `kind`; ApiError names the first thing in it that is not as declared."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
-    return body
-
-
-def _check_names(body: dict, known: set[str]) -> None:
-    for name, value in body.items():
-        if name in known or name in LABELS:
-            continue
+    found = json_problem(body)
+    if found is not None:
+        where, problem = found
+        raise ApiError(400, f"'{where}' {problem}." if where else f"The request body {problem}.", param=where or None,
+                       code="invalid_value")
+    for name, value in list(body.items()):
         if name in REFUSED:
-            if value is None or value in HARMLESS.get(name, []):
-                continue
-            raise ApiError(400, f"'{name}': {REFUSED[name]}.", param=name, code="unsupported_parameter")
-        raise ApiError(400, f"Unrecognized request argument supplied: {name}", param=name,
-                       code="unsupported_parameter")
+            if value is not None and value not in HARMLESS.get(name, []):
+                raise ApiError(400, f"'{name}': {REFUSED[name]}.", param=name, code="unsupported_parameter")
+            body = {k: v for k, v in body.items() if k != name}  # asks for nothing
+    try:
+        return msgspec.convert(body, kind, strict=True)
+    except msgspec.ValidationError as e:
+        raise _invalid(str(e), kind, body) from None
 
 
-def _common(body: dict, profiles: dict, default: str, max_tokens: int | None) -> dict:
-    model = body.get("model")
-    if model is None or model == "":
-        model = default
-    if not isinstance(model, str):
-        raise ApiError(400, f"'model' must be a string, not {json.dumps(model)}.", param="model")
+def _invalid(error: str, kind: type[Body], body: dict) -> ApiError:
+    """msgspec's error ("Expected `int` <= 4 - at `$.n`") as OpenAI's, with the parameter as `param`."""
+    at = AT.fullmatch(error)
+    what, where = at["what"], (at["path"] or "").replace("[...]", "").lstrip(".")  # ([...]: a value of a dict)
+    field = FIELD.fullmatch(what)
+    if field:
+        where = f"{where}.{field['name']}".lstrip(".")
+        if field["kind"] == "missing required":
+            return ApiError(400, f"'{where}' is required.", param=where, code="missing_required_parameter")
+        if where == field["name"]:
+            return ApiError(400, f"Unrecognized request argument supplied: {where}", param=where,
+                            code="unsupported_parameter")
+    bounds = _bounds(kind, where) if RANGE.match(what) else None
+    if bounds is not None:
+        message = f"'{where}' must be {bounds}, not {json.dumps(body.get(where))}."
+    else:
+        message = f"Invalid '{where}': {what[0].lower()}{what[1:]}." if where else f"Invalid request: {what}."
+    return ApiError(400, message, param=where or None, code="invalid_type" if "got `" in what else "invalid_value")
+
+
+def _bounds(kind: type[Body], name: str) -> str | None:
+    """The range of a top-level number field in words: "between 0 and 2", "greater than 0 and at most 1"."""
+    for info in msgspec.inspect.type_info(kind).fields:
+        if info.name == name:
+            for t in getattr(info.type, "types", (info.type,)):
+                if isinstance(t, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+                    if t.gt is None and t.le is not None:
+                        return f"between {t.ge:g} and {t.le:g}" if isinstance(t.ge, float) else \
+                            f"between {t.ge} and {t.le}"
+                    return f"greater than {t.gt:g} and at most {t.le:g}"
+    return None
+
+
+def _json_within(value, param: str):
+    """Free-form JSON (tools, a JSON schema) no larger than MAX_JSON_CHARS as JSON text."""
+    size = len(json.dumps(value))
+    if size > MAX_JSON_CHARS:
+        raise ApiError(400, f"'{param}' is {size:,} characters of JSON; at most {MAX_JSON_CHARS:,} are taken.",
+                       param=param, code="invalid_value")
+    return value
+
+
+def _common(body: Body, profiles: dict, default: str, max_tokens: int | None) -> dict:
+    model = body.model or default
     if model not in profiles:
         raise ApiError(404, f"The model '{model}' does not exist. Available: {', '.join(profiles)}.",
                        param="model", code="model_not_found")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise ApiError(400, "'stream_options' must be an object.", param="stream_options")
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", int, low=1)
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     settings = ReplySettings(
-        max_new_tokens=max_tokens,
-        temperature=_number(body, "temperature", float, low=0, high=2),
-        top_k=_number(body, "top_k", int, low=0),
-        top_p=_number(body, "top_p", float, low=0, high=1),
-        min_p=_number(body, "min_p", float, low=0, high=1),
-        repetition_penalty=_number(body, "repetition_penalty", float, low=0.01, high=10),
-        frequency_penalty=_number(body, "frequency_penalty", float, low=-2, high=2),
-        presence_penalty=_number(body, "presence_penalty", float, low=-2, high=2),
-        seed=_number(body, "seed", int),
-        stop=tuple(_stop(body.get("stop"))),
-        ignore_eos=_flag(body, "ignore_eos"))
-    n = _number(body, "n", int, low=1, high=MAX_N)
-    return {"model": model, "settings": settings, "n": n or 1, "stream": _flag(body, "stream"),
-            "include_usage": bool(options and _flag(options, "include_usage", "stream_options.include_usage"))}
+        max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+        min_p=body.min_p, repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty, seed=body.seed, stop=tuple(s for s in stops if s),
+        ignore_eos=bool(body.ignore_eos))
+    return {"model": model, "settings": settings, "n": body.n or 1, "stream": bool(body.stream),
+            "include_usage": bool(body.stream_options and body.stream_options.include_usage)}
 
 
-def _conversation(messages: object, model: str) -> Conversation:
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of messages.", param="messages")
+def _conversation(messages: list[Message], model: str) -> Conversation:
     system, conversation = [], Conversation(model=model)
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise ApiError(400, f"{where} must be an object with 'role' and 'content'.", param=where)
-        role = ROLES.get(message.get("role"))
-        if role is None:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, not "
-                                f"{json.dumps(message.get('role'))}.", param=f"{where}.role")
-        calls = message.get("tool_calls") if role == "assistant" else None
-        content = "" if calls and message.get("content") is None else _text(message.get("content"), f"{where}.content")
-        if role == "system":
+        content = _text(message.content)
+        if isinstance(message, SystemMessage):  # a developer's message too
             system.append(content)
-        elif role == "tool":
-            if not isinstance(message.get("tool_call_id"), str):
-                raise ApiError(400, f"{where}.tool_call_id must name the call this result answers.",
-                               param=f"{where}.tool_call_id")
-            conversation.add(role, content, tool_call_id=message["tool_call_id"])
+        elif isinstance(message, ToolMessage):
+            conversation.add("tool", content, tool_call_id=message.tool_call_id)
+        elif isinstance(message, AssistantMessage):
+            calls = msgspec.to_builtins(message.tool_calls) if message.tool_calls else None
+            if message.content is None and not calls:
+                raise ApiError(400, f"{where}.content must be a string or a list of text parts.",
+                               param=f"{where}.content")
+            if calls:
+                _check_calls(calls, where)
+            conversation.add("assistant", content, tool_calls=calls)
         else:
-            if calls is not None:
-                try:
-                    read_tool_calls(calls, where)
-                except ValueError as e:
-                    raise ApiError(400, str(e), param=f"{where}.tool_calls") from None
-            conversation.add(role, content, tool_calls=calls or None)
+            conversation.add("user", content)
     if not conversation.messages or conversation.messages[-1].role not in ("user", "tool"):
         raise ApiError(400, "The last message (after any system messages) must be the user's, or a tool's result: it "
                             "is the one answered.", param="messages")
@@ -263,52 +414,22 @@ def _conversation(messages: object, model: str) -> Conversation:
     return conversation
 
 
-def _text(content: object, where: str) -> str:
-    """A message's content: a string, or a list of text parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"{where}[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
-                                    "supported.", param=f"{where}[{j}]")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ApiError(400, f"{where} must be a string or a list of text parts.", param=where)
+def _check_calls(calls: list[dict], where: str) -> None:
+    """An assistant's tool calls: their arguments a JSON object (model.tools), and no JSON a request may not hold."""
+    try:
+        parsed = read_tool_calls(calls, where)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=f"{where}.tool_calls") from None
+    for j, call in enumerate(parsed):
+        found = json_problem(call.arguments, max_depth=32)  # (a nesting the prompt's writers can follow)
+        if found is not None:
+            param = f"{where}.tool_calls[{j}].function.arguments"
+            raise ApiError(400, f"'{param}': {'.'.join(filter(None, ['arguments', found[0]]))} {found[1]}.",
+                           param=param, code="invalid_value")
 
 
-def _flag(body: dict, name: str, param: str | None = None) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ApiError(400, f"'{param or name}' must be true or false, not {json.dumps(value)}.",
-                       param=param or name, code="invalid_type")
-    return value
-
-
-def _number(body: dict, name: str, kind: type, low: float | None = None, high: float | None = None):
-    value = body.get(name)
-    if value is None:
-        return None
-    wanted = "a whole number" if kind is int else "a number"
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) or (kind is float and not math.isfinite(value)):
-        raise ApiError(400, f"'{name}' must be {wanted}, not {json.dumps(value)}.", param=name, code="invalid_type")
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"at least {low:g}" if high is None else f"between {low:g} and {high:g}"
-        raise ApiError(400, f"'{name}' must be {bounds}, not {value:g}.", param=name, code="invalid_value")
-    return value
-
-
-def _stop(stop: object) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)
-            or len(stops) > MAX_STOP_STRINGS):
-        raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings.",
-                       param="stop", code="invalid_value")
-    return [s for s in stops if s]
+def _text(content: Content | None) -> str:
+    """A message's content: a string, or text parts joined."""
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(part.text for part in content)

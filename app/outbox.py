@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import time
 
+import logging
+from collections.abc import Callable
+
 from .messages import Done, EngineStats, Failed, FromEngine, Text, join_texts
+
+log = logging.getLogger("app.engine")
 
 # Longest a text piece waits for the next message: the web side's re-render interval. At 25 ms a single
 # served stream of the default model decoded at 0.937x the engine alone, at 50 ms 0.947x (docs/benchmarks.md).
@@ -70,3 +75,27 @@ class Outbox:
                 events.append(event)
         self._events, self._urgent, self._sent_at = [], False, time.monotonic()
         return [join_texts(e) if isinstance(e, list) else e for e in events]
+
+    def take_encoded(self, encode: Callable[[object], bytes]) -> tuple[bytes, list[str]]:
+        """take(), encoded as one message; and the requests whose events could not be encoded (a string
+        that is not Unicode, a number past 64 bits): each of those ends with a Failed in its place, and
+        the events of theirs that followed are left out."""
+        events = self.take()
+        try:
+            return encode(events), []
+        except (ValueError, OverflowError, TypeError):
+            pass
+        kept, failed = [], []
+        for event in events:
+            request_id = getattr(event, "id", None)
+            if request_id in failed:
+                continue
+            try:
+                encode(event)
+                kept.append(event)
+            except (ValueError, OverflowError, TypeError) as e:
+                log.exception("an event of request %s could not be sent", request_id)
+                if request_id is not None:
+                    failed.append(request_id)
+                    kept.append(Failed(request_id, f"The reply could not be sent: {e}", "error"))
+        return encode(kept), failed

@@ -149,6 +149,13 @@ class RemoteClient:
         return len(self._running)
 
     @property
+    def places_taken(self) -> int:
+        """Nothing waits here (the server has its own queue): the replies streaming, n for a request of n."""
+        return sum(reply.n for reply in self._running)
+
+    restarts = 0  # (the server's own restarts are not seen from here)
+
+    @property
     def stats(self) -> EngineStats:
         """What is known here of the server's state: the replies streaming from it."""
         return EngineStats(running=len(self._running))

@@ -65,8 +65,9 @@ class Reply:
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
             if self.ended:
                 self._loop.call_soon_threadsafe(self._all_delivered.set)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            self.cancelled = True
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more, so it stops
+            if not self.ended:
+                self.cancel()
 
     def __aiter__(self):
         return self

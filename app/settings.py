@@ -27,6 +27,7 @@ DEFAULT_MAX_NEW_TOKENS = 1024
 DEFAULT_KV_CACHE_MB = 1024  # KV caches kept between turns, all conversations together
 DEFAULT_MAX_BATCH = 8  # replies computed together
 DEFAULT_MAX_WAITING = 32  # replies waiting for a place in the batch; past it the server says it is busy
+DEFAULT_MAX_BODY_MB = 4  # an API request's body; past it, 413
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 QUANTIZE = ("off", "int8", "int4")
@@ -63,6 +64,7 @@ class Settings:
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB  # KV caches kept between turns, all conversations together
     max_batch: int = DEFAULT_MAX_BATCH
     max_waiting: int = DEFAULT_MAX_WAITING
+    max_body_mb: int = DEFAULT_MAX_BODY_MB
     history: bool = True
     history_db: Path = DEFAULT_HISTORY_DB
     auth: str = "none"  # "none": one local user, no login form; "password": a login form
@@ -109,6 +111,7 @@ class Settings:
             kv_cache_mb=_default(env.integer("LLAMA_KV_CACHE_MB", low=0), DEFAULT_KV_CACHE_MB),
             max_batch=env.integer("LLAMA_MAX_BATCH", low=1) or DEFAULT_MAX_BATCH,
             max_waiting=_default(env.integer("LLAMA_MAX_WAITING", low=0), DEFAULT_MAX_WAITING),
+            max_body_mb=env.integer("LLAMA_MAX_BODY_MB", low=1) or DEFAULT_MAX_BODY_MB,
             history=env.switch("LLAMA_HISTORY", default=True),
             history_db=env.path("LLAMA_HISTORY_DB") or DEFAULT_HISTORY_DB,
             auth=auth or ("password" if password or users_file else "none"),  # a password or users file: sign-in

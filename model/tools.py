@@ -157,11 +157,16 @@ def read_tool_calls(tool_calls: list, where: str) -> list[ToolCall]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError as e:
+            except (ValueError, RecursionError) as e:
                 raise ValueError(f"{where}.tool_calls[{j}].function.arguments: not valid JSON ({e})") from None
         if not isinstance(arguments, dict):
             raise ValueError(f"{where}.tool_calls[{j}].function.arguments: expected a JSON object, "
                              f"found {arguments!r:.40}")
+        if name in BUILTIN_TOOLS:  # its argument is written into the prompt as it is
+            key = "code" if name == "code_interpreter" else "query"
+            if not isinstance(arguments.get(key), str):
+                raise ValueError(f"{where}.tool_calls[{j}].function.arguments: {name} expects a string {key!r}, "
+                                 f"found {arguments.get(key)!r:.40}")
         calls.append(ToolCall(str(call.get("id", "")), name, arguments))
     return calls
 
@@ -187,8 +192,8 @@ def encode_tool_call(call: ToolCall, tool_prompt_format: str) -> str:
     <|python_tag|> when it is a message's first call (ChatFormat adds that control token)."""
     if call.name in BUILTIN_TOOLS:
         key = "code" if call.name == "code_interpreter" else "query"
-        if key not in call.arguments:
-            raise ValueError(f"tool call {call.name}: expected a {key!r} argument, found {sorted(call.arguments)}")
+        if not isinstance(call.arguments.get(key), str):
+            raise ValueError(f"tool call {call.name}: expected a string {key!r} argument, found {call.arguments!r:.80}")
         return call.arguments[key] if key == "code" else f'{call.name}.call(query="{call.arguments[key]}")'
     if tool_prompt_format == "json":
         return json.dumps({"type": "function", "name": call.name, "parameters": call.arguments})

@@ -279,9 +279,9 @@ def test_stop_scanner_holds_back_what_may_begin_a_stop_string():
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, "top_p"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "seed": 1.5}, "seed"),
@@ -548,7 +548,7 @@ def test_a_schema_that_cannot_be_compiled_and_bad_combinations_are_400s(client):
     assert "schema" in error.value.body["message"]
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model="tiny", messages=QUESTION, response_format={"type": "xml"})
-    assert error.value.body["param"] == "response_format"
+    assert error.value.body["param"] == "response_format.type"
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model="tiny", messages=QUESTION, response_format={"type": "json_object"},
                                        extra_body={"ignore_eos": True})

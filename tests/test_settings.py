@@ -58,7 +58,7 @@ def test_every_setting_is_documented():
     read = set(re.findall(r'"(LLAMA_[A-Z_]+)"', (root / "app" / "settings.py").read_text()))
     table = set(re.findall(r"^\| `(LLAMA_[A-Z_]+)`", (root / "chainlit.md").read_text(), re.MULTILINE))
     example = set(re.findall(r"^(LLAMA_[A-Z_]+)=", (root / ".env.example").read_text(), re.MULTILINE))
-    assert len(read) == 33 and read == table == example
+    assert len(read) == 34 and read == table == example
 
 
 def test_kv_cache_budget_setting():

@@ -22,12 +22,14 @@ from support.servers import ChainlitServer, server_env
 
 from app.openai_request import ApiError, parse_chat, parse_completion
 from app.sequence import StopScanner
+from model.kv_cache import PREFILL_CHUNK
 
 pytestmark = pytest.mark.timeout(240)
 
 KEY = "test-key-123"
 MAX_CONTEXT = 16384  # a reply this long takes the tiny model many seconds
 QUESTION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
+LONG_SYSTEM = "You are a helpful assistant who answers briefly and kindly. " * 40  # more than a prefill chunk
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +148,10 @@ GONE = "the client went away; cancelled"
 
 def test_a_conversation_resent_with_one_more_turn_prefills_only_what_is_new(server, client):
     """An API client keeps no state here: it sends the whole conversation each time. The engine finds
-    the earlier turn's keys and values by their token prefix (the server log's "from the cache")."""
-    asked = [{"role": "user", "content": "Tell me about prefix caches in one paragraph."}]
+    the earlier turn's keys and values by their token prefix (the server log's "from the cache"), the
+    positions of whole prefill chunks (model/kv_cache.py)."""
+    asked = [{"role": "system", "content": LONG_SYSTEM},
+             {"role": "user", "content": "Tell me about prefix caches in one paragraph."}]
     first = client.chat.completions.create(model="tiny", messages=asked, temperature=0, max_tokens=20)
     again = asked + [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": "And in one sentence?"}]
@@ -160,9 +164,10 @@ def test_a_conversation_resent_with_one_more_turn_prefills_only_what_is_new(serv
         time.sleep(0.1)
     prompt, reused = map(int, logged[-1])
     assert prompt == second.usage.prompt_tokens
-    # at least the first prompt comes from the cache (the reply's text may encode to other ids than
-    # the random model generated, so the match can end inside it)
-    assert first.usage.prompt_tokens <= reused < prompt
+    # at least the first prompt's whole chunks come from the cache (the reply's text may encode to other
+    # ids than the random model generated, so the match can end inside it)
+    assert 0 < first.usage.prompt_tokens // PREFILL_CHUNK * PREFILL_CHUNK <= reused < prompt
+    assert reused % PREFILL_CHUNK == 0
 
 
 def test_a_client_that_goes_away_frees_the_queue(server, client):
@@ -333,7 +338,8 @@ def test_metrics_count_replies_tokens_and_the_engine_state(server, client):
 
     assert httpx.get(f"{server.url}/metrics").status_code == 401  # the API key covers it
     before = scrape()
-    reply = client.chat.completions.create(model="tiny", messages=QUESTION, temperature=0, max_tokens=7)
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": LONG_SYSTEM}, *QUESTION],
+                                           temperature=0, max_tokens=7)
     time.sleep(0.2)  # the engine's state after the reply reaches the web process
     after = scrape()
     assert after['llama_requests_total{outcome="done"}'] == before.get('llama_requests_total{outcome="done"}', 0) + 1

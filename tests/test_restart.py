@@ -434,7 +434,7 @@ def test_a_cut_reply_is_stored_as_cut_and_a_resumed_chat_leaves_it_out(main, mon
     async def scenario():
         await chat_.start()
         with monkeypatch.context() as patch:
-            patch.setattr(main.BACKEND, "stream", lambda conversation, settings: CutOff("Paris is ", "the cap"))
+            patch.setattr(main.BACKEND, "stream", lambda conversation, settings, **options: CutOff("Paris is ", "the cap"))
             question = await chat_.send("What is the capital of France?")
         return question
 

@@ -405,9 +405,9 @@ class EngineClient:
         now = time.monotonic()
         with self._lock:
             self._models.clear()
-            waiters = {} if self._restarting_since is not None else self._waiters  # (else sent to it)
-            if waiters:
-                self._waiters = {}
+            waiters = {}  # the loads this engine was asked for fail; while restarting, none was sent to it
+            if self._restarting_since is None:
+                waiters, self._waiters = self._waiters, {}  # (a fresh dict: a load asked from now on waits)
             sent = [reply for request_id, reply in self._replies.items() if request_id not in self._held]
             for reply in sent:
                 del self._replies[reply.id]

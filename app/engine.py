@@ -69,6 +69,9 @@ log = logging.getLogger("app.engine")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IDLE_POLL_S = 0.1  # how long the loop waits for a message when there is nothing to compute
 LOADING_POLL_S = 0.02  # ... and while a model loads (its requests start as soon as it is there)
+# Idle this long, the engine computes kept replies again (Engine.refine), a chunk at a time: a program that
+# sends its next request at once does not wait for such a chunk; a person reading the reply gives it time.
+REFINE_AFTER_S = 0.5
 
 
 class Engine:
@@ -519,8 +522,11 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
     try:
         engine.start()
         flush(idle=True)
+        idle_since = time.monotonic()
         while os.getppid() == parent:
-            idle_work = not engine.busy and engine.idle_work
+            if engine.busy:
+                idle_since = time.monotonic()
+            idle_work = not engine.busy and engine.idle_work and time.monotonic() - idle_since >= REFINE_AFTER_S
             if inbox.poll(0 if engine.busy or idle_work else
                           1000 * (LOADING_POLL_S if engine.loading else IDLE_POLL_S)):
                 while inbox.poll(0):

@@ -61,7 +61,7 @@ class PrefixCache:
     def put(self, scope: Hashable, cache: KVCache, in_use_bytes: int = 0) -> None:
         """Keep a finished request's cache; then drop the least recently used until the kept caches
         and `in_use_bytes` (those of running requests) fit the budget."""
-        if cache.exact:  # else nothing in it can be reused
+        if cache.length >= cache.chunk:  # else nothing in it can be reused, even once computed again
             self._kept[id(cache)] = (scope, cache)
         self.trim(in_use_bytes)
 

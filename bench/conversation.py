@@ -1,6 +1,7 @@
 """The chat app serving one long conversation: time to first token per turn, and the server's peak memory.
 
     python bench/conversation.py [--shape llama3.2-1b] [--turns 10] [--words 55] [--reply-tokens 75] [--threads N]
+                                 [--pause S]
 
 Starts the real app (`chainlit run app/main.py`) on the random checkpoint of the shape, connects as a
 browser tab does (socket.io), and holds a conversation of `--turns` turns: each a user message of
@@ -8,7 +9,9 @@ browser tab does (socket.io), and holds a conversation of `--turns` turns: each 
 adds about 150 tokens. A first chat says "Hello" to warm the server up. Per turn it reads the time to
 first token that the app shows under the reply (measured by the engine: prompt to first sampled token)
 and, from the server's log, the prompt's length and how much of it came from the KV cache. A follow-up
-only prefills its new tokens, so later turns should start about as fast as the first; without reuse,
+prefills what is new since the last whole prefill chunk (model/kv_cache.py; with `--pause`, the engine
+computes the kept reply again meanwhile, a chunk at a time, and the follow-up reuses it too), so later
+turns should start about as fast as the first; without reuse,
 a turn's TTFT would grow with its whole prompt, estimated here as prompt tokens / the first turn's
 prefill rate (the first turn has nothing to reuse).
 
@@ -48,7 +51,7 @@ def kv_bytes_per_token(config: LlamaConfig, dtype_bytes: int = 2) -> int:
     return config.n_layers * 2 * config.n_kv_heads * config.head_dim * dtype_bytes
 
 
-async def converse(url: str, turns: int, words: int, seed: int) -> list[dict]:
+async def converse(url: str, turns: int, words: int, seed: int, pause: float) -> list[dict]:
     rng = random.Random(seed)
     warm_up = await LiveChat(url).open(timeout=300)  # the first reply after start reads the mapped weights
     try:
@@ -59,6 +62,8 @@ async def converse(url: str, turns: int, words: int, seed: int) -> list[dict]:
     rows = []
     try:
         for turn in range(1, turns + 1):
+            if turn > 1:
+                await asyncio.sleep(pause)  # a person reads the reply and types the next message
             text = " ".join(rng.choice(WORDS) for _ in range(words))
             sent = time.monotonic()
             reply = await chat.ask(text, timeout=600)
@@ -86,6 +91,9 @@ def main() -> int:
     p.add_argument("--reply-tokens", type=int, default=75)
     p.add_argument("--threads", type=int, default=None, help="LLAMA_THREADS for the server (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pause", type=float, default=0.0,
+                   help="seconds between a reply and the next message (the engine computes the kept reply "
+                        "again as a prefill meanwhile, so the next turn reuses it; default: none)")
     args = p.parse_args()
 
     config = LlamaConfig.preset(args.shape)
@@ -104,7 +112,7 @@ def main() -> int:
         ready_s = time.monotonic() - started
         engine = engine_pid(server.process.pid)
         rss_ready = vm_hwm_mb(server.process.pid) + vm_hwm_mb(engine)
-        rows = asyncio.run(converse(server.url, args.turns, args.words, args.seed))
+        rows = asyncio.run(converse(server.url, args.turns, args.words, args.seed, args.pause))
         web_peak, engine_peak = vm_hwm_mb(server.process.pid), vm_hwm_mb(engine)
         peak = web_peak + engine_peak
     finally:

@@ -99,6 +99,8 @@ def test_nothing_shorter_than_a_chunk_is_reused_and_such_caches_are_not_kept():
     assert reused == 0 and cache.tokens == [] and cache.max_len == 60
     pool.put(ALICE, filled([1, 2, 3]))  # shorter than a chunk: nothing in it could be reused
     assert len(pool) == 1
+    pool.put(ALICE, filled(list(range(1, 9)), prefilled=3))  # no whole chunk computed yet, but one held
+    assert len(pool) == 2
 
 
 def test_the_budget_drops_the_least_recently_used_first_counting_running_caches():

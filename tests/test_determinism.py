@@ -242,3 +242,25 @@ def load_from(hf, quantize: str | None, folder: Path):
     """Our Llama with hf's weights, matrices in bf16 (or quantized)."""
     hf.save_pretrained(folder)
     return load_checkpoint(folder, dtype=torch.bfloat16, quantize=quantize).model
+
+
+def test_llama_deterministic_keeps_int8_batches_out_of_amx_tiles():
+    """LLAMA_DETERMINISTIC=1: the engine's kernel build has its int8 tiles switched off (csrc/matvec.cpp); without
+    it they are on where the build has them (AMX CPUs; elsewhere the switch always reads off)."""
+    import subprocess
+    import sys
+
+    script = ("from model.kernels import kernels; ops = kernels(); was = ops.set_amx_int8(True); "
+              "print(was, 'AMX' in ops.path())")
+    root = Path(__file__).resolve().parents[1]
+
+    def run(**env) -> tuple[str, str]:
+        import os
+        out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, check=True,
+                             env={**os.environ, **env})
+        return tuple(out.stdout.split())
+
+    was, amx = run(LLAMA_DETERMINISTIC="1")
+    assert was == "False"
+    was, amx = run(LLAMA_DETERMINISTIC="0")
+    assert was == amx  # on where the build takes int8 batches in tiles

@@ -18,7 +18,7 @@ for a missing or wrong key when LLAMA_API_KEY is set, 404 for an unknown model, 
 than LLAMA_MAX_BODY_MB, 415 for a body that is not application/json, 429 (with Retry-After) when the
 server's queue is full, 503 (with Retry-After) when the model process stopped or is restarting. A
 client that goes away cancels its request. Sampling values left out are the model's defaults, as in the UI. Every parameter of OpenAI's is either done or refused with a 400
-that names it (app.openai_request). Both servers refuse requests from other web sites and host names
+that names it (app.openai_request; the shapes read and written are in app.openai_shapes). Both servers refuse requests from other web sites and host names
 (app.guard).
 """
 
@@ -40,13 +40,35 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HttpRequest
+import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from msgspec import UNSET, Struct, UnsetType
 
 from .backend import InvalidRequest, ServerBusy
 from .messages import Done, Failed, Text, TokenLogprob, Trimmed
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
-from .openai_request import ApiError, ApiRequest, ChatRequest, parse_chat, parse_completion
+from .openai_request import ApiRequest, ChatRequest, parse_chat, parse_completion
+from .openai_shapes import (
+    ApiError,
+    Call,
+    CallFunction,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    ChunkChoice,
+    Delta,
+    ModelCard,
+    ModelList,
+    ReplyMessage,
+    TextChoice,
+    TextCompletion,
+    TextLogprobs,
+    TopLogprob,
+    Usage,
+)
 from .settings import DEFAULT_MAX_BODY_MB
 from .users import LOCAL_USER, utf8
 
@@ -71,16 +93,6 @@ class Finish:
     tool_calls: list[dict]
 
 
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-    def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
-
-
 async def pieces(request) -> AsyncIterator[Piece | Finish | Usage]:
     """The replies' text in pieces (the engine cuts it at a stop string), a Finish for each, then the
     Usage of them all. Raises ApiError when the request cannot be answered (before any text, except
@@ -101,7 +113,7 @@ async def pieces(request) -> AsyncIterator[Piece | Finish | Usage]:
             completion_tokens += event.stats.new_tokens
             reason = "tool_calls" if event.tool_calls else "length" if event.finish_reason == "length" else "stop"
             yield Finish(event.index, reason, event.tool_calls)
-    yield Usage(prompt_tokens, completion_tokens)
+    yield Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
 
 
 def key_user(api_key: str) -> str:
@@ -177,11 +189,11 @@ def create_router(backend, api_key: str | None = None, max_body_mb: int = DEFAUL
 
     router = APIRouter(dependencies=[Depends(check_key)])  # an ApiError anywhere is answered by answer_error
 
-    def model_card(name: str) -> dict:
+    def model_card(name: str) -> ModelCard:
         where = backend.profiles[name]  # a checkpoint's path, or a remote server's address
         path = Path(where)
         created = int(path.stat().st_mtime) if "://" not in where and path.exists() else started
-        return {"id": name, "object": "model", "created": created, "owned_by": "llama-chat"}
+        return ModelCard(name, created=created)
 
     metrics = Metrics(lambda: backend.stats, backend)
     backend.observers.append(metrics.observe)
@@ -193,13 +205,13 @@ def create_router(backend, api_key: str | None = None, max_body_mb: int = DEFAUL
 
     @router.get("/v1/models")
     async def list_models() -> Response:
-        return JSONResponse({"object": "list", "data": [model_card(name) for name in backend.profiles]})
+        return json_response(ModelList([model_card(name) for name in backend.profiles]))
 
     @router.get("/v1/models/{model:path}")
     async def get_model(model: str) -> Response:
         if model not in backend.profiles:
             raise ApiError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
-        return JSONResponse(model_card(model))
+        return json_response(model_card(model))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(http_request: HttpRequest) -> Response:
@@ -221,7 +233,6 @@ async def answer(http_request: HttpRequest, asked: ApiRequest, start) -> Respons
     """Run the request (`start()` hands it to the backend) and answer it: one JSON object, or
     server-sent events as the text comes."""
     chat = isinstance(asked, ChatRequest)
-    kind = "chat.completion" if chat else "text_completion"
     try:
         request = start()
     except ServerBusy as e:
@@ -231,7 +242,7 @@ async def answer(http_request: HttpRequest, asked: ApiRequest, start) -> Respons
         return ApiError(400, f"The request cannot be computed: {e}.").response()
     watcher = asyncio.create_task(cancel_on_disconnect(http_request, request))
     items = pieces(request)
-    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request.id}", "created": int(time.time()), "model": asked.model}
+    made = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request.id}", "created": int(time.time()), "model": asked.model}
     streaming = False  # once the stream is handed over, it cleans up itself
 
     async def close() -> None:
@@ -241,20 +252,30 @@ async def answer(http_request: HttpRequest, asked: ApiRequest, start) -> Respons
 
     offsets = [0] * asked.n  # completions' text_offset: characters of each reply so far
 
-    def choice(index: int, text: str | None, reason: str | None, whole: bool, calls: list[dict] = (),
-               logprobs: list[TokenLogprob] = ()) -> dict:
-        report = None
-        if asked.logprobs is not None and text is not None:
-            report = chat_logprobs(logprobs) if chat else completion_logprobs(logprobs, offsets[index])
-            offsets[index] += sum(len(t.token) for t in logprobs)
+    def report(index: int, logprobs: list[TokenLogprob]) -> ChatLogprobs | TextLogprobs | None:
+        if asked.logprobs is None:
+            return None
         if chat:
-            content = ({"role": "assistant", "content": text or (None if calls else "")} if whole
-                       else {} if text is None else {"content": text})
-            if calls:
-                content["tool_calls"] = list(calls) if whole else [{"index": k, **c} for k, c in enumerate(calls)]
-            return {"index": index, "message" if whole else "delta": content, "logprobs": report,
-                    "finish_reason": reason}
-        return {"index": index, "text": text or "", "logprobs": report, "finish_reason": reason}
+            return chat_logprobs(logprobs)
+        offsets[index] += sum(len(t.token) for t in logprobs)
+        return completion_logprobs(logprobs, offsets[index] - sum(len(t.token) for t in logprobs))
+
+    def whole(index: int, text: str, finish: Finish, logprobs: list[TokenLogprob]) -> ChatChoice | TextChoice:
+        if not chat:
+            return TextChoice(index=index, text=text, logprobs=report(index, logprobs), finish_reason=finish.reason)
+        calls = [Call(**call_fields(call)) for call in finish.tool_calls]
+        message = ReplyMessage(content=text or (None if calls else ""), tool_calls=calls or UNSET)
+        return ChatChoice(index=index, message=message, logprobs=report(index, logprobs), finish_reason=finish.reason)
+
+    def piece(index: int, text: str | None = None, reason: str | None = None, calls: list[dict] = (),
+              logprobs: list[TokenLogprob] = ()) -> ChunkChoice | TextChoice:
+        if not chat:
+            return TextChoice(index=index, text=text or "", finish_reason=reason,
+                              logprobs=report(index, logprobs) if text is not None else None)
+        delta = Delta(content=text, tool_calls=tuple(Call(index=k, **call_fields(c)) for k, c in enumerate(calls))
+                      or None)
+        return ChunkChoice(index=index, delta=delta, finish_reason=reason,
+                           logprobs=report(index, logprobs) if text is not None else None)
 
     try:
         first = await anext(items)  # waits for a place in the batch; errors are known by then
@@ -268,9 +289,10 @@ async def answer(http_request: HttpRequest, asked: ApiRequest, start) -> Respons
                 else:
                     finishes[item.index] = item
                 item = await anext(items)
-            return JSONResponse({**head, "object": kind, "usage": item.as_dict(), "choices": [
-                choice(i, "".join(texts[i]), f.reason, True, f.tool_calls, logprobs[i])
-                for i, f in enumerate(finishes)]})
+            choices = [whole(i, "".join(texts[i]), f, logprobs[i]) for i, f in enumerate(finishes)]
+            reply = ChatCompletion(**made, object="chat.completion", choices=choices, usage=item) if chat else \
+                TextCompletion(**made, object="text_completion", choices=choices, usage=item)
+            return json_response(reply)
         streaming = True
     except ApiError as e:
         return e.response()
@@ -278,26 +300,27 @@ async def answer(http_request: HttpRequest, asked: ApiRequest, start) -> Respons
         if not streaming:
             await close()
 
-    def chunk(choices: list[dict], **more) -> str:
-        return sse({**head, "object": f"{kind}.chunk" if chat else kind, "choices": choices, **more})
+    def chunk(choices: list, usage: Usage | UnsetType = UNSET) -> str:
+        if chat:
+            return sse(ChatCompletionChunk(**made, object="chat.completion.chunk", choices=choices, usage=usage))
+        return sse(TextCompletion(**made, object="text_completion", choices=choices, usage=usage))
 
     async def events() -> AsyncIterator[str]:
         ended = False
         try:
             if chat:
-                yield chunk([choice(i, "", None, False) | {"delta": {"role": "assistant", "content": ""}}
-                             for i in range(asked.n)])
+                yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(asked.n)])
             item = first
             while not isinstance(item, Usage):
                 if isinstance(item, Piece):
-                    yield chunk([choice(item.index, item.text, None, False, logprobs=item.logprobs)])
+                    yield chunk([piece(item.index, item.text, logprobs=item.logprobs)])
                 else:
                     if item.tool_calls:
-                        yield chunk([choice(item.index, None, None, False, item.tool_calls)])
-                    yield chunk([choice(item.index, None, item.reason, False)])
+                        yield chunk([piece(item.index, calls=item.tool_calls)])
+                    yield chunk([piece(item.index, reason=item.reason)])
                 item = await anext(items)
             if asked.include_usage:
-                yield chunk([], usage=item.as_dict())
+                yield chunk([], usage=item)
             ended = True
         except ApiError as e:  # a failure midway: the status is sent already
             ended = True
@@ -312,25 +335,33 @@ async def answer(http_request: HttpRequest, asked: ApiRequest, start) -> Respons
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def chat_logprobs(entries: list[TokenLogprob]) -> dict:
-    """OpenAI's chat `logprobs`: each token with its log-probability, bytes and the top alternatives."""
-    def one(t: TokenLogprob) -> dict:
-        return {"token": t.token, "logprob": t.logprob, "bytes": t.bytes}
-    return {"content": [one(t) | {"top_logprobs": [one(top) for top in t.top]} for t in entries], "refusal": None}
+def chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs([ChatTokenLogprob(t.token, t.logprob, t.bytes, [TopLogprob(top.token, top.logprob, top.bytes)
+                                                                        for top in t.top]) for t in entries])
 
 
-def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
-    """The completions API's older shape: parallel lists, alternatives as {token: logprob}."""
+def completion_logprobs(entries: list[TokenLogprob], offset: int) -> TextLogprobs:
     starts = []
     for t in entries:
         starts.append(offset)
         offset += len(t.token)
-    return {"tokens": [t.token for t in entries], "token_logprobs": [t.logprob for t in entries],
-            "top_logprobs": [{top.token: top.logprob for top in t.top} for t in entries], "text_offset": starts}
+    return TextLogprobs([t.token for t in entries], [t.logprob for t in entries],
+                        [{top.token: top.logprob for top in t.top} for t in entries], starts)
 
 
-def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+def call_fields(call: dict) -> dict:
+    """A tool call as the engine reports it ({"id", "type", "function": {"name", "arguments"}})."""
+    function = call.get("function") or {}
+    return {"id": call.get("id"), "type": call.get("type", "function"),
+            "function": CallFunction(function.get("name", ""), function.get("arguments", ""))}
+
+
+def json_response(shape: Struct, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(shape), status_code=status, media_type="application/json")
+
+
+def sse(shape: Struct) -> str:
+    return f"data: {msgspec.json.encode(shape).decode()}\n\n"
 
 
 def mount(app: FastAPI, backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> None:

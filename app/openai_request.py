@@ -1,7 +1,7 @@
 """OpenAI request bodies -> what the backend takes; every parameter is either done or refused by name.
 
 `parse_chat` reads a /v1/chat/completions body, `parse_completion` a /v1/completions body: each is
-converted by msgspec into a declared type (`ChatBody`, `CompletionBody`) whose fields carry their
+converted by msgspec into a declared type (`ChatBody`, `CompletionBody`, in `app.openai_shapes`) whose fields carry their
 types and ranges (`app.bounds`, the same as the engine's messages), so a wrong type, a number out of
 range or too many of something is a 400 that names the parameter. A parameter this server does is in
 those types; one it cannot do (audio, logit_bias, ...) is a 400 naming it, unless its value asks for
@@ -17,208 +17,30 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Literal, TypeVar
+from typing import TypeVar
 
 import msgspec
-from fastapi.responses import JSONResponse
-from msgspec import Meta, Struct
 
 from model.tools import read_tool_calls, read_tool_choice, read_tools
 
-from .bounds import (
-    MAX_JSON_CHARS,
-    MAX_MESSAGES,
-    MAX_STOP_STRINGS,
-    MAX_TOOLS,
-    MinP,
-    Name,
-    Penalty,
-    Replies,
-    Seed,
-    StopString,
-    Tokens,
-    TopK,
-    TopLogprobs,
-    TopP,
-    json_problem,
-)
+from .bounds import MAX_JSON_CHARS, json_problem
 from .conversation import Conversation
 from .messages import ReplySettings
-
-MAX_COMPLETION_LOGPROBS = 5
-RETRY_AFTER_S = 5  # what a client refused for a full queue, or while the model restarts, is told to wait
-# What the API has and this server does not do: a 400 that says so, unless the value asks for nothing.
-REFUSED = {
-    "audio": "audio output is not supported: this server answers in text",
-    "modalities": "only text output is supported",
-    "logit_bias": "logit_bias is not supported",
-    "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not supported",
-    "functions": "'functions' is deprecated and not supported",
-    "function_call": "'function_call' is deprecated and not supported",
-    "reasoning_effort": "this model does not reason in a separate channel",
-    "verbosity": "verbosity is not supported",
-}
-HARMLESS = {"modalities": [["text"]], "logit_bias": [{}]}
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        headers = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": str(RETRY_AFTER_S)},
-                   503: {"Retry-After": str(RETRY_AFTER_S)}}.get(self.status)
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-# ---- the bodies, as declared types --------------------------------------------------------------
-
-Temperature = Annotated[float, Meta(ge=0, le=2)]  # OpenAI's range (the engine takes more)
-RepetitionPenalty = Annotated[float, Meta(ge=0.01, le=10)]
-CompletionLogprobs = Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)]
-Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
-
-
-class StreamOptions(Struct):
-    include_usage: bool | None = None
-
-
-class Body(Struct, forbid_unknown_fields=True, kw_only=True):
-    """What both endpoints read (llama.cpp's and vLLM's extras among them), and the labels they accept."""
-
-    model: Name | None = None
-    max_tokens: Tokens | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    frequency_penalty: Penalty | None = None
-    presence_penalty: Penalty | None = None
-    seed: Seed | None = None  # the n replies take seed, seed + 1, ...
-    stop: Stop | None = None
-    n: Replies | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool | None = None
-    # Labels of the request, with no effect on the reply.
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-
-
-class TextPart(Struct, tag_field="type", tag="text"):
-    text: str
-
-
-Content = str | list[TextPart]
-
-
-class SystemMessage(Struct, tag_field="role", tag="system"):
-    content: Content
-
-
-class DeveloperMessage(SystemMessage, tag="developer"):
-    pass
-
-
-class UserMessage(Struct, tag_field="role", tag="user"):
-    content: Content
-
-
-# The tool structs are passed on as the client wrote them (msgspec.to_builtins): a field left out stays out.
-class FunctionCall(Struct, omit_defaults=True):
-    name: Name
-    arguments: str | dict[str, object] | None = None  # JSON text, as OpenAI writes it
-
-
-class ToolCall(Struct, omit_defaults=True, kw_only=True):
-    id: Name | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCall
-
-
-class AssistantMessage(Struct, tag_field="role", tag="assistant"):
-    content: Content | None = None
-    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOLS)] | None = None
-
-
-class ToolMessage(Struct, tag_field="role", tag="tool"):
-    content: Content
-    tool_call_id: Name
-
-
-Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
-
-
-class FunctionDefinition(Struct, omit_defaults=True):
-    name: Name
-    description: str | None = None
-    parameters: dict[str, object] | None = None  # a JSON schema (model.tools reads it)
-    strict: bool | None = None
-
-
-class Tool(Struct, omit_defaults=True, kw_only=True):
-    type: Literal["function"] | None = None
-    function: FunctionDefinition
-
-
-class NamedFunction(Struct, omit_defaults=True):
-    name: Name
-
-
-class NamedToolChoice(Struct, omit_defaults=True, kw_only=True):
-    type: Literal["function"] | None = None
-    function: NamedFunction
-
-
-class JsonSchema(Struct):
-    schema: dict[str, object]
-    name: str | None = None
-    description: str | None = None
-    strict: bool | None = None
-
-
-class TextFormat(Struct, tag_field="type", tag="text"):
-    pass
-
-
-class JsonObjectFormat(Struct, tag_field="type", tag="json_object"):
-    pass
-
-
-class JsonSchemaFormat(Struct, tag_field="type", tag="json_schema"):
-    json_schema: JsonSchema
-
-
-class ChatBody(Body):
-    messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: Tokens | None = None
-    logprobs: bool | None = None
-    top_logprobs: TopLogprobs | None = None
-    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
-
-
-class CompletionBody(Body):
-    prompt: str | Annotated[list[str], Meta(min_length=1, max_length=1)]  # a list of one string is that string
-    logprobs: CompletionLogprobs | None = None
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: Replies | None = None
+from .openai_shapes import (
+    HARMLESS,
+    REFUSED,
+    ApiError,
+    AssistantMessage,
+    Body,
+    ChatBody,
+    CompletionBody,
+    Content,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    Message,
+    SystemMessage,
+    ToolMessage,
+)
 
 
 # ---- what the backend takes ---------------------------------------------------------------------

@@ -11,19 +11,31 @@ takes as a cancel. The server queues or batches requests itself, so nothing wait
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httpx
+import msgspec
 
 from model.config import DEFAULT_MAX_CONTEXT
 
 from .conversation import Conversation
 from .messages import Done, EngineStats, Event, Failed, ModelInfo, ReplySettings, Stats, Text, TokenLogprob
 from .reply import STREAM_INTERVAL, Reply
+from .openai_shapes import (
+    Call,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ErrorBody,
+    ErrorObject,
+    ModelList,
+    TextChoice,
+    TextCompletion,
+    TextLogprobs,
+    Usage,
+)
 from .settings import DEFAULT_MAX_NEW_TOKENS, Settings, SettingsError
 
 log = logging.getLogger(__name__)
@@ -201,12 +213,12 @@ class RemoteClient:
         finish: dict[int, str | None] = {i: None for i in range(reply.n)}
         calls: dict[int, dict[int, dict]] = {i: {} for i in range(reply.n)}  # reply -> call index -> call
         started, first = time.perf_counter(), None
-        usage = {}
+        usage = Usage()
 
         def stats(index: int) -> Stats:
             now = time.perf_counter()
-            tokens = usage.get("completion_tokens") if reply.n == 1 else None  # the server's count is of all n
-            return Stats(prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            tokens = usage.completion_tokens if reply.n == 1 else None  # the server's count is of all n
+            return Stats(prompt_tokens=usage.prompt_tokens,
                          new_tokens=int(tokens or len(pieces[index])),
                          time_to_first_token=(first or now) - started, total_time=now - started)
 
@@ -230,30 +242,36 @@ class RemoteClient:
                     # read to the end, never break off: an abandoned httpx stream iterator is closed
                     # later, by the garbage collector, in another task, which anyio refuses noisily
                     failure = None
+                    shape = ChatCompletionChunk if path == "chat/completions" else TextCompletion
                     async for data in sse_data(response):
                         if data == "[DONE]" or failure:
                             continue
                         try:
-                            chunk = json.loads(data)
-                            if "error" in chunk:
-                                failure = Failed(reply.id, f"The backend failed: {error_message(chunk)}", "error")
+                            item = msgspec.json.decode(data)
+                            if isinstance(item, dict) and "error" in item:
+                                failure = Failed(reply.id, f"The backend failed: {error_message(item)}", "error")
                                 continue
-                            for choice in chunk.get("choices") or []:
-                                index = int(choice.get("index") or 0)
-                                delta = choice.get("delta") or {}
-                                piece = choice.get("text") if "text" in choice else delta.get("content")
-                                logprobs = read_logprobs(choice.get("logprobs"))
-                                if piece or logprobs:
-                                    first = first or time.perf_counter()
-                                    pieces[index].append(piece or "")
-                                    reply.deliver(Text(reply.id, piece or "", index, logprobs))
-                                for call in delta.get("tool_calls") or []:
-                                    add_call_delta(calls[index], call)
-                                finish[index] = choice.get("finish_reason") or finish[index]
-                            usage = chunk.get("usage") or usage
-                        except (ValueError, TypeError, AttributeError, KeyError) as e:  # not the stream the API describes
+                            chunk = msgspec.convert(item, shape)
+                        except (msgspec.DecodeError, msgspec.ValidationError) as e:  # not the stream the API describes
                             failure = Failed(reply.id, f"The backend at {self.url} sent something unexpected: "
-                                                       f"{type(e).__name__}: {e} in {data[:200]!r}", "error")
+                                                       f"{e} in {data[:200]!r}", "error")
+                            continue
+                        for choice in chunk.choices:
+                            index = choice.index
+                            if not 0 <= index < reply.n:
+                                failure = Failed(reply.id, f"The backend at {self.url} sent a choice {index} of "
+                                                           f"{reply.n}", "error")
+                                break
+                            piece = choice.text if isinstance(choice, TextChoice) else choice.delta.content
+                            logprobs = read_logprobs(choice.logprobs)
+                            if piece or logprobs:
+                                first = first or time.perf_counter()
+                                pieces[index].append(piece or "")
+                                reply.deliver(Text(reply.id, piece or "", index, logprobs))
+                            for call in () if isinstance(choice, TextChoice) else choice.delta.tool_calls or ():
+                                add_call_delta(calls[index], call)
+                            finish[index] = choice.finish_reason or finish[index]
+                        usage = chunk.usage or usage
                     if failure:
                         self._deliver(reply, failure)
                         return
@@ -278,28 +296,27 @@ def chat_options(tools=None, tool_choice=None, parallel_tool_calls=True, json_sc
             "top_logprobs": logprobs or None}
 
 
-def add_call_delta(calls: dict[int, dict], delta: dict) -> None:
+def add_call_delta(calls: dict[int, dict], delta: Call) -> None:
     """Merge a streamed tool-call delta (its id, name and pieces of its arguments) into the calls so far."""
-    call = calls.setdefault(int(delta.get("index") or 0),
-                            {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
-    call["id"] = delta.get("id") or call["id"]
-    function = delta.get("function") or {}
-    call["function"]["name"] += function.get("name") or ""
-    call["function"]["arguments"] += function.get("arguments") or ""
+    index = delta.index if isinstance(delta.index, int) else 0
+    call = calls.setdefault(index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+    call["id"] = delta.id or call["id"]
+    call["function"]["name"] += delta.function.name
+    call["function"]["arguments"] += delta.function.arguments
 
 
-def read_logprobs(report: object) -> list[TokenLogprob]:
-    """A choice's logprobs, in the chat shape ({"content": [...]}) or the completions one (parallel lists)."""
-    if not isinstance(report, dict):
-        return []
-    if isinstance(report.get("content"), list):
-        return [TokenLogprob(e["token"], e.get("bytes") or list(e["token"].encode()), e["logprob"],
-                             [TokenLogprob(t["token"], t.get("bytes") or list(t["token"].encode()), t["logprob"])
-                              for t in e.get("top_logprobs") or []]) for e in report["content"]]
-    tops = report.get("top_logprobs") or [{}] * len(report.get("tokens") or [])
-    return [TokenLogprob(token, list(token.encode()), logprob,
-                         [TokenLogprob(t, list(t.encode()), lp) for t, lp in (top or {}).items()])
-            for token, logprob, top in zip(report.get("tokens") or [], report.get("token_logprobs") or [], tops)]
+def read_logprobs(report: ChatLogprobs | TextLogprobs | None) -> list[TokenLogprob]:
+    """A choice's logprobs, in the chat shape or the completions one (parallel lists)."""
+    if isinstance(report, ChatLogprobs):
+        return [TokenLogprob(e.token, e.bytes or list(e.token.encode()), e.logprob,
+                             [TokenLogprob(t.token, t.bytes or list(t.token.encode()), t.logprob)
+                              for t in e.top_logprobs]) for e in report.content or []]
+    if isinstance(report, TextLogprobs):
+        tops = report.top_logprobs or [{}] * len(report.tokens)
+        return [TokenLogprob(token, list(token.encode()), logprob,
+                             [TokenLogprob(t, list(t.encode()), lp) for t, lp in (top or {}).items()])
+                for token, logprob, top in zip(report.tokens, report.token_logprobs, tops)]
+    return []
 
 
 def list_models(url: str, key: str | None = None) -> list[str]:
@@ -307,10 +324,10 @@ def list_models(url: str, key: str | None = None) -> list[str]:
     response = httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {key}"} if key else {},
                          timeout=CONNECT_TIMEOUT_S)
     response.raise_for_status()
-    data = response.json().get("data")
-    if not isinstance(data, list):
-        raise ValueError("the answer has no 'data' list")
-    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    try:
+        return [card.id for card in msgspec.json.decode(response.content, type=ModelList).data]
+    except msgspec.DecodeError as e:
+        raise ValueError(f"the answer is not a list of models: {e}") from None
 
 
 async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
@@ -328,9 +345,13 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
 
 
 def error_message(body: object) -> str:
-    error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, dict) and error.get("message"):
-        return str(error["message"])
+    """The message of OpenAI's error object, or what came instead of one."""
+    try:
+        error = msgspec.convert(body, ErrorBody).error
+    except msgspec.ValidationError:
+        error = None
+    if isinstance(error, ErrorObject) and error.message:
+        return error.message
     return str(error or body)[:500]
 
 
@@ -341,7 +362,11 @@ def http_failure(request_id: str, response: httpx.Response, model: str) -> Faile
     except ValueError:
         body = response.text
     message = error_message(body)
-    code = body.get("error", {}).get("code") if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
+    try:
+        error = msgspec.convert(body, ErrorBody).error
+    except msgspec.ValidationError:
+        error = None
+    code = error.code if isinstance(error, ErrorObject) else None
     if code == "context_length_exceeded":
         return Failed(request_id, message, "prompt_too_long")
     if response.status_code == 404:

@@ -58,12 +58,13 @@ def probe(imports: list[str], then: str = "", **env) -> dict[str, list[str]]:
     return json.loads(run.stdout.splitlines()[-1])
 
 
-def offending(brought: dict[str, list[str]], forbidden: set[str]) -> dict[str, list[str]]:
-    """For each step, the forbidden modules it brought in (a package named once, not each submodule)."""
+def assert_none_of(forbidden: set[str], brought: dict[str, list[str]]) -> None:
+    """No step brought in a forbidden module; else name, for each step, those it did (a package once)."""
     found = {step: sorted({m if m in forbidden else m.split(".")[0] for m in modules
                            if m in forbidden or m.split(".")[0] in forbidden})
              for step, modules in brought.items()}
-    return {step: modules for step, modules in found.items() if modules}
+    found = {step: modules for step, modules in found.items() if modules}
+    assert not found, f"imported where they do not belong (importing -> what it brought in): {found}"
 
 
 @pytest.fixture(scope="module")
@@ -75,23 +76,24 @@ def test_the_web_process_imports_no_torch_no_tokenizer_and_nothing_of_the_engine
     brought = probe(WEB, then=f"from model.summary import summarize; summarize({str(tiny)!r})",
                     checkpoint=tiny, weights_dir=tiny.parent, history_db=tmp_path / "history.db", threads=1)
     assert "chainlit" in brought["app.main"] and "app.api" in brought["app.main"]  # it did import the app
-    assert offending(brought, ENGINE_ONLY) == {}
+    assert_none_of(ENGINE_ONLY, brought)
 
 
 def test_the_engine_process_imports_no_web_framework():
     brought = probe(ENGINE)
     assert "torch" in brought["app.engine"]  # (what it does import is seen)
-    assert offending(brought, WEB_FRAMEWORKS) == {}
+    assert_none_of(WEB_FRAMEWORKS, brought)
 
 
 def test_no_module_of_model_imports_the_app_or_a_web_framework():
     modules = [m.name for m in pkgutil.walk_packages(model.__path__, "model.")]
     assert {"model.checkpoint", "model.convert.gguf", "model.summary"} <= set(modules)
     brought = probe(modules)
-    assert offending(brought, {"app"} | WEB_FRAMEWORKS) == {}
+    assert_none_of({"app"} | WEB_FRAMEWORKS, brought)
 
 
 @pytest.mark.parametrize("name", TORCH_FREE)
 def test_what_the_web_side_shares_with_the_engine_imports_no_torch(name):
     brought = probe([name])
-    assert name in brought[name] and offending(brought, {"torch", "tiktoken", "tokenizers"}) == {}
+    assert name in brought[name]
+    assert_none_of({"torch", "tiktoken", "tokenizers"}, brought)

@@ -187,7 +187,7 @@ class Context(msgspec.Struct, frozen=True, omit_defaults=True):
     reuses the cache)."""
 
     limit: int = 0  # the model's context in tokens, prompt + reply; 0: not known (the request never started)
-    room: int = 0  # tokens the prompt may take, the reply's share kept: past it, older messages go; 0: none go
+    room: int = 0  # tokens the prompt may take, the reply's share kept: past it, older messages go; 0: none ever go
     left_out: int = 0  # leading non-system messages not in the prompt: they no longer fit
 
 

@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from msgspec import UNSET, Struct, UnsetType
 
 from .backend import InvalidRequest, ServerBusy
-from .messages import Done, Failed, Text, TokenLogprob, Trimmed
+from .messages import Done, Failed, Text, TokenLogprob
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .openai_request import ApiRequest, ChatRequest, parse_chat, parse_completion
@@ -101,11 +101,6 @@ async def pieces(request) -> AsyncIterator[Piece | Finish | Usage]:
     async for event in request:
         if isinstance(event, Text):
             yield Piece(event.index, event.text, event.logprobs)
-        elif isinstance(event, Trimmed):
-            request.cancel()
-            raise ApiError(400, "The messages do not fit in the model's context together with the reply "
-                                "(max_tokens, or the server's longest reply). Send fewer or shorter messages, or "
-                                "ask for a shorter reply.", param="messages", code="context_length_exceeded")
         elif isinstance(event, Failed):
             raise failure_error(event)
         elif isinstance(event, Done):

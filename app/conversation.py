@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from model.tokenizer import valid_unicode
+from model.unicode import valid_unicode
 
 from .messages import ChatMessage
 

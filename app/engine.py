@@ -34,12 +34,14 @@ import msgspec
 import torch
 
 from model.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_checkpoint
-from model.generation import PromptTooLong, sampling_defaults
+from model.context import PromptTooLong
+from model.generation import sampling_defaults
 from model.kv_cache import PREFILL_CHUNK, KVCache
 
 from .bounds import reply_seed
 from .messages import (
     Cancel,
+    Context,
     EngineConfig,
     EngineStats,
     Failed,
@@ -55,11 +57,10 @@ from .messages import (
     Started,
     Text,
     ToEngine,
-    Trimmed,
 )
 from .outbox import Outbox
 from .prefix_cache import PrefixCache
-from .prompt import fit_prompt
+from .prompt import fit_prompt, prompt_budget
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .settings import DEFAULT_MAX_NEW_TOKENS
@@ -293,14 +294,16 @@ class Engine:
     # -- sequences coming and going
 
     def _prepare(self, request_id: str) -> None:
-        """Build the prompt (the model is loaded); a prompt that cannot be built fails the request."""
+        """Build the prompt (the model is loaded): a chat's oldest messages are left out where they no longer
+        fit (or the request fails, if it asked not to be trimmed), and its replies report so (Done.context).
+        A prompt that cannot be built fails the request."""
         sequences = self.requests[request_id]
         request = sequences[0].request
         checkpoint, info = self.checkpoints[request.model], self.infos[request.model]
         settings = request.settings.over(info.defaults)
         try:
             if request.prompt is not None:
-                prompt, left_out = checkpoint.tokenizer.encode(request.prompt, bos=True), 0
+                prompt, context = checkpoint.tokenizer.encode(request.prompt, bos=True), Context(info.context_limit)
                 if len(prompt) >= info.context_limit:
                     raise PromptTooLong(f"The prompt has {len(prompt)} tokens; the model reads at most "
                                         f"{info.context_limit} tokens at once, its reply included.")
@@ -309,16 +312,16 @@ class Engine:
                     raise ValueError(f"the model {request.model} has no tool calling (its chat template is given "
                                      "no tools; Llama 3 checkpoints are)")
                 prompt, left_out = fit_prompt(checkpoint.chat_format, request.messages, request.left_out,
-                                              info.context_limit, settings.max_new_tokens, tools=request.tools,
-                                              tool_choice=request.tool_choice)
+                                              info.context_limit, settings.max_new_tokens, request.trim,
+                                              tools=request.tools, tool_choice=request.tool_choice)
+                context = Context(info.context_limit, prompt_budget(info.context_limit, settings.max_new_tokens),
+                                  left_out)
         except PromptTooLong as e:
             self._fail(request_id, str(e), "prompt_too_long")
             return
         except (ValueError, TypeError, RecursionError) as e:  # messages or tools the chat format cannot take
             self._fail(request_id, f"The request cannot be answered: {e}", "bad_request")
             return
-        if left_out > request.left_out:
-            self.emit(Trimmed(request_id, left_out))
         try:
             constraints = [self._constraint(request, checkpoint) for _ in sequences]
         except (ValueError, TypeError, RecursionError) as e:  # a schema that cannot be compiled (SchemaError)
@@ -326,6 +329,7 @@ class Engine:
             return
         for sequence, constraint in zip(sequences, constraints):  # n replies: seeds seed, seed + 1, ...
             seed = None if settings.seed is None else reply_seed(settings.seed, sequence.index)
+            sequence.context = context
             sequence.start(checkpoint, prompt, msgspec.structs.replace(settings, seed=seed), info.context_limit,
                            constraint=constraint, token_bytes=self._token_bytes(request))
 

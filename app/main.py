@@ -46,12 +46,11 @@ from app.backend import InvalidRequest, ServerBusy, open_backend  # noqa: E402
 from app.bounds import reply_seed  # noqa: E402
 from app.conversation import Conversation, Message  # noqa: E402
 from app.display import ShownStream, shown  # noqa: E402
-from app.messages import Done, Failed, Loading, Queued, ReplySettings, Restarting, Text, Trimmed  # noqa: E402
+from app.messages import Done, Failed, Loading, Queued, ReplySettings, Restarting, Text  # noqa: E402
 from app.presets import CUSTOM, preset_of, read_presets  # noqa: E402
 from app.private_files import private_folder  # noqa: E402
-from app.prompt import prompt_budget  # noqa: E402
 from app.settings import Settings, SettingsError  # noqa: E402
-from model.checkpoint import CheckpointError  # noqa: E402
+from model.checkpoint_files import CheckpointError  # noqa: E402
 from model.summary import summarize  # noqa: E402
 
 log = logging.getLogger("app")
@@ -94,7 +93,7 @@ chainlit_app.router.routes.insert(0, Route("/health", health, methods=["GET"])) 
 
 TRIMMED_NOTE = ("*Older messages of this chat no longer fit the model's context, so they were left out; "
                 "the model now sees only the more recent ones.*")
-NEAR_FULL = 0.85  # share of the prompt's room (the context less the reply's) past which trimming comes soon
+NEAR_FULL = 0.85  # share of the prompt's room (the engine's Context.room) past which older turns go soon
 NEAR_FULL_NOTE = ("*This chat fills {used} of the model's context, and the next reply needs room too: older turns "
                   "will be left out soon, and the model will no longer see them.*")
 BUSY_NOTE = ("The server is busy: as many replies are running and waiting as it takes. Please send your "
@@ -411,11 +410,6 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
                 status = await show_status(status, loading_note(event.model))
             elif isinstance(event, Restarting):
                 status = await show_status(status, RESTARTING_NOTE)
-            elif isinstance(event, Trimmed):
-                conversation.left_out = event.left_out  # later prompts start there too, and reuse the cache
-                if not cl.user_session.get("told_trimmed"):
-                    cl.user_session.set("told_trimmed", True)
-                    await cl.Message(content=TRIMMED_NOTE).send()
             elif isinstance(event, Done):
                 if on_first_text is not None:  # an answer without text still replaces the old one
                     await on_first_text()
@@ -450,13 +444,15 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
 
 
 async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> None:
-    """Finalize the streamed answer, add it to the history, and show the statistics line."""
+    """Finalize the streamed answer, add it to the history, and show the statistics line with the context in
+    use, as the engine reports it (and, once each, notes that older messages were left out or soon will be)."""
     if answer.content or done.text or done.finish_reason != "cancelled":
         answer.content = shown(done.text)
         await answer.send()
     conversation.add("assistant", done.text, id=answer.id, ids=done.token_ids)
-    limit = BACKEND.context_limit(conversation.model)
-    used = done.stats.prompt_tokens + done.stats.new_tokens  # the whole conversation as the model saw it
+    context = done.context
+    trimmed = context.left_out > conversation.left_out  # this reply's prompt left out more than the last one's
+    conversation.left_out = max(conversation.left_out, context.left_out)  # later prompts start there: cache reused
     for action in cl.user_session.get("actions") or []:  # only the last answer has them
         await action.remove()
     actions = [cl.Action(name="regenerate", payload={"answer": answer.id}, label="Regenerate", icon="refresh-cw",
@@ -464,13 +460,19 @@ async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> 
                cl.Action(name="export", payload={}, label="Export", icon="download",
                          tooltip="Download this chat as Markdown and JSON")]
     cl.user_session.set("actions", actions)
-    await below(cl.Message(content=f"*{done.summary} · {context_in_use(used, limit)}*", author="stats",
-                           actions=actions))
-    settings = cl.user_session.get("reply_settings") or ReplySettings()
-    room = prompt_budget(limit, settings.over(BACKEND.reply_defaults(conversation.model)).max_new_tokens)
-    if used >= NEAR_FULL * room and not cl.user_session.get("told_near_full"):
+    line = done.summary
+    if context.limit:  # (not known for a reply stopped before its prompt was built)
+        line += f" · {context_in_use(done.context_used, context.limit)}"
+    if context.left_out:
+        line += f" · {context.left_out} earlier message{'s' if context.left_out != 1 else ''} left out"
+    await below(cl.Message(content=f"*{line}*", author="stats", actions=actions))
+    if trimmed:
+        if not cl.user_session.get("told_trimmed"):
+            cl.user_session.set("told_trimmed", True)
+            await below(cl.Message(content=TRIMMED_NOTE))
+    elif context.room and done.context_used >= NEAR_FULL * context.room and not cl.user_session.get("told_near_full"):
         cl.user_session.set("told_near_full", True)
-        await below(cl.Message(content=NEAR_FULL_NOTE.format(used=context_in_use(used, limit))))
+        await below(cl.Message(content=NEAR_FULL_NOTE.format(used=context_in_use(done.context_used, context.limit))))
 
 
 async def below(message: cl.Message) -> None:

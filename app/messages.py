@@ -5,7 +5,7 @@ Both backends (the local engine, `app.client`, and a remote OpenAI-compatible se
 runs. Everything here is a `msgspec.Struct`: encoded as MessagePack over the engine's sockets, and
 plain typed objects everywhere else. Web -> engine:
 
-    Generate(id, model, messages | prompt, settings)   start a reply
+    Generate(id, model, messages | prompt, settings, trim)   start a reply
     Cancel(id)                                          stop it at its next token
     Load(model)                                         load a model before a request needs it
 
@@ -13,9 +13,9 @@ Engine -> web, each event naming its request:
 
     Queued(position)    while it waits: how many requests are ahead of it (sent again on change)
     Loading(model)      the model is loading (its first use)
-    Trimmed(left_out)   the oldest messages no longer fit the context and were left out
     Text(text)          a piece of the reply; the web side joins pieces to about one per 50 ms
-    Done(text, finish_reason, stats, token_ids)   the last event of a reply, also of a cancelled one
+    Done(text, finish_reason, stats, token_ids, context)   the last event of a reply, also of a cancelled
+                        one; context: how the conversation fit the model's context (what was left out)
     Failed(message, reason)                        the last event of a request that could not run
     Restarting()        (from the web side itself) the engine process is restarting; the request waits for it
 
@@ -129,6 +129,7 @@ class Generate(msgspec.Struct, tag=True, omit_defaults=True):
     settings: ReplySettings = ReplySettings()
     messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)] = []  # a chat: any system prompt first
     left_out: Count = 0  # leading non-system messages already left out of this chat's prompt before
+    trim: bool = True  # leave out the oldest messages that do not fit; False: fail ("prompt_too_long") instead
     prompt: str | None = None  # a raw completion prompt instead of messages
     n: Replies = 1  # replies to compute from the one prompt (prefilled once; seeds seed, seed + 1, ...)
     tools: Annotated[list[dict], Meta(max_length=MAX_TOOLS)] | None = None  # OpenAI tool definitions (Llama 3)
@@ -160,11 +161,6 @@ class Loading(msgspec.Struct, tag=True):
     model: str
 
 
-class Trimmed(msgspec.Struct, tag=True):
-    id: str
-    left_out: int  # leading non-system messages no longer in the prompt
-
-
 class TokenLogprob(msgspec.Struct, array_like=True):
     token: str  # the token's text (U+FFFD where its bytes are part of a character)
     bytes: list[int]  # its UTF-8 bytes
@@ -185,6 +181,16 @@ def join_texts(pieces: list[Text]) -> Text:
     return Text(first.id, "".join(p.text for p in pieces), first.index, [lp for p in pieces for lp in p.logprobs])
 
 
+class Context(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How a reply's conversation fit the model's context, as the engine built the prompt: the web side
+    shows it, and sends left_out back with the chat's next request, which then starts there too (and
+    reuses the cache)."""
+
+    limit: int = 0  # the model's context in tokens, prompt + reply; 0: not known (the request never started)
+    room: int = 0  # tokens the prompt may take, the reply's share kept: past it, older messages go; 0: none ever go
+    left_out: int = 0  # leading non-system messages not in the prompt: they no longer fit
+
+
 class Done(msgspec.Struct, tag=True):
     id: str
     text: str
@@ -193,6 +199,12 @@ class Done(msgspec.Struct, tag=True):
     token_ids: list[int] = []  # the reply as generated (a follow-up's prompt reuses them)
     index: int = 0  # which of the request's n replies (each ends with its own Done)
     tool_calls: list[dict] = []  # the calls the reply makes (a request with tools), as OpenAI writes them
+    context: Context = Context()
+
+    @property
+    def context_used(self) -> int:
+        """Tokens of the conversation as the model saw it: the prompt and this reply."""
+        return self.stats.prompt_tokens + self.stats.new_tokens
 
     @property
     def summary(self) -> str:
@@ -219,7 +231,7 @@ class Restarting(msgspec.Struct, tag=True):
     id: str
 
 
-Event = Queued | Loading | Trimmed | Text | Done | Failed | Restarting
+Event = Queued | Loading | Text | Done | Failed | Restarting
 
 
 # ---- engine -> web: about the engine ------------------------------------------------------------
@@ -255,4 +267,4 @@ class EngineStats(msgspec.Struct, tag=True):
 
 
 ToEngine = Generate | Cancel | Load
-FromEngine = Queued | Loading | Trimmed | Text | Done | Failed | Started | ModelReady | ModelFailed | EngineStats
+FromEngine = Queued | Loading | Text | Done | Failed | Started | ModelReady | ModelFailed | EngineStats

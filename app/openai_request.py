@@ -71,7 +71,9 @@ class ChatRequest(ApiRequest):
     json_object: bool = False  # response_format json_object
 
     def options(self) -> dict:
-        return super().options() | {"tools": self.tools, "tool_choice": self.tool_choice,
+        # trim False: messages that do not fit are an error (400 context_length_exceeded), as OpenAI's clients
+        # expect, which the engine gives before it computes anything; never a silently shortened conversation
+        return super().options() | {"trim": False, "tools": self.tools, "tool_choice": self.tool_choice,
                                     "parallel_tool_calls": self.parallel_tool_calls,
                                     "json_schema": self.json_schema, "json_object": self.json_object}
 

@@ -22,7 +22,7 @@ import msgspec
 from model.config import DEFAULT_MAX_CONTEXT
 
 from .conversation import Conversation
-from .messages import Done, EngineStats, Event, Failed, ModelInfo, ReplySettings, Stats, Text, TokenLogprob
+from .messages import Context, Done, EngineStats, Event, Failed, ModelInfo, ReplySettings, Stats, Text, TokenLogprob
 from .reply import STREAM_INTERVAL, Reply
 from .openai_shapes import (
     Call,
@@ -225,7 +225,8 @@ class RemoteClient:
         def done(reason_of) -> None:
             for i in range(reply.n):
                 self._deliver(reply, Done(reply.id, "".join(pieces[i]), reason_of(i), stats(i), index=i,
-                                          tool_calls=[calls[i][k] for k in sorted(calls[i])]))
+                                          tool_calls=[calls[i][k] for k in sorted(calls[i])],
+                                          context=Context(self.max_context)))  # (it leaves nothing out)
 
         url = f"{self.url}/{path}"
         try:
@@ -286,8 +287,9 @@ class RemoteClient:
 
 
 def chat_options(tools=None, tool_choice=None, parallel_tool_calls=True, json_schema=None, json_object=False,
-                 logprobs=None) -> dict:
-    """The body fields of a chat request for EngineClient.stream's options."""
+                 logprobs=None, trim=True) -> dict:
+    """The body fields of a chat request for EngineClient.stream's options. (trim: an OpenAI-compatible server
+    never trims; messages that do not fit are its 400 context_length_exceeded, a Failed "prompt_too_long".)"""
     response_format = ({"type": "json_schema", "json_schema": {"name": "reply", "schema": json_schema}}
                        if json_schema is not None else {"type": "json_object"} if json_object else None)
     return {"tools": tools, "tool_choice": tool_choice if tools else None,

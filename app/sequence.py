@@ -17,7 +17,7 @@ from model.kv_cache import KVCache
 from model.sampling import Sampler, SamplingParams, token_logprobs
 from model.tool_parser import may_be_tool_call, parse_tool_calls
 
-from .messages import Done, Generate, ReplySettings, Stats, TokenLogprob
+from .messages import Context, Done, Generate, ReplySettings, Stats, TokenLogprob
 
 
 class StopScanner:
@@ -70,6 +70,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.cancelled = False
         self.stats = Stats()
+        self.context = Context()  # how its prompt fit the model's context, set by the engine with the prompt
         self._stream: TextStream | None = None
         self._stop_strings = StopScanner(())
         self._sampler: Sampler | None = None
@@ -220,4 +221,4 @@ class Sequence:
         if not calls and self._holding:
             self.unsent = "".join(self._held)
         return Done(self.id, text, self.finish_reason or "cancelled", self.stats, list(self.tokens), self.index,
-                    calls)
+                    calls, self.context)

@@ -13,9 +13,11 @@ import importlib
 
 _EXPORTS = {
     "chat_format": ["ChatFormat", "TemplateChatFormat", "load_chat_format"],
-    "checkpoint": ["Checkpoint", "CheckpointError", "find_checkpoint", "load_checkpoint"],
+    "checkpoint": ["Checkpoint", "load_checkpoint"],
+    "checkpoint_files": ["CheckpointError", "find_checkpoint"],
     "config": ["ConfigError", "LlamaConfig", "RopeScaling"],
-    "generation": ["Generation", "GenerationStats", "PromptTooLong", "TextStream", "generate"],
+    "context": ["PromptTooLong"],
+    "generation": ["Generation", "GenerationStats", "TextStream", "generate"],
     "kv_cache": ["KVCache"],
     "llama": ["Llama"],
     "sampling": ["Sampler", "SamplingParams", "sample", "token_logprobs"],

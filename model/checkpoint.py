@@ -1,6 +1,6 @@
-"""Find a checkpoint, open its weights memory-mapped and attach them to a model built on `meta`.
+"""Open a checkpoint's weights memory-mapped and attach them to a model built on `meta`.
 
-Three formats, told apart by the folder's contents:
+Three formats, told apart by the folder's contents (model/checkpoint_files.py finds which):
 - "hf":   config.json + model.safetensors (or model-0000N-of-0000M.safetensors + index)
 - "meta": params.json + consolidated.00.pth (Meta's `original/` folder)
 - "pth":  a .pth state dict in our own names + config.json beside it
@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from .chat_format import load_chat_format
+from .checkpoint_files import CheckpointError, CheckpointFiles, find_checkpoint
 from .config import DEFAULT_MAX_CONTEXT, ConfigError, LlamaConfig
 from .cpu import has_native_bf16
 from .kernels import decode_path, kernels
@@ -42,10 +43,6 @@ from .rope import permute_qk_rows
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be loaded; the message names the file and what was expected."""
 
 
 @dataclass
@@ -71,62 +68,6 @@ class Checkpoint:
     @property
     def name(self) -> str:
         return self.path.name if self.path.is_dir() else self.path.stem
-
-
-@dataclass
-class CheckpointFiles:
-    format: str
-    config: Path  # config.json or params.json
-    weights: list[Path]
-    folder: Path
-
-
-def find_checkpoint(path: str | Path) -> CheckpointFiles:
-    """Tell which format `path` holds (a folder, or a .pth/.safetensors file with config.json beside it)."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or folder")
-    if path.is_file():
-        config = path.parent / "config.json"
-        if path.suffix not in (".pth", ".pt", ".safetensors"):
-            raise CheckpointError(f"{path}: expected a checkpoint folder, a .pth or a .safetensors file")
-        if not config.is_file():
-            raise CheckpointError(f"{path}: expected a config.json beside the weights file")
-        return CheckpointFiles("pth" if path.suffix != ".safetensors" else "hf", config, [path], path.parent)
-
-    config = path / "config.json"
-    index = path / "model.safetensors.index.json"
-    if config.is_file() and index.is_file():
-        return CheckpointFiles("hf", config, _shards_from_index(index), path)
-    if config.is_file() and (path / "model.safetensors").is_file():
-        return CheckpointFiles("hf", config, [path / "model.safetensors"], path)
-    consolidated = sorted(path.glob("consolidated.*.pth"))
-    if (path / "params.json").is_file() and consolidated:
-        if len(consolidated) > 1:
-            raise CheckpointError(f"{path}: {len(consolidated)} model-parallel shards "
-                                  "(consolidated.*.pth); only single-file Meta checkpoints are supported")
-        return CheckpointFiles("meta", path / "params.json", consolidated, path)
-    pth = sorted(p for p in path.glob("*.pth") if not p.name.startswith("consolidated."))
-    if config.is_file() and len(pth) == 1:
-        return CheckpointFiles("pth", config, pth, path)
-    if (path / "original" / "params.json").is_file():
-        return find_checkpoint(path / "original")
-    found = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
-    raise CheckpointError(
-        f"{path}: no checkpoint found. Expected config.json + model.safetensors (Hugging Face), "
-        f"params.json + consolidated.00.pth (Meta), or config.json + one .pth file; found: {found}")
-
-
-def _shards_from_index(index: Path) -> list[Path]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: expected JSON with a 'weight_map' ({e})") from None
-    shards = [index.parent / name for name in sorted(set(weight_map.values()))]
-    missing = [s.name for s in shards if not s.is_file()]
-    if missing:
-        raise CheckpointError(f"{index}: lists shards that are missing: {', '.join(missing)}")
-    return shards
 
 
 def read_config(files: CheckpointFiles, state: dict[str, torch.Tensor]) -> LlamaConfig:

@@ -10,12 +10,9 @@ import torch
 
 from .checkpoint import Checkpoint
 from .config import DEFAULT_MAX_CONTEXT
+from .context import PromptTooLong
 from .kv_cache import PREFILL_CHUNK, KVCache
 from .sampling import Sampler, SamplingParams
-
-
-class PromptTooLong(ValueError):
-    """The prompt does not fit the context limit."""
 
 
 class TextStream:

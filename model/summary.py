@@ -6,6 +6,7 @@
 The parameters and dtype of a safetensors file come from its header (names, dtypes and shapes: the
 first few kilobytes); of a Meta or .pth checkpoint, from its config, counted as the model holds them.
 A folder imported from a GGUF file says so in its config.json (`gguf_file`, model/convert/gguf.py).
+No torch: the web process describes each model with this.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import CheckpointError, find_checkpoint
+from .checkpoint_files import CheckpointError, find_checkpoint
 from .config import ConfigError, LlamaConfig
 
 SAFETENSORS_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64", "I8": "int8", "U8": "uint8"}

@@ -16,6 +16,8 @@ import tiktoken
 import tokenizers
 from tiktoken.load import load_tiktoken_bpe
 
+from .unicode import valid_unicode
+
 
 class TokenizerError(ValueError):
     """A tokenizer file is missing, unreadable, or not the format its name says."""
@@ -228,15 +230,6 @@ def byte_level_alphabet() -> list[str]:
                  *range(ord("\xae"), ord("\xff") + 1)]
     shifted = iter(range(256, 512))
     return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
-
-
-def valid_unicode(text: str) -> str:
-    """`text` with lone surrogates (e.g. half an emoji from a browser), which UTF-8 cannot encode, as U+FFFD."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-    return text
 
 
 def read_json(path: Path) -> dict:

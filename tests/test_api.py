@@ -235,6 +235,30 @@ def test_a_prompt_longer_than_the_context_is_a_400(client, stream):
     assert f"{MAX_CONTEXT} tokens" in error.value.body["message"]
 
 
+def test_messages_that_fit_only_without_the_oldest_are_a_400_before_anything_runs(client, server, greedy):
+    """OpenAI's clients expect an error, not a silently shortened conversation: the API asks the engine not
+    to leave messages out, and the engine refuses such a request before it computes anything."""
+    def replies_logged() -> int:
+        server.log()  # (flushed)
+        return server.log_path.read_text(errors="replace").count("reply: prompt")
+
+    turn = "word " * 3000
+    messages = [{"role": "user", "content": turn}, {"role": "assistant", "content": turn}] * 2
+    before = replies_logged()
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="tiny", messages=[*messages, {"role": "user", "content": "And?"}],
+                                       max_tokens=8000)
+    assert error.value.body["code"] == "context_length_exceeded" and error.value.body["param"] == "messages"
+    assert f"reads at most {MAX_CONTEXT} tokens at once, 8000 of them kept for the reply" in error.value.body["message"]
+    # a chat that opens with the assistant's greeting is answered whole (it used to lose the greeting, a 400)
+    greeting = [{"role": "system", "content": "You are terse."}, {"role": "assistant", "content": "Hello! Ask away."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    reply = client.chat.completions.create(model="tiny", messages=greeting, max_tokens=4, temperature=0)
+    assert (reply.choices[0].message.content, reply.usage.prompt_tokens) == greedy(greeting, 4)
+    time.sleep(0.5)  # the engine's log line of that reply
+    assert replies_logged() == before + 1  # that reply's, none for the refused request
+
+
 def test_without_the_right_key_requests_are_refused(server):
     for key in ("wrong", None):
         headers = {"Authorization": f"Bearer {key}"} if key else {}

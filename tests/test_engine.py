@@ -17,6 +17,7 @@ from app.conversation import Conversation
 from app.engine import find_profiles
 from app.messages import (
     Cancel,
+    Context,
     Done,
     Failed,
     Load,
@@ -26,7 +27,6 @@ from app.messages import (
     Queued,
     ReplySettings,
     Text,
-    Trimmed,
 )
 from model.checkpoint import load_checkpoint
 from model.generation import PREFILL_CHUNK
@@ -278,18 +278,40 @@ def long_chat(turns: int, system: str = "You are a pirate.") -> Conversation:
     return chat(*texts, f"Last question {turns}", system=system)
 
 
-def test_a_trimmed_chat_is_told_once_and_keeps_its_start(tiny, checkpoint):
+def test_a_trimmed_chat_is_reported_with_the_reply_and_keeps_its_start(tiny, checkpoint):
     h = harness(tiny, checkpoint, max_context=512)
     conversation = long_chat(10)
-    first = h.ask(r := request(conversation, ReplySettings(max_new_tokens=8)))[r.id]
-    trimmed = [e for e in first if isinstance(e, Trimmed)]
-    assert len(trimmed) == 1 and trimmed[0].left_out > 0
-    conversation.left_out = trimmed[0].left_out  # as the web side does
-    conversation.add("assistant", last(first).text, ids=last(first).token_ids)
+    first = last(h.ask(r := request(conversation, ReplySettings(max_new_tokens=8)))[r.id])
+    assert isinstance(first, Done)
+    # the context and the prompt's room (512 less 8 for the reply), and the exchanges left out: whole ones
+    assert first.context.limit == 512 and first.context.room == 504
+    assert first.context.left_out > 0 and first.context.left_out % 2 == 0
+    assert first.context_used == first.stats.prompt_tokens + first.stats.new_tokens <= 512
+    assert first.stats.prompt_tokens <= 504 - 504 // 4  # trimmed to three quarters of its room
+    conversation.left_out = first.context.left_out  # as the web side does
+    conversation.add("assistant", first.text, ids=first.token_ids)
     conversation.add("user", "Short question")
-    second = h.ask(r := request(conversation, ReplySettings(max_new_tokens=8)))[r.id]
-    assert not any(isinstance(e, Trimmed) for e in second)  # still fits: same start, cache reused
-    assert last(second).stats.reused_tokens > 0
+    second = last(h.ask(r := request(conversation, ReplySettings(max_new_tokens=8)))[r.id])
+    assert second.context.left_out == first.context.left_out  # still fits: same start, cache reused
+    assert second.stats.reused_tokens > 0
+
+
+def test_a_chat_that_fits_is_reported_whole(tiny, checkpoint):
+    h = harness(tiny, checkpoint, max_context=512)
+    done = last(h.ask(r := request(chat("Hi", "Hello!", "How are you?"), ReplySettings(max_new_tokens=300)))[r.id])
+    assert done.context == Context(limit=512, room=256, left_out=0)  # the reply's room: at most half the context
+    assert done.context_used == done.stats.prompt_tokens + done.stats.new_tokens > 0
+
+
+def test_a_chat_that_may_not_be_trimmed_fails_before_it_runs(tiny, checkpoint):
+    h = harness(tiny, checkpoint, max_context=512)
+    conversation = long_chat(10)
+    events = h.ask(r := request(conversation, ReplySettings(max_new_tokens=8), trim=False))[r.id]
+    assert len(events) == 1 and isinstance(events[0], Failed) and events[0].reason == "prompt_too_long"
+    assert "this model reads at most 512 tokens at once, 8 of them kept for the reply" in events[0].message
+    assert not h.engine.requests and not h.engine.scheduler.running and len(h.engine.prefix_cache) == 0
+    # what fits is answered as ever
+    assert isinstance(last(h.ask(r := request(long_chat(1), ReplySettings(max_new_tokens=8), trim=False))[r.id]), Done)
 
 
 def test_a_message_longer_than_the_context_is_a_polite_error_and_the_engine_goes_on(tiny, checkpoint):

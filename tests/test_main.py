@@ -470,13 +470,21 @@ def test_older_messages_are_left_out_with_one_note(main):
     assert len(notes) == 1
     assert chat.conversation().left_out > 0
     assert len(chat.stats()) == 8 and not chat.errors()
+    # each stats line says what the engine left out; the note follows the first one that does
+    left_out = [int(m.group(1)) if (m := re.search(r" · (\d+) earlier messages? left out$", line)) else 0
+                for line in chat.stats()]
+    assert left_out[0] == 0 and left_out[-1] == chat.conversation().left_out
+    assert left_out == sorted(left_out) and all(n % 2 == 0 for n in left_out)  # whole exchanges, never back
+    first_trimmed = next(i for i, n in enumerate(left_out) if n)
+    shown = [r for r in chat.replies() if "will be left out soon" not in r]  # answers, and this note
+    assert shown.index(main.TRIMMED_NOTE) == first_trimmed + 1  # right after that reply
 
 
 def test_the_stats_line_shows_the_context_in_use_and_a_note_comes_before_it_runs_out(main):
     chat = long_conversation(main, "")
     used = []
     for line in chat.stats():
-        match = re.search(r" · ([\d,]+) / 512 tokens$", line)
+        match = re.search(r" · ([\d,]+) / 512 tokens( · \d+ earlier messages? left out)?$", line)
         assert match, line
         used.append(int(match.group(1).replace(",", "")))
     assert used[1] > used[0] > 100  # the whole conversation, growing

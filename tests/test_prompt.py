@@ -8,6 +8,7 @@ from support.checkpoints import write_tiny_checkpoint
 from app.conversation import Conversation
 from app.prompt import dialog, fit_prompt
 from model.checkpoint import load_checkpoint
+from model.context import PromptTooLong
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,33 @@ def test_a_chat_that_fits_is_sent_whole_with_replies_as_their_ids(chat_format):
 
 
 def test_a_last_message_that_cannot_fit_is_too_long(chat_format):
-    from model.generation import PromptTooLong
     conversation = long_chat(0)
     conversation.messages[-1].content = "word " * 1000
     with pytest.raises(PromptTooLong, match="too long for this model.*256 tokens"):
         fit_prompt(chat_format, conversation.chat_messages(), 0, limit=256, max_new_tokens=64)
+
+
+def test_without_trimming_a_chat_that_does_not_fit_is_too_long(chat_format):
+    conversation = long_chat(10)
+    n = len(chat_format.encode_dialog(dialog(conversation.chat_messages())))
+    with pytest.raises(PromptTooLong, match=f"The messages come to {n} tokens, and this model reads at most 512 "
+                                            "tokens at once, 128 of them kept for the reply"):
+        fit_prompt(chat_format, conversation.chat_messages(), 0, limit=512, max_new_tokens=128, trim=False)
+    # one that fits is the same prompt as with trimming
+    fits = long_chat(1)
+    assert fit_prompt(chat_format, fits.chat_messages(), 0, 512, 128, trim=False) == \
+        fit_prompt(chat_format, fits.chat_messages(), 0, 512, 128)
+    # a lone message has nothing to leave out: it runs where it fits with a short reply, as with trimming
+    alone = long_chat(0)
+    alone.messages[-1].content = "word " * 300
+    ids, left_out = fit_prompt(chat_format, alone.chat_messages(), 0, limit=512, max_new_tokens=400, trim=False)
+    assert 256 < len(ids) <= 512 - 64 and left_out == 0
+
+
+def test_a_chat_that_opens_with_the_assistant_keeps_its_opening(chat_format):
+    conversation = Conversation(system_prompt="You are a pirate.")
+    conversation.add("assistant", "Ahoy! What be yer question?")
+    conversation.add("user", "Where is the treasure?")
+    ids, left_out = fit_prompt(chat_format, conversation.chat_messages(), 0, limit=512, max_new_tokens=64)
+    assert left_out == 0 and "Ahoy! What be yer question?" in chat_format.tokenizer.decode(ids)
+    assert ids == chat_format.encode_dialog(dialog(conversation.chat_messages()))

@@ -1,1 +1,2 @@
-"""The Chainlit chat app (main.py) and the generation service it runs on (service.py)."""
+"""The chat app: the Chainlit UI and the OpenAI-compatible API (the web process), the backend they call,
+and the engine process that computes the replies. docs/architecture.md shows which module runs where."""

@@ -44,7 +44,7 @@ import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from msgspec import UNSET, Struct, UnsetType
 
-from .backend import InvalidRequest, ServerBusy
+from .backend import Backend, InvalidRequest, ServerBusy, is_remote
 from .messages import Done, Failed, Text, TokenLogprob
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
@@ -166,8 +166,8 @@ async def json_body(http_request: HttpRequest, max_mb: int = DEFAULT_MAX_BODY_MB
         raise ApiError(400, f"The request body is not valid JSON: {e}.") from None
 
 
-def create_router(backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> APIRouter:
-    """The /v1 routes over a backend (`app.backend`: anything with its profiles, default and stream())."""
+def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> APIRouter:
+    """The /v1 routes over a backend (`app.backend.Backend`)."""
     started = int(time.time())
 
     def check_key(http_request: HttpRequest) -> None:
@@ -187,7 +187,7 @@ def create_router(backend, api_key: str | None = None, max_body_mb: int = DEFAUL
     def model_card(name: str) -> ModelCard:
         where = backend.profiles[name]  # a checkpoint's path, or a remote server's address
         path = Path(where)
-        created = int(path.stat().st_mtime) if "://" not in where and path.exists() else started
+        created = int(path.stat().st_mtime) if not is_remote(where) and path.exists() else started
         return ModelCard(name, created=created)
 
     metrics = Metrics(lambda: backend.stats, backend)
@@ -359,7 +359,7 @@ def sse(shape: Struct) -> str:
     return f"data: {msgspec.json.encode(shape).decode()}\n\n"
 
 
-def mount(app: FastAPI, backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> None:
+def mount(app: FastAPI, backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> None:
     """Add the API's routes to an app, in front of its own: Chainlit's catch-all GET route would
     otherwise answer /v1/models with its web page."""
     app.router.routes[0:0] = create_router(backend, api_key, max_body_mb).routes
@@ -373,7 +373,7 @@ async def answer_error(http_request: HttpRequest, error: ApiError) -> Response:
 
 # ---- standalone server --------------------------------------------------------------------------
 
-def create_app(backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> FastAPI:
+def create_app(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> FastAPI:
     """The API alone; /health says 200 once the default model is loaded."""
 
     @contextlib.asynccontextmanager

@@ -1,24 +1,63 @@
-"""Which backend computes the replies: the local engine process, or a remote OpenAI-compatible server.
+"""The backend: what computes the replies for the chat UI (`app.main`) and the API (`app.api`).
 
-Both offer the same calls, which is all the chat UI (`app.main`) and the API (`app.api`) use:
-
-    profiles, default           the models offered (name -> where), and the one used when none is named
-    await start()               ready to take requests (the models are listed)
-    ready                       the default model is loaded
-    is_loaded(name), await load(name) -> ModelInfo
-    context_limit(name), reply_defaults(name)     of a loaded model
-    stream(conversation, settings) -> Reply       async-iterate it for events; reply.cancel()
-    cancel(request_id), active, close()
+Two implement it: `EngineClient` (app.client), the engine process on this machine, and `RemoteClient`
+(app.remote), any OpenAI-compatible server named by LLAMA_BACKEND_URL. `Backend` is the contract both keep,
+and all that the web side may use.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 from .client import EngineClient, EngineError, InvalidRequest, ServerBusy
-from .messages import EngineConfig, ReplySettings
+from .conversation import Conversation
+from .messages import EngineConfig, EngineStats, Event, ModelInfo, ReplySettings
 from .remote import RemoteClient
+from .reply import Reply
 from .settings import Settings
 
-Backend = EngineClient | RemoteClient
+
+class Backend(Protocol):
+    profiles: dict[str, str]  # the models offered: name -> a checkpoint folder, or a remote server's address
+    default: str | None  # the one used when a request names none (known once started)
+    restarts: int  # how often the engine process was started again after it stopped
+    observers: list[Callable[[Event], None]]  # called with each reply's last event (the API's metrics)
+    ready: bool  # the default model is loaded: /health says 200
+    stats: EngineStats  # the engine's figures, as last reported (the API's metrics)
+    places_taken: int  # replies running or waiting, of the most the queue takes
+
+    async def start(self) -> None:
+        """Ready to take requests: the models are listed."""
+
+    def is_loaded(self, name: str | None = None) -> bool: ...
+
+    async def load(self, name: str | None = None) -> ModelInfo:
+        """Load a model if it is not loaded; raises EngineError with the reason when it cannot be."""
+
+    def context_limit(self, name: str | None = None) -> int:
+        """Of a loaded model: its context in tokens."""
+
+    def reply_defaults(self, name: str | None = None) -> ReplySettings:
+        """Of a loaded model: the sampling values a request leaves out (its generation_config)."""
+
+    def stream(self, conversation: Conversation, settings: ReplySettings | None = None, n: int = 1,
+               **options) -> Reply:
+        """Start n replies to the conversation's last message; async-iterate the Reply for its events,
+        reply.cancel() stops it. Raises ServerBusy (queue full) or InvalidRequest."""
+
+    def complete(self, prompt: str, model: str | None = None, settings: ReplySettings | None = None,
+                 n: int = 1, **options) -> Reply:
+        """Continue a raw text prompt (no chat format); otherwise as stream()."""
+
+    def cancel(self, request_id: str) -> bool: ...
+
+    def close(self, timeout: float = 10.0) -> None: ...
+
+
+def is_remote(where: str) -> bool:
+    """Whether a profile's place is a remote server's address rather than a checkpoint folder."""
+    return "://" in where
 
 
 def open_backend(settings: Settings) -> Backend:
@@ -42,4 +81,4 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_batch=settings.max_batch, kv_cache_mb=settings.kv_cache_mb, threads=settings.threads)
 
 
-__all__ = ["Backend", "EngineError", "InvalidRequest", "ServerBusy", "engine_config", "open_backend"]
+__all__ = ["Backend", "EngineError", "InvalidRequest", "ServerBusy", "engine_config", "is_remote", "open_backend"]

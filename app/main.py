@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
 from app import api, export, guard, history, http_server, sessions, users  # noqa: E402
-from app.backend import InvalidRequest, ServerBusy, open_backend  # noqa: E402
+from app.backend import InvalidRequest, ServerBusy, is_remote, open_backend  # noqa: E402
 from app.bounds import reply_seed  # noqa: E402
 from app.conversation import Conversation, Message  # noqa: E402
 from app.display import ShownStream, shown  # noqa: E402
@@ -126,7 +126,7 @@ async def start_backend():
     await BACKEND.start()
     for name, path in BACKEND.profiles.items():  # where each model comes from, symbolic links followed
         log.info("model %s%s: %s", name, " (default)" if name == BACKEND.default else "",
-                 Path(path).resolve() if "://" not in path else path)
+                 path if is_remote(path) else Path(path).resolve())
 
 
 @cl.on_app_shutdown
@@ -195,7 +195,7 @@ def describe(name: str) -> str:
     bf16"; a remote server's model: where it is served."""
     if name not in DESCRIPTIONS:
         path = BACKEND.profiles.get(name, "")
-        if "://" in path:
+        if is_remote(path):
             DESCRIPTIONS[name] = f"served by {path}"
         else:
             try:

@@ -1,4 +1,5 @@
-"""Tools that bring a model into `weights/`, apart from the engine (which never imports them).
+"""Tools that bring a model into `weights/`. The engine imports them only to prepare the embedded default
+model on its first start (prepare_default.py); loading a model never does.
 
     python -m model.fetch <owner/name>          download a Hugging Face checkpoint (hub.py)
     python -m model.fetch <file.gguf | folder>  import llama.cpp / Ollama / LM Studio files (gguf.py)

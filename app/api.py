@@ -42,6 +42,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HttpRequest
 import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 from msgspec import UNSET, Struct, UnsetType
 
 from .backend import Backend, InvalidRequest, ServerBusy, is_remote
@@ -366,6 +367,15 @@ def mount(app: FastAPI, backend: Backend, api_key: str | None = None, max_body_m
     app.add_exception_handler(ApiError, answer_error)
 
 
+def health_route(backend: Backend) -> Route:
+    """GET /health, of both servers: 200 once the default model is loaded, 503 before (and while a crashed
+    engine restarts). No key needed: it says nothing but whether the server is up."""
+    async def health(http_request: HttpRequest) -> Response:
+        ready = backend.ready
+        return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
+    return Route("/health", health, methods=["GET"])
+
+
 async def answer_error(http_request: HttpRequest, error: ApiError) -> Response:
     """A route's ApiError (a bad key, body or model) as OpenAI's error object with its status."""
     return error.response()
@@ -385,11 +395,7 @@ def create_app(backend: Backend, api_key: str | None = None, max_body_mb: int = 
     app = FastAPI(title="llama-chat API", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     mount(app, backend, api_key, max_body_mb)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        ready = backend.ready
-        return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
-
+    app.router.routes.insert(0, health_route(backend))
     return app
 
 

@@ -38,8 +38,6 @@ from chainlit.config import FILES_DIRECTORY  # noqa: E402
 from chainlit.config import config as chainlit_config  # noqa: E402
 from chainlit.input_widget import Select, Slider, TextInput  # noqa: E402
 from chainlit.server import app as chainlit_app  # noqa: E402
-from fastapi.responses import JSONResponse  # noqa: E402
-from starlette.routing import Route  # noqa: E402
 
 from app import api, export, guard, history, http_server, sessions, users  # noqa: E402
 from app.backend import InvalidRequest, ServerBusy, is_remote, open_backend  # noqa: E402
@@ -81,15 +79,7 @@ if chainlit_app.middleware_stack is None:  # not serving yet (a reload by `chain
     if SIGNING_IN:
         chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
 api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb)
-
-
-async def health(request) -> JSONResponse:
-    """200 once the default model is loaded, 503 before (and while a crashed engine restarts)."""
-    ready = BACKEND.ready
-    return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
-
-
-chainlit_app.router.routes.insert(0, Route("/health", health, methods=["GET"]))  # before Chainlit's own
+chainlit_app.router.routes.insert(0, api.health_route(BACKEND))  # before Chainlit's own
 
 TRIMMED_NOTE = ("*Older messages of this chat no longer fit the model's context, so they were left out; "
                 "the model now sees only the more recent ones.*")

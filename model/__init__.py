@@ -15,10 +15,12 @@ _EXPORTS = {
     "chat_format": ["ChatFormat", "TemplateChatFormat", "load_chat_format"],
     "checkpoint": ["Checkpoint", "CheckpointError", "find_checkpoint", "load_checkpoint"],
     "config": ["ConfigError", "LlamaConfig", "RopeScaling"],
-    "generation": ["Generation", "GenerationStats", "PromptTooLong", "TextStream", "generate"],
+    "decoding": ["Decoding", "Logprob", "StopScanner", "TextStream"],
+    "generation": ["Generation", "PromptTooLong", "generate"],
     "kv_cache": ["KVCache"],
     "llama": ["Llama"],
     "sampling": ["Sampler", "SamplingParams", "sample", "token_logprobs"],
+    "stats": ["Stats"],
     "tokenizer": ["HFTokenizer", "Tokenizer", "load_tokenizer"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -21,7 +21,7 @@ from support.checkpoints import write_tiny_checkpoint
 from support.servers import ChainlitServer, server_env
 
 from app.openai_request import ApiError, parse_chat, parse_completion
-from app.sequence import StopScanner
+from model.decoding import StopScanner
 from model.kv_cache import PREFILL_CHUNK
 
 pytestmark = pytest.mark.timeout(240)

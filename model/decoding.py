@@ -144,6 +144,7 @@ class Decoding:
         self._pieces: list[str] = []  # the reply's text, given out or held
         self._holding = bool(self.tools)  # may the reply still be a tool call?
         self._held: list[str] = []  # text not given out while it may be a call
+        self._content = ""  # the text around the tool calls, once ended
         self._logprob: Logprob | None = None  # of the token sample() chose last
         self._first = True
         self._flushed = False

@@ -364,7 +364,7 @@ class Engine:
     def _finish(self, sequence: Sequence) -> None:
         """Send the sequence's Done and keep its cache for requests that start the same way."""
         done, batch = sequence.done(), len(self.scheduler.running)
-        if sequence.unsent:  # held back as a possible tool call, and not one
+        if sequence.unsent:  # held back to the end (a possible tool call, and not one; a cancel's last piece)
             self.emit(Text(sequence.id, sequence.unsent, sequence.index))
         self.emit(done)
         if sequence.cache is not None:

@@ -33,6 +33,7 @@ import msgspec
 from msgspec import Meta
 
 from model.config import DEFAULT_MAX_CONTEXT
+from model.stats import Stats  # a reply's figures: generate() reports the same type
 
 from .bounds import (
     MAX_MESSAGES,
@@ -86,19 +87,6 @@ class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     ids: list[TokenId] | None = None  # a reply of the model's: the token ids it was generated as
     tool_calls: Annotated[list[dict], Meta(max_length=MAX_TOOLS)] | None = None  # an assistant's calls, as OpenAI's
     tool_call_id: Name | None = None  # a tool result: the call it answers
-
-
-class Stats(msgspec.Struct, omit_defaults=True):
-    prompt_tokens: int = 0
-    reused_tokens: int = 0  # prompt tokens whose keys/values came from the engine's prefix cache
-    new_tokens: int = 0
-    time_to_first_token: float = 0.0  # seconds from the engine receiving the request to its first token
-    total_time: float = 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        decode_time = self.total_time - self.time_to_first_token
-        return (self.new_tokens - 1) / decode_time if self.new_tokens > 1 and decode_time > 0 else 0.0
 
 
 # ---- web -> engine ------------------------------------------------------------------------------

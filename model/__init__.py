@@ -17,10 +17,12 @@ _EXPORTS = {
     "checkpoint_files": ["CheckpointError", "find_checkpoint"],
     "config": ["ConfigError", "LlamaConfig", "RopeScaling"],
     "context": ["PromptTooLong"],
-    "generation": ["Generation", "GenerationStats", "TextStream", "generate"],
+    "decoding": ["Decoding", "Logprob", "StopScanner", "TextStream"],
+    "generation": ["Generation", "generate"],
     "kv_cache": ["KVCache"],
     "llama": ["Llama"],
     "sampling": ["Sampler", "SamplingParams", "sample", "token_logprobs"],
+    "stats": ["Stats"],
     "tokenizer": ["HFTokenizer", "Tokenizer", "load_tokenizer"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

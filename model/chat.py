@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="divide the logits of the last 64 tokens by this (1 is off; default: the checkpoint's)")
     p.add_argument("--seed", type=int, help="seed for reproducible sampling")
     p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the reply where this text would begin (may be given more than once)")
     p.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT, help="context limit in tokens")
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps")
     p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
@@ -57,15 +58,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def reply(ckpt, messages, args, sampling, kv_cache=None):
     """Stream one answer to stdout; returns the Generation (text, stats, cache)."""
-    stop = threading.Event()
     ids = ckpt.chat_format.encode_dialog(messages)
-    gen = generate(ckpt, ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                   max_context=args.max_context, kv_cache=kv_cache, should_stop=stop.is_set)
+    gen = generate(ckpt, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
+                   max_context=args.max_context, kv_cache=kv_cache)
     try:
         for piece in gen:
             print(piece, end="", flush=True)
-    except KeyboardInterrupt:  # the reply so far is kept, as if stopped by a button
-        gen.finish_reason = "cancelled"
+    except KeyboardInterrupt:  # the reply so far is kept ("cancelled"), as if stopped by a button
+        pass
     print()
     s = gen.stats
     print(f"[{s.prompt_tokens} prompt tokens ({s.reused_tokens} cached), {s.new_tokens} new, "

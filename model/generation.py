@@ -1,72 +1,38 @@
-"""Prefill + decode with a per-request KV cache, stop tokens, cancellation and UTF-8 safe streaming."""
+"""Prefill + decode with a per-request KV cache and cancellation; the decoding rules are model/decoding.py's."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import torch
 
 from .checkpoint import Checkpoint
 from .config import DEFAULT_MAX_CONTEXT
 from .context import PromptTooLong
+from .decoding import Decoding, Logprob
 from .kv_cache import PREFILL_CHUNK, KVCache
 from .sampling import Sampler, SamplingParams
+from .stats import Stats
+from .tools import ToolCall, read_tools
 
-
-class TextStream:
-    """Turns token ids into text pieces, holding back a piece until its characters are whole.
-
-    Emoji and many CJK characters span two or more byte-level tokens; decoding one token alone
-    gives U+FFFD. Decoding a short window of recent ids and emitting only what grew, once it no
-    longer ends in U+FFFD, is exact for any tokenizer with a `decode(ids)`.
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0  # ids[prefix:read] were already emitted; decoded as context for the next piece
-        self.read = 0
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        return self._emit(final=False)
-
-    def flush(self) -> str:
-        return self._emit(final=True)
-
-    def _emit(self, final: bool) -> str:
-        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix:])
-        if len(text) <= len(done) or (text.endswith("\ufffd") and not final):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return text[len(done):]
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    reused_tokens: int = 0  # prompt tokens whose keys/values came from the conversation's cache
-    new_tokens: int = 0
-    time_to_first_token: float = 0.0  # seconds from start to the first sampled token
-    total_time: float = 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        decode_time = self.total_time - self.time_to_first_token
-        return (self.new_tokens - 1) / decode_time if self.new_tokens > 1 and decode_time > 0 else 0.0
 
 
 class Generation:
-    """One reply. Iterate it for text pieces; afterwards read `tokens`, `finish_reason`, `stats`.
+    """One reply. Iterate it for text pieces; afterwards read `text`, `tokens`, `finish_reason`, `stats`
+    (and `logprobs`, `tool_calls` where asked for).
 
-    finish_reason: "stop" (a stop token, or a `constraint` after which only one may come), "length"
-    (max_new_tokens or the context limit), "cancelled" (should_stop() returned True).
+    The decoding rules (stop ids and strings, the constraint, the token limit, logprobs, tool calls) are
+    model/decoding.py's, as the engine's. finish_reason: "stop" (a stop token, a stop string, or a
+    `constraint` after which only a stop token may come), "length" (max_new_tokens or the context
+    limit), "cancelled" (should_stop() returned True, or the caller stopped reading).
 
     Sampling comes from `sampling` or from the shorthand `temperature`, `top_k`, `top_p` (not both);
-    `seed`, when given, replaces the seed of either. Neither given: greedy.
+    `seed`, when given, replaces the seed of either. Neither given: greedy. `stop`: strings that end the
+    reply, never part of its text. `logprobs`: report each token's log-probability and this many
+    alternatives. `tools`: the OpenAI tool definitions the prompt offers; a reply that calls one gives
+    `tool_calls` (and its text is the content around the calls).
     """
 
     def __init__(self, checkpoint: Checkpoint, prompt_ids: list[int], *, max_new_tokens: int = 512,
@@ -74,8 +40,8 @@ class Generation:
                  top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, should_stop: Callable[[], bool] | None = None,
                  max_context: int | None = None, kv_cache: KVCache | None = None,
-                 stop_ids: set[int] | None = None, constraint=None):
-        model = checkpoint.model
+                 stop_ids: set[int] | None = None, stop: str | Sequence[str] = (), constraint=None,
+                 logprobs: int | None = None, tools: list[dict] | None = None, parallel_tool_calls: bool = True):
         limit = min(max_context or DEFAULT_MAX_CONTEXT, checkpoint.config.max_seq_len)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -83,80 +49,83 @@ class Generation:
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the context limit is {limit} "
                                 f"tokens, which must also leave room for the reply")
         self.checkpoint, self.prompt_ids = checkpoint, list(prompt_ids)
-        self.max_new_tokens = max(0, min(max_new_tokens, limit - len(prompt_ids)))
         self.sampling = sampling_params(sampling, temperature, top_k, top_p, seed)
-        self.sampler = Sampler(self.sampling, device=checkpoint.device)
-        self.sampler.accept(self.prompt_ids)
         self.should_stop = should_stop or (lambda: False)
-        self.stop_ids = checkpoint.stop_ids if stop_ids is None else stop_ids
-        self.constraint = constraint  # e.g. model.structured.JsonConstraint: mask(), advance(token), finished
+        self.decoding = Decoding(
+            checkpoint.tokenizer, self.prompt_ids, sampling=self.sampling, max_new_tokens=max_new_tokens,
+            context_limit=limit, stop_ids=checkpoint.stop_ids if stop_ids is None else stop_ids, stop=stop,
+            constraint=constraint, logprobs=logprobs, tools=[tool.name for tool in read_tools(tools)],
+            parallel_tool_calls=parallel_tool_calls, device=checkpoint.device)
         needed = len(prompt_ids) + self.max_new_tokens
         if kv_cache is None:
             kv_cache = KVCache(checkpoint.config, needed, device=checkpoint.device, dtype=checkpoint.dtype)
         elif kv_cache.max_len < needed:
             kv_cache = kv_cache.resized(needed)
         self.kv_cache = kv_cache
-        self.tokens: list[int] = []
-        # Control tokens the model may emit (e.g. <|python_tag|>) stay in `tokens` but not in the text.
-        self.hidden_ids = set(checkpoint.tokenizer.special_tokens.values())
-        self.finish_reason: str | None = None
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        self._model = model
+        self._model = checkpoint.model
 
     def __iter__(self) -> Iterator[str]:
-        start_time = time.perf_counter()
-        stream = TextStream(self.checkpoint.tokenizer)
-        cache = self.kv_cache
-        # Keys/values of a common prefix computed as this prompt's prefill would are kept (model/kv_cache.py);
-        # at least the last prompt token is run for logits.
-        reused = cache.reusable(self.prompt_ids)
-        self.stats.reused_tokens = reused
-        self.finish_reason = "length"
-        cache.truncate(reused)
-        while cache.length < len(self.prompt_ids):
-            if self.should_stop():
-                self.finish_reason = "cancelled"
-                self.stats.total_time = time.perf_counter() - start_time
-                return
-            start = cache.length
-            chunk = self.prompt_ids[start:cache.chunk_end(len(self.prompt_ids))]
-            logits = self._prefill(chunk, start)
-            cache.extend(chunk)
-        for _ in range(self.max_new_tokens):
-            if self.should_stop():
-                self.finish_reason = "cancelled"
-                break
-            if self.constraint is not None:
-                logits = logits.masked_fill(~self.constraint.mask().to(logits.device), float("-inf"))
-            token = self.sampler.sample(logits)
-            if not self.tokens:
-                self.stats.time_to_first_token = time.perf_counter() - start_time
-            if token in self.stop_ids:
-                self.finish_reason = "stop"
-                break
-            if self.constraint is not None:
-                self.constraint.advance(token)
-            self.tokens.append(token)
-            self.sampler.accept([token])
-            self.stats.new_tokens = len(self.tokens)
-            piece = stream.push(token) if token not in self.hidden_ids else ""
+        decoding, cache = self.decoding, self.kv_cache
+        decoding.started = time.perf_counter()
+        try:
+            # Keys/values of a common prefix computed as this prompt's prefill would are kept
+            # (model/kv_cache.py); at least the last prompt token is run for logits.
+            reused = cache.reusable(self.prompt_ids)
+            self.stats.reused_tokens = reused
+            cache.truncate(reused)
+            while cache.length < len(self.prompt_ids):
+                if self.should_stop():
+                    return
+                start = cache.length
+                chunk = self.prompt_ids[start:cache.chunk_end(len(self.prompt_ids))]
+                logits = self._prefill(chunk, start)
+                cache.extend(chunk)
+            while not decoding.finished and not self.should_stop():
+                token = decoding.sample(logits)
+                piece = decoding.accept(token)
+                if piece:
+                    yield piece
+                if not decoding.finished:
+                    logits = self._decode(token)
+                    cache.extend([token])
+            piece = decoding.end()
             if piece:
                 yield piece
-            if len(self.tokens) == self.max_new_tokens:
-                break
-            if self.constraint is not None and self.constraint.finished:  # only a stop id may follow
-                self.finish_reason = "stop"
-                break
-            logits = self._decode(token)
-            cache.extend([token])
-        piece = stream.flush()
-        if piece:
-            yield piece
-        self.stats.total_time = time.perf_counter() - start_time
+        finally:  # also when the caller stops reading: the reply ends there, "cancelled"
+            decoding.end()
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The longest reply: max_new_tokens, or less where the context limit comes first."""
+        return self.decoding.max_new_tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.decoding.tokens
 
     @property
     def text(self) -> str:
-        return self.checkpoint.tokenizer.decode([t for t in self.tokens if t not in self.hidden_ids])
+        return self.decoding.text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.decoding.finish_reason
+
+    @property
+    def stats(self) -> Stats:
+        return self.decoding.stats
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.decoding.sampler
+
+    @property
+    def logprobs(self) -> list[Logprob]:
+        return self.decoding.logprobs
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.decoding.tool_calls
 
     @torch.inference_mode()
     def _prefill(self, ids: list[int], start_pos: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from support.servers import ChainlitServer, server_env
 
 from app.openai_request import parse_chat, parse_completion
 from app.openai_shapes import ApiError
-from app.sequence import StopScanner
+from model.decoding import StopScanner
 from model.kv_cache import PREFILL_CHUNK
 
 pytestmark = pytest.mark.timeout(240)

@@ -108,7 +108,7 @@ def test_penalties_and_min_p_reach_each_sequences_sampler(tiny, checkpoint):
                               frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.0)]
     requests = [request("Say something again and again", s) for s in settings]
     h.engine.handle(requests[1])
-    params = h.engine.requests[requests[1].id][0]._sampler.params
+    params = h.engine.requests[requests[1].id][0].decoding.sampler.params
     assert (params.min_p, params.frequency_penalty, params.presence_penalty, params.seed) == (0.2, 1.5, 0.5, 4)
     h.run(Cancel(requests[1].id))
     together = h.ask(*requests)

@@ -20,11 +20,12 @@ from urllib.parse import urlsplit
 import httpx
 
 from model.config import DEFAULT_MAX_CONTEXT
+from model.options import DEFAULT_MAX_NEW_TOKENS
 
 from .conversation import Conversation
 from .messages import Done, EngineStats, Event, Failed, ModelInfo, ReplySettings, Stats, Text, TokenLogprob
 from .reply import STREAM_INTERVAL, Reply
-from .settings import DEFAULT_MAX_NEW_TOKENS, Settings, SettingsError
+from .settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request in the app's log

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from support.browser import CHROMIUM, CHROMIUM_ARGS, browser_or_reason
 from support.servers import DEFAULT_MODEL, ROOT, ChainlitServer, server_env
-from support.special_checkpoints import write_scripted_checkpoint
+from support.special_checkpoints import default_model, write_scripted_checkpoint
 
 SHOTS = ROOT / "test-output" / "e2e"
 SCREENSHOT = ROOT / "docs" / "screenshot.png"
@@ -41,9 +41,7 @@ def server(tmp_path_factory):
         pytest.skip(f"LLAMA_SKIP_BROWSER=1: {reason}")
     if reason:
         pytest.fail(f"{reason} (or set LLAMA_SKIP_BROWSER=1 to skip the browser test)", pytrace=False)
-    if not DEFAULT_MODEL.exists():
-        from model.prepare_default import prepare_default
-        prepare_default(DEFAULT_MODEL.parent)
+    default_model()
     # One torch thread: on 2 cores the browser and the test need the other one.
     folder = tmp_path_factory.mktemp("chainlit")
     weights = folder / "weights"  # a second model to choose, loaded when chosen

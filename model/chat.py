@@ -33,9 +33,11 @@ def parse_args(argv: list[str] | None = None, options: ModelOptions | None = Non
     p.add_argument("--tokenizer", type=Path, default=o.tokenizer,
                    help="tokenizer.model / tokenizer.json to use instead of the checkpoint's")
     p.add_argument("--system", dest="system_prompt", default=o.system_prompt, help="system prompt")
-    p.add_argument("--temperature", type=float, default=o.temperature, help="0 is greedy (default: the checkpoint's)")
+    p.add_argument("--temperature", type=float, default=o.temperature,
+                   help="0 is greedy (default: the checkpoint's)")
     p.add_argument("--top-k", type=int, default=o.top_k, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=o.top_p, help="sample among the most likely tokens holding this mass")
+    p.add_argument("--top-p", type=float, default=o.top_p,
+                   help="sample among the most likely tokens holding this mass")
     p.add_argument("--min-p", type=float, default=o.min_p,
                    help="drop tokens less likely than this times the top token's probability")
     p.add_argument("--repeat-penalty", dest="repetition_penalty", type=float, default=o.repetition_penalty,

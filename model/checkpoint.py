@@ -337,8 +337,9 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     dtype: how weight matrices are stored, a torch dtype or its name (torch_dtype: "bf16", "bfloat16", ...;
     None or "auto": bf16 where that is fast, else fp32); the activations run in it too where the hardware
     computes natively in it, else in fp32.
-    quantize: None or "off" keeps the weights in `dtype`; "int8" stores the linear layers as int8 with one scale per 64 weights of a row; "int4" the
-    layers' matrices as int4 with one scale and offset per 32 and the output head as int8 (OUTPUT_HEAD).
+    quantize: None or "off" keeps the weights in `dtype`; "int8" stores the linear layers as int8 with one
+    scale per 64 weights of a row; "int4" the layers' matrices as int4 with one scale and offset per 32 and
+    the output head as int8 (OUTPUT_HEAD).
     The embedding table stays in `dtype`; a tied output head gets its own quantized copy. Weights
     quantized in the file stay as they are, with the file's scales and offsets, whatever `dtype` and
     `quantize`.

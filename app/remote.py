@@ -20,6 +20,7 @@ import httpx
 import msgspec
 
 from model.config import DEFAULT_MAX_CONTEXT
+from model.options import DEFAULT_MAX_NEW_TOKENS
 
 from .conversation import Conversation
 from .messages import Context, Done, EngineStats, Event, Failed, ModelInfo, ReplySettings, Stats, Text, TokenLogprob
@@ -36,7 +37,7 @@ from .openai_shapes import (
     TextLogprobs,
     Usage,
 )
-from .settings import DEFAULT_MAX_NEW_TOKENS, Settings, SettingsError
+from .settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request in the app's log

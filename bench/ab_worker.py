@@ -26,6 +26,12 @@ def main() -> None:
 
     from model import KVCache, load_checkpoint
 
+    try:  # a version whose model package takes LLAMA_KERNELS etc. as arguments (model/options.py) ...
+        from model import kernels
+        from model.options import ModelOptions
+        kernels.configure(**ModelOptions.from_env().kernel_options)
+    except ImportError:  # ... or an older one, which reads them itself
+        pass
     torch.set_num_threads(args.threads)
     ckpt = load_checkpoint(args.checkpoint, dtype=torch.bfloat16)
     net, config = ckpt.model, ckpt.config

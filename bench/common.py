@@ -25,10 +25,14 @@ MB = 1e6
 
 import torch  # noqa: E402  (after the path fix, like every import of `model`)
 
+from model import kernels  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
+from model.options import ModelOptions  # noqa: E402
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+# Every benchmark process, workers included, uses the decode kernel as the app would with the same LLAMA_*
+# variables (LLAMA_KERNELS, LLAMA_KERNEL_MARCH, LLAMA_DETERMINISTIC, LLAMA_CACHE_DIR).
+OPTIONS = ModelOptions.from_env()
+kernels.configure(**OPTIONS.kernel_options)
 
 
 # ---------------------------------------------------------------------------------------------------------

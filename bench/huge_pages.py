@@ -21,9 +21,9 @@ import torch
 from common import machine, random_checkpoint
 
 import model.checkpoint
-from app.settings import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR
 from model.checkpoint import load_checkpoint
 from model.generation import generate
+from model.options import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR
 
 PROMPT = "Tell me a story about a dragon and a knight who become friends."
 

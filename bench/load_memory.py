@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch  # noqa: E402  (imported by common after its path fix)
 from common import (
-    DTYPES,
     MB,
     engine_version,
     memory_mb,
@@ -49,6 +48,7 @@ from common import (
     write_result,
 )
 
+from model.checkpoint import torch_dtype  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
 
 WAYS = {  # name: (loader, load_checkpoint keywords); the file is always bf16
@@ -95,7 +95,7 @@ def worker(spec: dict, out: str) -> None:
         import model.checkpoint
         model.checkpoint.has_native_bf16 = lambda: False  # the engine's dtype policy asks this
     folder, options = Path(spec["folder"]), dict(spec["options"])
-    dtype = DTYPES[options.pop("dtype")]
+    dtype = torch_dtype(options.pop("dtype"))
     before = memory_mb()
     start = time.perf_counter()
     net = load_ours(folder, dtype, **options) if spec["loader"] == "ours" else load_naive(folder, dtype)

@@ -33,10 +33,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from model import generate, load_checkpoint  # noqa: E402
+from model import generate, kernels, load_checkpoint  # noqa: E402
+from model.options import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR, ModelOptions  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-CHECKPOINT = ROOT / "weights" / "SmolLM2-135M-Instruct"
+CHECKPOINT = DEFAULT_WEIGHTS_DIR / DEFAULT_MODEL_NAME
 SHORTHAND = {"temperature", "top_k", "top_p", "seed"}
 
 # (question, regular expression a right answer matches, or None where any answer may do)
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     report_parser.add_argument("--details", action="store_true", help="each checked question, right or not")
     args = parser.parse_args(argv)
     if args.command == "run":
+        kernels.configure(**ModelOptions.from_env().kernel_options)  # LLAMA_KERNELS etc., as the app takes them
         if args.threads:
             torch.set_num_threads(args.threads)
         print(run(args.name, parse_setting(args.setting), args.max_new_tokens, args.checkpoint, args.seeds_from))

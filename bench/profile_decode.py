@@ -18,10 +18,11 @@ import sys
 import time
 
 import torch  # noqa: E402  (imported by common after its path fix)
-from common import DTYPES, random_checkpoint, random_prompt
+from common import random_checkpoint, random_prompt
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import model  # noqa: E402
+from model.options import DTYPES  # noqa: E402
 
 
 def main() -> int:
@@ -29,7 +30,7 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.split("\n")[2:]))
     p.add_argument("--shape", default="llama3.2-1b")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES.values()))
     p.add_argument("--quantize", default=None, help="passed to load_checkpoint: int8 or int4")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -42,7 +43,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     options = {"quantize": args.quantize} if args.quantize else {}
-    ckpt = model.load_checkpoint(random_checkpoint(args.shape), dtype=DTYPES[args.dtype], device=args.device,
+    ckpt = model.load_checkpoint(random_checkpoint(args.shape), dtype=args.dtype, device=args.device,
                                  **options)
     net, config = ckpt.model, ckpt.config
     net.fused_decode = not args.op_by_op

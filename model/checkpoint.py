@@ -38,6 +38,7 @@ from .kernels import decode_path, kernels
 from .linear import OUTPUT_HEAD, QUANTIZE, quantize_model
 from .llama import Llama
 from .memory import move_to_huge_pages, release_pages, scratch_returned
+from .options import DTYPES
 from .quantize import INT4_GROUP, can_quantize_int4, quantize_int4, quantize_int8
 from .rope import permute_qk_rows
 from .tokenizer import load_tokenizer
@@ -227,6 +228,31 @@ def _some(items: list[str], n: int = 5) -> str:
     return ", ".join(items[:n]) + (f" (and {len(items) - n} more)" if len(items) > n else "")
 
 
+def resolve_device(device: str | torch.device) -> str | torch.device:
+    """The device that "auto" stands for: CUDA where there is a GPU, then MPS (Apple), else the CPU. Any
+    other device stays as it is."""
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A dtype given by name: a key of model.options.DTYPES ("bf16", "fp16", "fp32"), torch's own name
+    ("bfloat16", ...), or "auto" (None: default_dtype decides). A torch dtype or None stays as it is."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    name = DTYPES.get(dtype, dtype)
+    if name not in DTYPES.values():
+        raise ValueError(f"dtype={dtype!r}: expected auto or one of {', '.join([*DTYPES, *DTYPES.values()])}")
+    return getattr(torch, name)
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """How to store the weights: bf16 where it runs fast (native bf16, or the decode kernel), else fp32."""
     if device.type == "cuda":
@@ -243,27 +269,32 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype if dtype == torch.bfloat16 and has_native_bf16() else torch.float32
 
 
-def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                    tokenizer: str | Path | None = None, quantize: str | None = None,
-                    compile: bool = False) -> Checkpoint:
+def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | str | None = None, tokenizer: str | Path | None = None,
+                    quantize: str | None = None, compile: bool = False) -> Checkpoint:
     """Load a checkpoint folder or file: model (in eval mode), tokenizer, chat format and config.
 
-    dtype: how weight matrices are stored (default: bf16 where that is fast, else fp32); the
-    activations run in it too where the hardware computes natively in it, else in fp32.
-    quantize: "int8" stores the linear layers as int8 with one scale per 64 weights of a row; "int4" the
-    layers' matrices as int4 with one scale and offset per 32 and the output head as int8 (OUTPUT_HEAD).
+    device: a torch device, or "auto" (resolve_device: CUDA, then MPS, then the CPU).
+    dtype: how weight matrices are stored, a torch dtype or its name (torch_dtype: "bf16", "bfloat16", ...;
+    None or "auto": bf16 where that is fast, else fp32); the activations run in it too where the hardware
+    computes natively in it, else in fp32.
+    quantize: None or "off" keeps the weights in `dtype`; "int8" stores the linear layers as int8 with one
+    scale per 64 weights of a row; "int4" the layers' matrices as int4 with one scale and offset per 32 and
+    the output head as int8 (OUTPUT_HEAD).
     The embedding table stays in `dtype`; a tied output head gets its own quantized copy. Weights
     quantized in the file stay as they are, with the file's scales and offsets, whatever `dtype` and
     `quantize`.
     compile: run single-token decode steps through torch.compile (compiled on the first reply).
     """
+    quantize = None if quantize == "off" else quantize
     if quantize is not None and quantize not in QUANTIZE:
-        raise ValueError(f"quantize={quantize!r}: expected None or one of {', '.join(QUANTIZE)}")
+        raise ValueError(f"quantize={quantize!r}: expected None, off or one of {', '.join(QUANTIZE)}")
+    dtype = torch_dtype(dtype)
     files = find_checkpoint(path)
     state, names = read_state_dict(files)
     in_file = take_quantized(state, files, names)
     config = read_config(files, state)
-    device = torch.device(device)
+    device = torch.device(resolve_device(device))
     if device.type == "cpu":  # built (or loaded from its cache) now, not on the first reply
         log.info("decode kernel: %s", decode_path())
     dtype = dtype or default_dtype(device)

@@ -1,4 +1,4 @@
-"""What this machine's CPU can do, read once from /proc/cpuinfo, and where built files are cached.
+"""What this machine's CPU can do, read once from /proc/cpuinfo.
 
 The one place that reads CPU flags: the compute dtype (`has_native_bf16`), the decode kernel's
 build folder (`cpu_tag`) and the benchmarks' machine description all ask here. On a system without
@@ -9,15 +9,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import platform
 from pathlib import Path
-
-
-def cache_dir() -> Path:
-    """Built kernels, the default model's GGUF and other rebuildable files: $LLAMA_CACHE_DIR or
-    ~/.cache/llama-chat."""
-    return Path(os.environ.get("LLAMA_CACHE_DIR") or Path.home() / ".cache" / "llama-chat").expanduser()
 
 
 @functools.cache

@@ -4,7 +4,7 @@ Run op by op, a layer of a small model's decode step is about 25 small ATen ops 
 as long as reading the layer's weights. `decode_layers` hands the whole stack of layers to one op
 instead, which computes the same maths (Block.decode in model/llama.py, the reference it is tested
 against) in plain loops between the decode kernel's matrix products. Llama.decode takes it on the
-CPU when the kernel is built (LLAMA_KERNELS=0 turns it off), for weight matrices the kernel streams
+CPU when the kernel is on and built (LLAMA_KERNELS=off: model.kernels.configure), for weight matrices the kernel streams
 and activations in fp32 or bf16; otherwise the reference. The matrices are all bf16, all fp32, or quantized:
 int8 with group scales and int4 with block scales and offsets (model/quantize.py), mixed freely
 between the op's kernel calls (an int4 model keeps as int8 a matrix whose K is not whole blocks of 32)

@@ -18,6 +18,7 @@ from pathlib import Path
 from .convert.folder import ConversionError
 from .convert.gguf import import_ggufs
 from .convert.hub import REPO_ID, download
+from .options import Environment
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,7 +37,9 @@ def main(argv: list[str] | None = None) -> None:
             raise ConversionError(f"{args.source}: no such file or folder, and not a Hugging Face model id "
                                   "(owner/name, e.g. meta-llama/Llama-3.2-1B-Instruct)")
         else:
-            folders = [download(args.source, weights_dir, name=args.name, revision=args.revision, force=args.force)]
+            endpoint = Environment().text("HF_ENDPOINT")  # read here: huggingface_hub reads it once, at import
+            folders = [download(args.source, weights_dir, name=args.name, revision=args.revision, force=args.force,
+                                endpoint=endpoint)]
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

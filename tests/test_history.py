@@ -372,10 +372,10 @@ def test_a_resumed_chat_continues_with_the_models_memory_of_it(first_chat, resta
 
 
 def test_the_sidebar_lists_the_chat_and_opens_it(first_chat, restarted):
-    from support.browser import CHROMIUM, CHROMIUM_ARGS, browser_or_reason
+    from support.browser import CHROMIUM, CHROMIUM_ARGS, browser_or_reason, skip_browser
 
     reason = browser_or_reason()
-    if reason and os.environ.get("LLAMA_SKIP_BROWSER") == "1":
+    if reason and skip_browser():
         pytest.skip(f"LLAMA_SKIP_BROWSER=1: {reason}")
     assert reason is None, f"{reason} (or set LLAMA_SKIP_BROWSER=1 to skip the browser tests)"
     from playwright.sync_api import sync_playwright

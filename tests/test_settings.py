@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import DEFAULT_MAX_NEW_TOKENS, Settings, SettingsError
+from app.settings import Settings, SettingsError
+from model.options import DEFAULT_MAX_NEW_TOKENS
 
 
 def test_settings_defaults():
@@ -55,10 +56,11 @@ def test_bad_settings_name_the_variable(name, value, message):
 
 def test_every_setting_is_documented():
     root = Path(__file__).resolve().parents[1]
-    read = set(re.findall(r'"(LLAMA_[A-Z_]+)"', (root / "app" / "settings.py").read_text()))
-    table = set(re.findall(r"^\| `(LLAMA_[A-Z_]+)`", (root / "chainlit.md").read_text(), re.MULTILINE))
-    example = set(re.findall(r"^(LLAMA_[A-Z_]+)=", (root / ".env.example").read_text(), re.MULTILINE))
-    assert len(read) == 34 and read == table == example
+    read = {name for reader in ("model/options.py", "app/settings.py")
+            for name in re.findall(r'"(LLAMA_[A-Z_0-9]+)"', (root / reader).read_text())}
+    table = set(re.findall(r"^\| `(LLAMA_[A-Z_0-9]+)`", (root / "chainlit.md").read_text(), re.MULTILINE))
+    example = set(re.findall(r"^(LLAMA_[A-Z_0-9]+)=", (root / ".env.example").read_text(), re.MULTILINE))
+    assert len(read) == 39 and read == table == example
 
 
 def test_kv_cache_budget_setting():

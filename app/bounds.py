@@ -1,7 +1,7 @@
 """What a request may hold: the range of each number, the size of each part, and what any JSON in it may be.
 
 The ranges are annotated types (msgspec `Meta` constraints), declared once here and used by the
-messages the engine gets (`app.messages`) and by the OpenAI request bodies (`app.openai_request`);
+messages the engine gets (`app.messages`) and by the OpenAI request bodies (`app.api.parse`);
 msgspec checks them wherever those are decoded. A number in range is one the engine can take: a
 seed in range (64 bits, signed, as OpenAI's) gives each of a request's n replies a seed in range too
 (`reply_seed`).

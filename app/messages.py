@@ -1,7 +1,7 @@
 """The messages between the web process and the engine process, and the events a reply streams.
 
-Both backends (the local engine, `app.client`, and a remote OpenAI-compatible server,
-`app.remote`) give the web side the same events, so the chat UI and the API never ask which one
+Both backends (the local engine, `app.backend.engine_client`, and a remote OpenAI-compatible server,
+`app.backend.remote`) give the web side the same events, so the chat UI and the API never ask which one
 runs. Everything here is a `msgspec.Struct`: encoded as MessagePack over the engine's sockets, and
 plain typed objects everywhere else. Web -> engine:
 
@@ -36,7 +36,7 @@ from model.config import DEFAULT_MAX_CONTEXT
 from model.stats import Stats  # a reply's figures: generate() reports the same type
 from model.options import ModelOptions
 
-from .bounds import (
+from app.bounds import (
     MAX_MESSAGES,
     MAX_STOP_STRINGS,
     MAX_TOOLS,
@@ -55,7 +55,7 @@ from .bounds import (
     TopLogprobs,
     TopP,
 )
-from .settings import DEFAULT_KV_CACHE_MB, DEFAULT_MAX_BATCH
+from app.settings import DEFAULT_KV_CACHE_MB, DEFAULT_MAX_BATCH
 
 FINISH_REASONS = {"stop": "stop token", "length": "length limit (Max new tokens, in the settings)",
                   "cancelled": "stopped by user"}
@@ -222,7 +222,7 @@ class Failed(msgspec.Struct, tag=True):
 
 
 class Restarting(msgspec.Struct, tag=True):
-    """The engine process stopped; this request waits for the new one (app.client), a while at most."""
+    """The engine process stopped; this request waits for the new one (app.backend.engine_client), a while at most."""
 
     id: str
 

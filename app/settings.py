@@ -25,9 +25,9 @@ DEFAULT_MAX_BATCH = 8  # replies computed together
 DEFAULT_MAX_WAITING = 32  # replies waiting for a place in the batch; past it the server says it is busy
 DEFAULT_MAX_BODY_MB = 4  # an API request's body; past it, 413
 DEFAULT_HISTORY_DB = PROJECT_ROOT / "data" / "history.db"
-DEFAULT_PRESETS = PROJECT_ROOT / "presets"  # system-prompt presets (app.presets)
+DEFAULT_PRESETS = PROJECT_ROOT / "presets"  # system-prompt presets (app.web.presets)
 AUTH_MODES = ("none", "password")
-DEFAULT_HEADER_TIMEOUT_S = 10.0  # a request's headers must arrive within this (app.http_server)
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # a request's headers must arrive within this (app.web.http_server)
 DEFAULT_BODY_TIMEOUT_S = 30.0  # and its body within this after them
 
 
@@ -49,8 +49,8 @@ class Settings(ModelOptions):
     backend_url: str | None = None  # an OpenAI-compatible server that generates instead of this process
     backend_key: str | None = None
     backend_model: str | None = None
-    allowed_hosts: tuple[str, ...] = ()  # host names besides loopback that requests may name (app.guard)
-    allowed_origins: tuple[str, ...] = ()  # web pages besides the app's own that may send requests (app.guard)
+    allowed_hosts: tuple[str, ...] = ()  # host names besides loopback that requests may name (app.api.guard)
+    allowed_origins: tuple[str, ...] = ()  # web pages besides the app's own that may send requests (app.api.guard)
     trusted_proxies: tuple[str, ...] = ()  # addresses or networks whose X-Forwarded-For is believed
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S
@@ -104,7 +104,7 @@ def _check_sign_in(settings: Settings, auth: str | None) -> None:
 
 
 def users_file(environ: Mapping[str, str] | None = None) -> Path | None:
-    """LLAMA_USERS alone: `python -m app.users` needs no other setting."""
+    """LLAMA_USERS alone: `python -m app.web.users` needs no other setting."""
     return Environment(environ).path("LLAMA_USERS")
 
 
@@ -116,7 +116,7 @@ class _AppEnvironment(Environment):
     """The reader of model.options, and the kinds of value only the web server reads: lists, networks, URLs."""
 
     def items(self, name: str) -> tuple[str, ...]:
-        """A comma-separated list (app.guard checks the entries, naming the variable)."""
+        """A comma-separated list (app.api.guard checks the entries, naming the variable)."""
         return tuple(item.strip() for item in (self.text(name) or "").split(",") if item.strip())
 
     def networks(self, name: str) -> tuple[str, ...]:

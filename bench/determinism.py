@@ -3,7 +3,7 @@ weights), asked in the ways a server meets them, and how many answers differ fro
 
     python bench/determinism.py [--root TREE] [--dtype bf16] [--threads N] [--tokens 64]
 
-The engine (app/engine.py) runs in this process on SmolLM2-135M-Instruct, as in the app, without
+The engine (app/engine/core.py) runs in this process on SmolLM2-135M-Instruct, as in the app, without
 sockets. Each question is asked: alone on an engine that keeps no KV cache (the reference); again on
 one that keeps them, one question after another, twice (the second time its prompt is in the cache);
 all twelve at once (a batch of 8, the rest joining as others end); and as a follow-up ("Tell me more.")
@@ -38,7 +38,7 @@ def main() -> int:
     import torch
     from support.engine import EngineHarness, last, request
 
-    from app.conversation import Conversation
+    from app.backend.conversation import Conversation
     from app.messages import ReplySettings
     from model.checkpoint import load_checkpoint
     from model.prepare_default import prepare_default

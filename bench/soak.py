@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/soak.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from app.backend import open_backend  # noqa: E402
-from app.client import EngineClient  # noqa: E402
-from app.conversation import Conversation  # noqa: E402
+from app.backend.protocol import open_backend  # noqa: E402
+from app.backend.engine_client import EngineClient  # noqa: E402
+from app.backend.conversation import Conversation  # noqa: E402
 from app.messages import Done, Failed, ReplySettings, Text  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from model.options import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR  # noqa: E402

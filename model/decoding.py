@@ -1,6 +1,6 @@
 """The decoding policy of one reply: which token comes next, what text it adds, when and why the reply ends.
 
-`generate()` (model/generation.py) and the engine's sequences (app/sequence.py) decode through a
+`generate()` (model/generation.py) and the engine's sequences (app/engine/sequence.py) decode through a
 `Decoding`, so a reply follows one set of rules wherever it runs:
 
     decoding = Decoding(tokenizer, prompt, sampling=params, max_new_tokens=512, context_limit=8192,

@@ -1,7 +1,7 @@
 """Text as the tokenizers take it: valid Unicode.
 
 Without the tokenizer libraries, so that the web process can clean what a browser sends before it
-goes to the engine (app/conversation.py), and the tokenizers read the same text (model/tokenizer.py).
+goes to the engine (app/backend/conversation.py), and the tokenizers read the same text (model/tokenizer.py).
 """
 
 

@@ -19,8 +19,8 @@ from support.checkpoints import write_tiny_checkpoint
 from support.handlers import Chat
 from support.special_checkpoints import write_chatml_checkpoint
 
-from app.client import EngineClient
-from app.conversation import Conversation
+from app.backend.engine_client import EngineClient
+from app.backend.conversation import Conversation
 from app.messages import Done, EngineConfig, Failed, ReplySettings, Text
 
 pytestmark = pytest.mark.timeout(300)

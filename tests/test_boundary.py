@@ -4,7 +4,7 @@ Infinity, deep nesting, 200 kB strings, 5,000-item arrays, wrong types), alone a
 
 Each is answered, or refused with a 4xx in OpenAI's shape; none is a 5xx; the engine process is the
 same one throughout (no restart), every place in the queue is free afterwards, and an ordinary
-request is answered at the end. The API runs in this process (`app.api.create_app` over an
+request is answered at the end. The API runs in this process (`app.api.routes.create_app` over an
 `EngineClient`), so the test reads the client's places and the engine's pid directly.
 """
 
@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from support.checkpoints import write_tiny_checkpoint
 from support.hostile import EDGES, HOSTILE, ROUTES, body_for, with_value
 
-from app.api import create_app
+from app.api.routes import create_app
 from app.bounds import json_problem, reply_seed
-from app.client import EngineClient, InvalidRequest
-from app.conversation import Conversation
+from app.backend.engine_client import EngineClient, InvalidRequest
+from app.backend.conversation import Conversation
 from app.messages import EngineConfig, ReplySettings
 
 pytestmark = pytest.mark.timeout(600)

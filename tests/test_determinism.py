@@ -18,7 +18,7 @@ import model.checkpoint
 import model.decode_step
 import model.kernels
 import model.linear
-from app.conversation import Conversation
+from app.backend.conversation import Conversation
 from app.messages import Done, ReplySettings, Text
 from model import KVCache, load_checkpoint
 from model.kernels import KernelBuildError, build

@@ -4,9 +4,9 @@ the prompt the engine builds has exactly one header per message, in order, and t
 comes back out of it unchanged. For the Llama 3 format (tiny random checkpoint) and for the ChatML template
 of the default model, SmolLM2-135M-Instruct (its tokenizer and template on a tiny random model).
 
-A conversation goes as the web side sends it (app.conversation -> a Generate message, encoded and decoded
+A conversation goes as the web side sends it (app.backend.conversation -> a Generate message, encoded and decoded
 as on the engine's socket) into the engine, driven in this process; the prompt is read where the engine
-hands it to the sequence it runs (app.sequence.Sequence.start), recorded.
+hands it to the sequence it runs (app.engine.sequence.Sequence.start), recorded.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from support.checkpoints import write_tiny_checkpoint
 from support.engine import EngineHarness, last, request
 from support.special_checkpoints import write_chatml_checkpoint
 
-from app.conversation import Conversation
+from app.backend.conversation import Conversation
 from app.messages import Done, Generate, ReplySettings
-from app.sequence import Sequence
+from app.engine.sequence import Sequence
 from model.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.timeout(300)

@@ -22,15 +22,15 @@ pytestmark = pytest.mark.timeout(300)
 
 WEB_FRAMEWORKS = {"chainlit", "fastapi", "starlette", "uvicorn", "socketio", "engineio"}
 # The model and what only the engine runs: no torch, no tokenizer, no prompt budgets in the web process.
-ENGINE_ONLY = {"torch", "tiktoken", "tokenizers", "llguidance", "app.engine", "app.sequence", "app.scheduler",
-               "app.prefix_cache", "app.prompt", "model.checkpoint", "model.generation", "model.tokenizer"}
+ENGINE_ONLY = {"torch", "tiktoken", "tokenizers", "llguidance", "app.engine", "model.checkpoint", "model.generation",
+               "model.decoding", "model.tokenizer"}  # (a package: every module in it)
 # The web process: the chat app (which mounts the API), the API alone (`python -m app.api` runs it with
 # uvicorn) and the history export; each model's description, read at run time.
-WEB = ["app.main", "app.api", "app.export", "uvicorn"]
-ENGINE = ["app.engine", "app.sequence", "app.scheduler", "app.prefix_cache", "app.outbox", "app.prompt",
+WEB = ["app.main", "app.api.routes", "app.web.export", "uvicorn"]
+ENGINE = ["app.engine.core", "app.engine.sequence", "app.engine.scheduler", "app.engine.prefix_cache", "app.engine.outbox", "app.engine.prompt",
           "model.structured", "model.convert.prepare_default"]  # (the last two: imported when first needed)
 TORCH_FREE = ["model.config", "model.checkpoint_files", "model.summary", "model.context", "model.unicode",
-              "model.tools", "app.messages", "app.prompt"]
+              "model.tools", "app.messages", "app.engine.prompt"]
 
 PROBE = """
 import importlib, json, sys
@@ -43,9 +43,9 @@ for name in spec["imports"]:
 before = set(sys.modules)
 exec(spec.get("then", ""))
 brought["(then)"] = sorted(set(sys.modules) - before)
-main = sys.modules.get("app.main")
-if main is not None:
-    main.BACKEND.close()  # the engine process it started on import
+chat = sys.modules.get("app.web.chat")
+if chat is not None:
+    chat.BACKEND.close()  # the engine process it started on import
 print(json.dumps(brought))
 """
 
@@ -59,10 +59,11 @@ def probe(imports: list[str], then: str = "", **env) -> dict[str, list[str]]:
 
 
 def assert_none_of(forbidden: set[str], brought: dict[str, list[str]]) -> None:
-    """No step brought in a forbidden module; else name, for each step, those it did (a package once)."""
-    found = {step: sorted({m if m in forbidden else m.split(".")[0] for m in modules
-                           if m in forbidden or m.split(".")[0] in forbidden})
-             for step, modules in brought.items()}
+    """No step brought in a forbidden module or a module of a forbidden package; else name, for each step,
+    those it did."""
+    def of(module: str) -> str | None:  # the forbidden name (a module, or a package it is in) it falls under
+        return next((f for f in forbidden if module == f or module.startswith(f + ".")), None)
+    found = {step: sorted({of(m) for m in modules if of(m)}) for step, modules in brought.items()}
     found = {step: modules for step, modules in found.items() if modules}
     assert not found, f"imported where they do not belong (importing -> what it brought in): {found}"
 
@@ -81,7 +82,7 @@ def test_the_web_process_imports_no_torch_no_tokenizer_and_nothing_of_the_engine
 
 def test_the_engine_process_imports_no_web_framework():
     brought = probe(ENGINE)
-    assert "torch" in brought["app.engine"]  # (what it does import is seen)
+    assert "torch" in brought["app.engine.core"]  # (what it does import is seen)
     assert_none_of(WEB_FRAMEWORKS, brought)
 
 

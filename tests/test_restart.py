@@ -1,8 +1,8 @@
 """Faults stay with their request, every place in the queue is given back, and a restart loses nothing.
 
-- The engine (app.engine.Engine, in this process): a fault injected while building, prefilling, sampling,
+- The engine (app.engine.core.Engine, in this process): a fault injected while building, prefilling, sampling,
   ending or sending one request fails that request alone; the others go on.
-- The engine client (app.client.EngineClient, a real engine process): each way a request ends gives its
+- The engine client (app.backend.engine_client.EngineClient, a real engine process): each way a request ends gives its
   place back (refused before sending, a failed step, a cancel, a caller gone, a fault in delivering it);
   requests that come while the engine restarts wait for it, a bounded while.
 - The API alone (`python -m app.api`) with its engine killed again and again under several clients:
@@ -29,11 +29,11 @@ from support.checkpoints import write_tiny_checkpoint
 from support.engine import EngineHarness, last, request
 from support.servers import ApiServer, server_env
 
-from app import client as client_module
-from app.client import EngineClient, InvalidRequest
-from app.conversation import Conversation
+from app.backend import engine_client as client_module
+from app.backend.engine_client import EngineClient, InvalidRequest
+from app.backend.conversation import Conversation
 from app.messages import Done, EngineConfig, Failed, ReplySettings, Restarting, Text
-from app.outbox import Outbox
+from app.engine.outbox import Outbox
 from model.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -86,9 +86,9 @@ def poisoned(monkeypatch, target: str, victim: str):
     monkeypatch.setattr(owner, name, maybe_raise)
 
 
-@pytest.mark.parametrize("target", ["app.sequence.Sequence.start", "app.sequence.Sequence.prefill_chunk",
-                                    "app.sequence.Sequence.sample", "app.sequence.Sequence.accept",
-                                    "app.sequence.Sequence.done"])
+@pytest.mark.parametrize("target", ["app.engine.sequence.Sequence.start", "app.engine.sequence.Sequence.prefill_chunk",
+                                    "app.engine.sequence.Sequence.sample", "app.engine.sequence.Sequence.accept",
+                                    "app.engine.sequence.Sequence.done"])
 def test_a_fault_in_one_request_fails_it_alone(engine, monkeypatch, target):
     poisoned(monkeypatch, target, "poison")
     bad, good = request("poison", GREEDY, n=2), request("Hello there", GREEDY)
@@ -106,7 +106,7 @@ def test_a_prompt_the_chat_format_cannot_build_is_a_bad_request(engine, monkeypa
     def broken(*args, **kwargs):
         raise TypeError("a tool call argument of an unexpected type")
 
-    monkeypatch.setattr("app.engine.fit_prompt", broken)
+    monkeypatch.setattr("app.engine.core.fit_prompt", broken)
     r = request("Hi", GREEDY)
     failed = last(engine.ask(r)[r.id])
     assert failed.reason == "bad_request" and "unexpected type" in failed.message
@@ -206,7 +206,7 @@ def test_a_caller_that_is_gone_gives_the_place_back(client):
 
 
 def test_a_fault_delivering_an_event_ends_that_request_and_the_reader_goes_on(client, monkeypatch):
-    from app.reply import Reply
+    from app.backend.reply import Reply
 
     deliver = Reply.deliver
 
@@ -287,7 +287,7 @@ def test_a_restart_that_takes_too_long_ends_the_waiting_requests(tiny, monkeypat
 
 
 def test_the_api_answers_a_restart_with_503_and_retry_after():
-    from app.api import failure_error
+    from app.api.routes import failure_error
 
     for reason in ("restarting", "engine"):
         response = failure_error(Failed("x", "The model is restarting.", reason)).response()
@@ -427,7 +427,7 @@ class CutOff:
 def test_a_cut_reply_is_stored_as_cut_and_a_resumed_chat_leaves_it_out(main, monkeypatch):
     from support.handlers import Chat
 
-    from app import history
+    from app.web import history
 
     chat_ = Chat(main)
 

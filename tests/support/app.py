@@ -1,4 +1,4 @@
-"""app.main imported as `chainlit run` imports it, with the LLAMA_* variables a test chooses."""
+"""app.main imported as `chainlit run` imports it (yielding its handlers, app.web.chat), with the LLAMA_* variables a test chooses."""
 
 from __future__ import annotations
 
@@ -17,13 +17,16 @@ def imported_app(**llama):
     env |= {f"LLAMA_{name.upper()}": str(value) for name, value in llama.items()}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
-    sys.modules.pop("app.main", None)
+    for module in ("app.main", "app.web.chat"):
+        sys.modules.pop(module, None)
     main = None
     try:
-        main = importlib.import_module("app.main")
+        importlib.import_module("app.main")
+        main = sys.modules["app.web.chat"]  # the handlers, started as `chainlit run app/main.py` starts them
         yield main
     finally:
-        sys.modules.pop("app.main", None)
+        for module in ("app.main", "app.web.chat"):
+            sys.modules.pop(module, None)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

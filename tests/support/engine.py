@@ -1,4 +1,4 @@
-"""The engine (app.engine.Engine) driven in this process, step by step, without its sockets."""
+"""The engine (app.engine.core.Engine) driven in this process, step by step, without its sockets."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import itertools
 import time
 from pathlib import Path
 
-from app.conversation import Conversation
-from app.engine import Engine
+from app.backend.conversation import Conversation
+from app.engine.core import Engine
 from app.messages import Done, EngineConfig, Failed, Generate, ReplySettings
-from app.prompt import dialog
+from app.engine.prompt import dialog
 from model.generation import Generation
 from model.sampling import SamplingParams
 

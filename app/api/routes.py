@@ -1,0 +1,435 @@
+"""An OpenAI-compatible HTTP API over the backend the chat UI uses (`app.backend.protocol`).
+
+    POST /v1/chat/completions   model, messages, n (up to 4), temperature, top_p, top_k, min_p,
+                                repetition_penalty, frequency_penalty, presence_penalty, max_tokens (or
+                                max_completion_tokens), seed, stop, stream (server-sent events),
+                                stream_options.include_usage, logprobs + top_logprobs, tools +
+                                tool_choice (Llama 3), response_format (JSON), ignore_eos (as vLLM's)
+    POST /v1/completions        the same for a raw prompt (no chat format; logprobs as a number)
+    GET  /v1/models             the models offered: the backend's profiles
+    GET  /v1/models/{model}
+    GET  /metrics               Prometheus metrics (app.api.metrics)
+
+The chat app mounts these routes on Chainlit's server (`mount`), so API requests are computed by
+the same engine, in the same batches, as the chats. `python -m app.api --port 8001` serves them
+alone. Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
+parameter (named in `param`) or a prompt too long for the context (code context_length_exceeded), 401
+for a missing or wrong key when LLAMA_API_KEY is set, 404 for an unknown model, 413 for a body larger
+than LLAMA_MAX_BODY_MB, 415 for a body that is not application/json, 429 (with Retry-After) when the
+server's queue is full, 503 (with Retry-After) when the model process stopped or is restarting. A
+client that goes away cancels its request. Sampling values left out are the model's defaults, as in the UI. Every parameter of OpenAI's is either done or refused with a 400
+that names it (app.api.parse; the shapes read and written are in app.api.openai). Both servers refuse requests from other web sites and host names
+(app.api.guard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import hashlib
+import hmac
+import json
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi import Request as HttpRequest
+import msgspec
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from msgspec import UNSET, Struct, UnsetType
+
+from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote
+from app.messages import Done, Failed, Text, TokenLogprob
+from app.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from app.api.metrics import Metrics
+from app.api.parse import ApiRequest, ChatRequest, parse_chat, parse_completion
+from app.api.openai import (
+    ApiError,
+    Call,
+    CallFunction,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    ChunkChoice,
+    Delta,
+    ModelCard,
+    ModelList,
+    ReplyMessage,
+    TextChoice,
+    TextCompletion,
+    TextLogprobs,
+    TopLogprob,
+    Usage,
+)
+from app.settings import DEFAULT_MAX_BODY_MB
+from app.web.users import LOCAL_USER, utf8
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.25
+
+
+# ---- the reply ----------------------------------------------------------------------------------
+
+@dataclass
+class Piece:
+    index: int  # which of the n replies
+    text: str
+    logprobs: list[TokenLogprob]
+
+
+@dataclass
+class Finish:
+    index: int
+    reason: str  # "stop", "length" or "tool_calls"
+    tool_calls: list[dict]
+
+
+async def pieces(request) -> AsyncIterator[Piece | Finish | Usage]:
+    """The replies' text in pieces (the engine cuts it at a stop string), a Finish for each, then the
+    Usage of them all. Raises ApiError when the request cannot be answered (before any text, except
+    for a failure midway)."""
+    prompt_tokens, completion_tokens = 0, 0
+    async for event in request:
+        if isinstance(event, Text):
+            yield Piece(event.index, event.text, event.logprobs)
+        elif isinstance(event, Failed):
+            raise failure_error(event)
+        elif isinstance(event, Done):
+            prompt_tokens = max(prompt_tokens, event.stats.prompt_tokens)  # the n replies share one prompt
+            completion_tokens += event.stats.new_tokens
+            reason = "tool_calls" if event.tool_calls else "length" if event.finish_reason == "length" else "stop"
+            yield Finish(event.index, reason, event.tool_calls)
+    yield Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+def key_user(api_key: str) -> str:
+    """Whose requests the ones with this key are: one identity for whoever holds it, which no sign-in name
+    can take without knowing the key (a digest of it)."""
+    return "api key " + hashlib.sha256(utf8(api_key)).hexdigest()[:16]
+
+
+def failure_error(failed: Failed) -> ApiError:
+    if failed.reason == "prompt_too_long":
+        return ApiError(400, failed.message, param="messages", code="context_length_exceeded")
+    if failed.reason == "bad_request":
+        return ApiError(400, failed.message)
+    return ApiError(500 if failed.reason == "error" else 503, failed.message, type="server_error")
+
+
+async def cancel_on_disconnect(http_request: HttpRequest, request) -> None:
+    """Cancel the request when its client goes away (checked a few times a second)."""
+    while True:
+        if await http_request.is_disconnected():
+            log.info("request %s: the client went away; cancelled", request.id)
+            request.cancel()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+# ---- routes -------------------------------------------------------------------------------------
+
+async def json_body(http_request: HttpRequest, max_mb: int = DEFAULT_MAX_BODY_MB) -> object:
+    """The request's JSON body, of at most max_mb MB (413 past it, read no further). Only application/json
+    is read (415 otherwise): a web page may send text/plain to another site without the browser asking
+    that site first, application/json it may not."""
+    kind = http_request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if kind != "application/json":
+        raise ApiError(415, f"Expected a body of Content-Type application/json, found {kind or 'none'}.",
+                       code="unsupported_media_type")
+    too_large = ApiError(413, f"The request body is larger than {max_mb} MB (LLAMA_MAX_BODY_MB).",
+                         code="request_too_large")
+    limit, declared = max_mb * 2**20, http_request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in http_request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    try:
+        # json.loads reads "\ud800" escapes as lone surrogates, NaN and Infinity as floats, 1e400 as inf
+        # and integers of any size (up to 4300 digits), so that app.bounds.json_problem can name where
+        # they are; msgspec's decoder refuses the first two without saying where. Deep nesting stops it.
+        return json.loads(body)
+    except RecursionError:
+        raise ApiError(400, "The request body is not valid JSON: it nests too deeply.") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"The request body is not valid JSON: {e}.") from None
+
+
+def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> APIRouter:
+    """The /v1 routes over a backend (`app.backend.protocol.Backend`)."""
+    started = int(time.time())
+
+    def check_key(http_request: HttpRequest) -> None:
+        """Every route's dependency: with LLAMA_API_KEY set, the key must come with the request. Notes whose
+        request it is in request.state.user (the scope of the engine's KV cache reuse)."""
+        http_request.state.user = key_user(api_key) if api_key else LOCAL_USER
+        if not api_key:
+            return
+        scheme, _, token = http_request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "No API key given: send it as 'Authorization: Bearer <key>'.", code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode("latin-1"), utf8(api_key)):  # the header's bytes, as sent
+            raise ApiError(401, "Incorrect API key.", code="invalid_api_key")
+
+    router = APIRouter(dependencies=[Depends(check_key)])  # an ApiError anywhere is answered by answer_error
+
+    def model_card(name: str) -> ModelCard:
+        where = backend.profiles[name]  # a checkpoint's path, or a remote server's address
+        path = Path(where)
+        created = int(path.stat().st_mtime) if not is_remote(where) and path.exists() else started
+        return ModelCard(name, created=created)
+
+    metrics = Metrics(lambda: backend.stats, backend)
+    backend.observers.append(metrics.observe)
+
+    @router.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus' text format (app.api.metrics); with LLAMA_API_KEY set, the key is needed here too."""
+        return Response(metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+
+    @router.get("/v1/models")
+    async def list_models() -> Response:
+        return json_response(ModelList([model_card(name) for name in backend.profiles]))
+
+    @router.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> Response:
+        if model not in backend.profiles:
+            raise ApiError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+        return json_response(model_card(model))
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(http_request: HttpRequest) -> Response:
+        chat = parse_chat(await json_body(http_request, max_body_mb), backend.profiles, backend.default)
+        return await answer(http_request, chat, lambda: backend.stream(
+            chat.conversation, chat.settings, **chat.options(), user=http_request.state.user))
+
+    @router.post("/v1/completions")
+    async def completions(http_request: HttpRequest) -> Response:
+        completion = parse_completion(await json_body(http_request, max_body_mb), backend.profiles, backend.default)
+        return await answer(http_request, completion, lambda: backend.complete(
+            completion.prompt, completion.model, completion.settings, **completion.options(),
+            user=http_request.state.user))
+
+    return router
+
+
+async def answer(http_request: HttpRequest, asked: ApiRequest, start) -> Response:
+    """Run the request (`start()` hands it to the backend) and answer it: one JSON object, or
+    server-sent events as the text comes."""
+    chat = isinstance(asked, ChatRequest)
+    try:
+        request = start()
+    except ServerBusy as e:
+        return ApiError(429, f"The server is busy: {e}. Retry in a few seconds.", type="server_error",
+                        code="server_busy").response()
+    except InvalidRequest as e:  # what the request body's types let through and the engine cannot take
+        return ApiError(400, f"The request cannot be computed: {e}.").response()
+    watcher = asyncio.create_task(cancel_on_disconnect(http_request, request))
+    items = pieces(request)
+    made = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request.id}", "created": int(time.time()), "model": asked.model}
+    streaming = False  # once the stream is handed over, it cleans up itself
+
+    async def close() -> None:
+        request.cancel()  # a no-op once it is done
+        watcher.cancel()
+        await items.aclose()
+
+    offsets = [0] * asked.n  # completions' text_offset: characters of each reply so far
+
+    def report(index: int, logprobs: list[TokenLogprob]) -> ChatLogprobs | TextLogprobs | None:
+        if asked.logprobs is None:
+            return None
+        if chat:
+            return chat_logprobs(logprobs)
+        offsets[index] += sum(len(t.token) for t in logprobs)
+        return completion_logprobs(logprobs, offsets[index] - sum(len(t.token) for t in logprobs))
+
+    def whole(index: int, text: str, finish: Finish, logprobs: list[TokenLogprob]) -> ChatChoice | TextChoice:
+        if not chat:
+            return TextChoice(index=index, text=text, logprobs=report(index, logprobs), finish_reason=finish.reason)
+        calls = [Call(**call_fields(call)) for call in finish.tool_calls]
+        message = ReplyMessage(content=text or (None if calls else ""), tool_calls=calls or UNSET)
+        return ChatChoice(index=index, message=message, logprobs=report(index, logprobs), finish_reason=finish.reason)
+
+    def piece(index: int, text: str | None = None, reason: str | None = None, calls: list[dict] = (),
+              logprobs: list[TokenLogprob] = ()) -> ChunkChoice | TextChoice:
+        if not chat:
+            return TextChoice(index=index, text=text or "", finish_reason=reason,
+                              logprobs=report(index, logprobs) if text is not None else None)
+        delta = Delta(content=text, tool_calls=tuple(Call(index=k, **call_fields(c)) for k, c in enumerate(calls))
+                      or None)
+        return ChunkChoice(index=index, delta=delta, finish_reason=reason,
+                           logprobs=report(index, logprobs) if text is not None else None)
+
+    try:
+        first = await anext(items)  # waits for a place in the batch; errors are known by then
+        if not asked.stream:
+            texts, logprobs, finishes, item = [[] for _ in range(asked.n)], [[] for _ in range(asked.n)], \
+                [None] * asked.n, first
+            while not isinstance(item, Usage):
+                if isinstance(item, Piece):
+                    texts[item.index].append(item.text)
+                    logprobs[item.index] += item.logprobs
+                else:
+                    finishes[item.index] = item
+                item = await anext(items)
+            choices = [whole(i, "".join(texts[i]), f, logprobs[i]) for i, f in enumerate(finishes)]
+            reply = ChatCompletion(**made, object="chat.completion", choices=choices, usage=item) if chat else \
+                TextCompletion(**made, object="text_completion", choices=choices, usage=item)
+            return json_response(reply)
+        streaming = True
+    except ApiError as e:
+        return e.response()
+    finally:
+        if not streaming:
+            await close()
+
+    def chunk(choices: list, usage: Usage | UnsetType = UNSET) -> str:
+        if chat:
+            return sse(ChatCompletionChunk(**made, object="chat.completion.chunk", choices=choices, usage=usage))
+        return sse(TextCompletion(**made, object="text_completion", choices=choices, usage=usage))
+
+    async def events() -> AsyncIterator[str]:
+        ended = False
+        try:
+            if chat:
+                yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(asked.n)])
+            item = first
+            while not isinstance(item, Usage):
+                if isinstance(item, Piece):
+                    yield chunk([piece(item.index, item.text, logprobs=item.logprobs)])
+                else:
+                    if item.tool_calls:
+                        yield chunk([piece(item.index, calls=item.tool_calls)])
+                    yield chunk([piece(item.index, reason=item.reason)])
+                item = await anext(items)
+            if asked.include_usage:
+                yield chunk([], usage=item)
+            ended = True
+        except ApiError as e:  # a failure midway: the status is sent already
+            ended = True
+            yield sse(e.body())
+        finally:
+            if not ended:  # the server stopped streaming: the client went away
+                log.info("request %s: the client went away; cancelled", request.id)
+            await close()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs([ChatTokenLogprob(t.token, t.logprob, t.bytes, [TopLogprob(top.token, top.logprob, top.bytes)
+                                                                        for top in t.top]) for t in entries])
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int) -> TextLogprobs:
+    starts = []
+    for t in entries:
+        starts.append(offset)
+        offset += len(t.token)
+    return TextLogprobs([t.token for t in entries], [t.logprob for t in entries],
+                        [{top.token: top.logprob for top in t.top} for t in entries], starts)
+
+
+def call_fields(call: dict) -> dict:
+    """A tool call as the engine reports it ({"id", "type", "function": {"name", "arguments"}})."""
+    function = call.get("function") or {}
+    return {"id": call.get("id"), "type": call.get("type", "function"),
+            "function": CallFunction(function.get("name", ""), function.get("arguments", ""))}
+
+
+def json_response(shape: Struct, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(shape), status_code=status, media_type="application/json")
+
+
+def sse(shape: Struct) -> str:
+    return f"data: {msgspec.json.encode(shape).decode()}\n\n"
+
+
+def mount(app: FastAPI, backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> None:
+    """Add the API's routes to an app, in front of its own: Chainlit's catch-all GET route would
+    otherwise answer /v1/models with its web page."""
+    app.router.routes[0:0] = create_router(backend, api_key, max_body_mb).routes
+    app.add_exception_handler(ApiError, answer_error)
+
+
+def health_route(backend: Backend) -> Route:
+    """GET /health, of both servers: 200 once the default model is loaded, 503 before (and while a crashed
+    engine restarts). No key needed: it says nothing but whether the server is up."""
+    async def health(http_request: HttpRequest) -> Response:
+        ready = backend.ready
+        return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
+    return Route("/health", health, methods=["GET"])
+
+
+async def answer_error(http_request: HttpRequest, error: ApiError) -> Response:
+    """A route's ApiError (a bad key, body or model) as OpenAI's error object with its status."""
+    return error.response()
+
+
+# ---- standalone server --------------------------------------------------------------------------
+
+def create_app(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> FastAPI:
+    """The API alone; /health says 200 once the default model is loaded."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await backend.start()
+        yield
+        backend.close()
+
+    app = FastAPI(title="llama-chat API", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    mount(app, backend, api_key, max_body_mb)
+
+    app.router.routes.insert(0, health_route(backend))
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from app.api import guard
+    from app.web import http_server
+    from app.backend.protocol import open_backend
+    from app.settings import Settings, SettingsError
+
+    parser = argparse.ArgumentParser(prog="python -m app.api", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8001, help="port (default: 8001)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s - %(levelname)s - %(name)s - %(message)s")
+    try:
+        settings = Settings.from_env()
+        allowed = guard.Allowed.from_settings(settings, args.host, args.port)
+        backend = open_backend(settings)
+    except SettingsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not settings.api_key and not guard.is_loopback(args.host):
+        log.warning("serving on %s without LLAMA_API_KEY: anyone who can reach this port can use the model",
+                    args.host)
+    app = create_app(backend, settings.api_key, settings.max_body_mb)
+    guard.install(app, allowed)
+    http_server.install(app)
+    log.info("%s", allowed.summary())
+    gc.freeze()  # what is loaded by now lives as long as the process: no collection walks it again (see app/main.py)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **http_server.uvicorn_options(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine process: the loop, scheduler, sequences, prefix cache, prompt fitting, outbox."""

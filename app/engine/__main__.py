@@ -1,0 +1,5 @@
+"""`python -m app.engine ...`: the engine process."""
+
+from app.engine.core import main
+
+main()

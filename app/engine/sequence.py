@@ -1,0 +1,155 @@
+"""One request inside the engine: its prompt, its KV cache, its place in the batch, its reply so far.
+
+The engine's step loop feeds a sequence prompt chunks (`prefill_chunk`, then `prefilled`) and the
+logits of each position it must sample (`sample`), then asks `accept(token)` what text that token
+adds. What a token means for the reply (stop tokens and strings, the JSON constraint, the token
+limit, logprobs, tool calls, stats) is the reply's `Decoding` (model/decoding.py), the rules
+`generate()` follows too; here: when the sequence runs, and its messages.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from model.decoding import Decoding
+from model.kv_cache import KVCache
+from model.sampling import SamplingParams
+
+from app.messages import Context, Done, Generate, ReplySettings, Stats, TokenLogprob
+
+
+class Sequence:
+    """One reply to a request from the web side (a request for n replies has n sequences: the first
+    prefills the prompt, the others start from a copy of its cache)."""
+
+    def __init__(self, request: Generate, arrived: float, index: int = 0, leader: Sequence | None = None):
+        self.id = request.id
+        self.index = index
+        self.leader = leader  # the sequence whose prefilled prompt this one copies
+        self.followers: list[Sequence] = []
+        self.model = request.model
+        self.scope = (request.model, request.user)  # kept KV caches are reused within one model and one user
+        self.request = request
+        self.arrived = arrived
+        self.settings: ReplySettings | None = None  # every field set, once the model is known
+        self.prompt: list[int] | None = None  # built once the model is loaded
+        self.cache: KVCache | None = None  # taken when the sequence starts running
+        self.decoding: Decoding | None = None  # once started
+        self.unsent = ""  # text the reply held back to its end (e.g. a possible tool call): sent before Done
+        self.cancelled = False
+        self._stats = Stats()  # before it starts
+        self.context = Context()  # how its prompt fit the model's context, set by the engine with the prompt
+        self._token_bytes: list[bytes] | None = None  # with logprobs: every token's bytes
+        self._logprobs_sent = 0
+
+    def start(self, checkpoint, prompt: list[int], settings: ReplySettings, limit: int, *, constraint=None,
+              token_bytes: list[bytes] | None = None) -> None:
+        """Ready to run: the prompt's ids and the reply's settings (all set) are known. constraint: the
+        JSON the reply must be; token_bytes: each token's bytes, when logprobs are asked for."""
+        self.prompt, self.settings, self._token_bytes = prompt, settings, token_bytes
+        request = self.request
+        tools = {t["function"]["name"] for t in request.tools or []} if request.tool_choice != "none" else set()
+        self.decoding = Decoding(
+            checkpoint.tokenizer, prompt, max_new_tokens=settings.max_new_tokens, context_limit=limit,
+            sampling=SamplingParams(
+                temperature=settings.temperature, top_k=settings.top_k or 0, top_p=settings.top_p,
+                min_p=settings.min_p, repetition_penalty=settings.repetition_penalty,
+                frequency_penalty=settings.frequency_penalty, presence_penalty=settings.presence_penalty,
+                seed=settings.seed),
+            stop_ids=set() if settings.ignore_eos else checkpoint.stop_ids, stop=settings.stop,
+            constraint=constraint, logprobs=request.logprobs if token_bytes is not None else None,
+            tools=tools, parallel_tool_calls=request.parallel_tool_calls, device=checkpoint.device,
+            started=self.arrived)
+        if self.cancelled:
+            self.decoding.cancel()
+
+    @property
+    def tokens(self) -> list[int]:
+        """The reply's ids so far."""
+        return self.decoding.tokens if self.decoding is not None else []
+
+    @property
+    def stats(self) -> Stats:
+        return self.decoding.stats if self.decoding is not None else self._stats
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.decoding is not None:
+            return self.decoding.finish_reason
+        return "cancelled" if self.cancelled else None
+
+    # -- what the scheduler reads
+
+    @property
+    def ready(self) -> bool:
+        """Its prompt is built, and (for a follower) its leader's prefilled prompt is copied."""
+        return (self.prompt is not None and (self.leader is None or self.cache is not None)) or self.finished
+
+    @property
+    def prompt_left(self) -> int:
+        if self.tokens or self.prompt is None:
+            return 0
+        return len(self.prompt) - (self.cache.length if self.cache is not None else 0)
+
+    @property
+    def next_chunk(self) -> int:
+        """Prompt tokens in its next prefill chunk (model/kv_cache.py: chunks start at multiples of the
+        chunk size, whatever else is prefilled in the step), 0 once its prompt is in its cache."""
+        if self.prompt_left == 0:
+            return 0
+        return self.cache.chunk_end(len(self.prompt)) - self.cache.length
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def max_len(self) -> int:
+        """Cache positions this sequence may need: its prompt and its longest reply."""
+        return len(self.prompt) + self.decoding.max_new_tokens
+
+    # -- what the engine calls
+
+    def prefill_chunk(self) -> tuple[list[int], int]:
+        """The prompt ids of its next prefill chunk, and the position of the first."""
+        start = self.cache.length
+        return self.prompt[start:start + self.next_chunk], start
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """The next token, from the logits of the model at the reply's next position (vocab,)."""
+        return self.decoding.sample(logits)
+
+    def accept(self, token: int) -> str:
+        """Take the sampled token; returns the text it adds (often "", for a partial character)."""
+        return self.decoding.accept(token)
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs of the reply's tokens since the last call (empty unless asked for)."""
+        if self.decoding is None:
+            return []
+        new = self.decoding.logprobs[self._logprobs_sent:]
+        self._logprobs_sent += len(new)
+        return [TokenLogprob(*self._spelled(lp.token), lp.logprob, [TokenLogprob(*self._spelled(t), top)
+                                                                     for t, top in lp.top]) for lp in new]
+
+    def _spelled(self, token: int) -> tuple[str, list[int]]:
+        data = self._token_bytes[token] if token < len(self._token_bytes) else b""
+        return data.decode("utf-8", errors="replace"), list(data)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.decoding is not None:
+            self.decoding.cancel()
+
+    def done(self) -> Done:
+        """The reply's last message; `unsent` is the text it still held back, to send before it."""
+        if self.decoding is None:  # cancelled (or failed) before it started
+            self._stats.total_time = time.perf_counter() - self.arrived
+            return Done(self.id, "", "cancelled", self._stats, [], self.index, [], self.context)
+        decoding = self.decoding
+        self.unsent = decoding.end()
+        calls = [call.to_openai() for call in decoding.tool_calls]
+        return Done(self.id, decoding.text, decoding.finish_reason, decoding.stats, list(decoding.tokens),
+                    self.index, calls, self.context)

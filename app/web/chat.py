@@ -1,0 +1,579 @@
+"""The chat in the browser: Chainlit handlers, registered on import and started by `app/main.py` (`start()`).
+
+Thin Chainlit handlers over a backend (`app.backend.protocol`): the engine process that owns the models and
+computes every reply, or a remote server. What a session keeps in cl.user_session:
+
+    conversation     app.backend.conversation.Conversation: messages (replies with their token ids), system prompt
+    reply_settings   app.messages.ReplySettings from the settings panel
+    preset           the system-prompt preset the panel shows (app.web.presets); choosing another fills the prompt
+    request          the app.backend.reply.Reply being answered, for the Stop button
+    told_trimmed     whether the user was told that older messages were left out
+    told_near_full   whether the user was told that the context is nearly full
+    actions          the Regenerate and Export buttons, under the last answer only
+    regenerated      how many times the last answer was sampled again (a set seed moves on by one each time)
+
+With history on (the default), chats are stored in SQLite through Chainlit's data layer
+(app.web.history) and a chat resumed from the sidebar continues with the model remembering it. The
+OpenAI-compatible API (app.api) is served on the same server, by the same engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import sys
+from pathlib import Path
+
+import msgspec
+
+
+import chainlit as cl
+from chainlit.chat_context import chat_contexts
+from chainlit.config import FILES_DIRECTORY
+from chainlit.config import config as chainlit_config
+from chainlit.input_widget import Select, Slider, TextInput
+from chainlit.server import app as chainlit_app
+
+from app.api import routes as api, guard
+from app.web import export, history, http_server, sessions, users
+from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote, open_backend
+from app.bounds import reply_seed
+from app.backend.conversation import Conversation, Message
+from app.web.display import ShownStream, shown
+from app.messages import Done, Failed, Loading, Queued, ReplySettings, Restarting, Text
+from app.web.presets import CUSTOM, preset_of, read_presets
+from app.web.private_files import private_folder
+from app.settings import Settings, SettingsError
+from model.checkpoint_files import CheckpointError
+from model.summary import summarize
+
+log = logging.getLogger("app")
+
+SETTINGS: Settings  # these are set by start()
+PRESETS: dict
+ALLOWED: guard.Allowed
+BACKEND: Backend
+SIGNING_IN: bool
+SIGN_IN: users.SignIn | None
+SIGNED_IN: sessions.Valid
+
+
+def start() -> None:
+    """Read the settings, open the backend (the engine process starts loading the default model), and put
+    the guard, sign-in and the API in front of Chainlit's routes. `app/main.py` calls it once, before
+    the server serves; a setting that cannot be used stops the start (exit status 2)."""
+    global SETTINGS, PRESETS, ALLOWED, BACKEND, SIGNING_IN, SIGN_IN, SIGNED_IN
+    try:
+        SETTINGS = Settings.from_env()
+        PRESETS = read_presets(SETTINGS.presets)
+        ALLOWED = guard.Allowed.from_settings(SETTINGS, chainlit_config.run.host, chainlit_config.run.port,
+                                              "https" if chainlit_config.run.ssl_cert else "http")
+        BACKEND = open_backend(SETTINGS)
+        if SETTINGS.history:
+            history.prepare(SETTINGS)
+        SIGNING_IN = SETTINGS.history or SETTINGS.auth == "password"  # Chainlit signs users in: with a form, or as local
+        if SIGNING_IN:  # its tokens need a secret
+            os.environ["CHAINLIT_AUTH_SECRET"] = history.auth_secret(SETTINGS.history_db.parent)
+        SIGN_IN = (users.SignIn.from_settings(SETTINGS, key=os.environ["CHAINLIT_AUTH_SECRET"].encode())
+                   if SETTINGS.auth == "password" else None)
+        SIGNED_IN = sessions.still_signed_in(SIGN_IN.passwords if SIGN_IN else None)
+        private_folder(FILES_DIRECTORY)  # Chainlit keeps there the files it sends, an exported chat among them
+        http_server.configure_chainlit(SETTINGS)  # slow clients cut off; X-Forwarded-For only from trusted proxies
+    except SettingsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if chainlit_app.middleware_stack is None:  # not serving yet (a reload by `chainlit run -w` keeps the first ones)
+        guard.install(chainlit_app, ALLOWED)  # in front of every route: the page, socket.io, sign-in, history, the API
+        chainlit_app.add_middleware(users.ClientAddress)  # failed sign-ins are slowed per address too
+        http_server.install(chainlit_app)
+        if SIGNING_IN:
+            chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
+    api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb)
+    chainlit_app.router.routes.insert(0, api.health_route(BACKEND))  # before Chainlit's own
+    # Chat history and sign-in, as the settings ask
+    if SETTINGS.history:
+        @cl.data_layer
+        def history_database():
+            return history.data_layer(SETTINGS)
+
+    if SIGN_IN:
+        @cl.password_auth_callback
+        async def password_login(username: str, password: str):
+            name = await SIGN_IN(username, password)
+            return sessions.password_user(name, SIGN_IN.passwords) if name else None
+    elif SETTINGS.history:  # one local user, signed in without a form
+        @cl.header_auth_callback
+        async def local_user(headers):
+            return sessions.local_user()
+
+
+TRIMMED_NOTE = ("*Older messages of this chat no longer fit the model's context, so they were left out; "
+                "the model now sees only the more recent ones.*")
+NEAR_FULL = 0.85  # share of the prompt's room (the engine's Context.room) past which older turns go soon
+NEAR_FULL_NOTE = ("*This chat fills {used} of the model's context, and the next reply needs room too: older turns "
+                  "will be left out soon, and the model will no longer see them.*")
+BUSY_NOTE = ("The server is busy: as many replies are running and waiting as it takes. Please send your "
+             "message again in a moment.")
+RESTARTING_NOTE = "The model is restarting after a failure; your message is answered as soon as it is back…"
+STOPPED_WAIT_S = 2.0  # how long a stopped reply may take to hand back its last tokens and stats
+SESSION_STATE = {"request": None, "actions": [], "regenerated": 0}  # a resumed chat starts with these
+EXPORT_COMMAND = "Export"
+COMMANDS = [{"id": EXPORT_COMMAND, "icon": "download", "description": "Download this chat as Markdown and JSON",
+             "button": False, "persistent": False}]
+DESCRIPTIONS: dict[str, str] = {}  # model name -> describe(name)
+SWEEPING: set[asyncio.Task] = set()  # the task that closes sockets whose sign-in ended (held: tasks are weak)
+STARTERS = [
+    ("Capital of France", "What is the capital of France?"),
+    ("Prime numbers in Python", "Write a Python function that checks whether a number is prime."),
+    ("Explain attention", "Explain in simple words what attention does in a transformer."),
+    ("Weekend ideas", "Give me three ideas for a relaxing weekend at home."),
+]
+
+
+# ---- app ----------------------------------------------------------------------------------------
+
+@cl.on_app_startup
+async def start_backend():
+    """Wait for the engine to list its models; it loads (on first start, prepares) the default one
+    meanwhile, and /health says 200 once it is loaded."""
+    log.info("%s", ALLOWED.summary())
+    if SIGNING_IN:
+        SWEEPING.add(asyncio.create_task(sessions.sweep(SIGNED_IN)))  # open sockets whose sign-in ended
+    await BACKEND.start()
+    for name, path in BACKEND.profiles.items():  # where each model comes from, symbolic links followed
+        log.info("model %s%s: %s", name, " (default)" if name == BACKEND.default else "",
+                 path if is_remote(path) else Path(path).resolve())
+
+
+@cl.on_app_shutdown
+def stop_backend():
+    BACKEND.close()
+
+
+# ---- history and sign-in ------------------------------------------------------------------------
+
+# (the data layer and the sign-in callbacks are registered by start(), as the settings ask)
+
+
+@cl.on_chat_resume
+async def resume_chat(thread: dict):
+    """A chat chosen in the sidebar: rebuild what the model saw from its stored messages."""
+    await BACKEND.start()
+    profile = cl.user_session.get("chat_profile")
+    values = cl.user_session.get("chat_settings") or {}
+    system_prompt = ((values.get("system_prompt") or "").strip() or None if "system_prompt" in values
+                     else SETTINGS.system_prompt)
+    conversation = history.conversation_from_steps(
+        thread.get("steps") or [], model=profile if profile in BACKEND.profiles else BACKEND.default,
+        system_prompt=system_prompt)
+    cl.user_session.set("conversation", conversation)
+    for key, value in SESSION_STATE.items():  # what Chainlit restored of these is the stored chat's text of them
+        cl.user_session.set(key, value)
+    await cl.context.emitter.set_commands(COMMANDS)
+    log.info("resumed chat %s with %d messages", thread.get("id"), len(conversation.messages))
+    try:
+        await BACKEND.load(conversation.model)
+    except Exception as e:
+        await cl.ErrorMessage(content=f"The model {conversation.model} could not be loaded: {e}").send()
+        return
+    stored, _ = read_settings(values)
+    panel = await cl.ChatSettings(settings_widgets(stored.over(BACKEND.reply_defaults(conversation.model)),
+                                                   system_prompt, BACKEND.context_limit(conversation.model))).send()
+    cl.user_session.set("reply_settings", read_settings(panel)[0])
+    cl.user_session.set("preset", panel["preset"])
+
+
+@cl.set_chat_profiles
+async def chat_profiles(user=None, language=None):
+    """The models to choose from: each one's size, format and dtype, and where it is. Chosen, it loads."""
+    await BACKEND.start()
+    return [cl.ChatProfile(name=name, default=name == BACKEND.default,
+                           markdown_description=f"{describe(name)}  \n`{path}`"
+                                                + (" (default)" if name == BACKEND.default else ""))
+            for name, path in BACKEND.profiles.items()]
+
+
+def describe(name: str) -> str:
+    """A model in a few words, from its checkpoint folder (read once): "135M parameters · 538 MB · safetensors ·
+    bf16"; a remote server's model: where it is served."""
+    if name not in DESCRIPTIONS:
+        path = BACKEND.profiles.get(name, "")
+        if is_remote(path):
+            DESCRIPTIONS[name] = f"served by {path}"
+        else:
+            try:
+                summary = summarize(path)
+                quantized = SETTINGS.quantize != "off" and summary.dtype != SETTINGS.quantize  # LLAMA_QUANTIZE
+                DESCRIPTIONS[name] = summary.describe() + (f" · {SETTINGS.quantize} when loaded" if quantized else "")
+            except (CheckpointError, OSError) as e:
+                DESCRIPTIONS[name] = f"not readable: {e}"
+    return DESCRIPTIONS[name]
+
+
+@cl.set_starters
+async def starters(user=None, language=None):
+    return [cl.Starter(label=label, message=message) for label, message in STARTERS]
+
+
+# ---- chat ---------------------------------------------------------------------------------------
+
+@cl.on_chat_start
+async def start_chat():
+    await BACKEND.start()
+    profile = cl.user_session.get("chat_profile")
+    conversation = Conversation(model=profile if profile in BACKEND.profiles else BACKEND.default,
+                                system_prompt=SETTINGS.system_prompt)
+    cl.user_session.set("conversation", conversation)
+    await cl.context.emitter.set_commands(COMMANDS)
+    if not BACKEND.is_loaded(conversation.model):  # its first use: say what loads, then how long it took
+        note = await cl.Message(content=loading_note(conversation.model)).send()
+        try:
+            info = await BACKEND.load(conversation.model)
+        except Exception as e:
+            await note.remove()
+            await cl.ErrorMessage(content=f"The model {conversation.model} could not be loaded: {e}").send()
+            return
+        note.content = f"Loaded **{conversation.model}** in {info.load_seconds:.1f} s."
+        await note.update()
+    limit = BACKEND.context_limit(conversation.model)
+    values = await cl.ChatSettings(settings_widgets(BACKEND.reply_defaults(conversation.model),
+                                                    conversation.system_prompt, limit)).send()
+    cl.user_session.set("reply_settings", read_settings(values)[0])
+    cl.user_session.set("preset", values["preset"])
+
+
+@cl.on_settings_update
+async def update_settings(values: dict):
+    values = {**(cl.user_session.get("chat_settings") or {}), **values}  # the whole panel, not only changes
+    settings, problem = read_settings(values)
+    cl.user_session.set("reply_settings", settings)
+    conversation = current_conversation()
+    preset = values.get("preset")
+    if preset in PRESETS and preset != cl.user_session.get("preset", CUSTOM):  # just chosen: it fills the text
+        conversation.system_prompt = PRESETS[preset]
+        values["system_prompt"] = PRESETS[preset]
+        defaults = BACKEND.reply_defaults(conversation.model)
+        await cl.ChatSettings(settings_widgets(defaults, conversation.system_prompt,
+                                               BACKEND.context_limit(conversation.model), values)).send()
+    else:
+        conversation.system_prompt = (values.get("system_prompt") or "").strip() or None
+    cl.user_session.set("preset", preset)  # as the panel shows it
+    if problem:
+        await cl.Message(content=problem).send()
+
+
+@cl.on_message
+async def on_message(message: cl.Message):
+    conversation = current_conversation()
+    if message.command == EXPORT_COMMAND or message.content.strip().lower() == "/export":
+        await send_export(conversation)
+        return
+    conversation.truncate(message.id)  # an edited message: answer again from there
+    if not message.content.strip():
+        await cl.Message(content="Please type a message.").send()
+        return
+    conversation.add("user", message.content, id=message.id)
+    cl.user_session.set("regenerated", 0)
+    await reply(conversation)
+
+
+@cl.action_callback("regenerate")
+async def regenerate(action: cl.Action):
+    """Sample the last answer again, with another seed: the old one goes, from the page and the history."""
+    conversation = current_conversation()
+    last = conversation.messages[-1] if conversation.messages else None
+    if cl.user_session.get("request") is not None:
+        await cl.Message(content="Please wait until this reply is done (or stop it) to regenerate.").send()
+        return
+    if last is None or last.role != "assistant" or last.id != action.payload.get("answer"):
+        await cl.Message(content="Only the last answer can be regenerated.").send()
+        return
+    conversation.messages.pop()  # the prompt up to the user's turn is a prefix the engine has cached
+
+    async def drop_old_answer() -> None:  # once the new answer begins: before, a failure keeps the old one
+        await action.remove()
+        for message_id in (last.id, action.forId):  # the answer and its statistics line
+            if message_id:
+                await cl.Message(content="", id=message_id).remove()
+
+    regenerated = (cl.user_session.get("regenerated") or 0) + 1
+    cl.user_session.set("regenerated", regenerated)
+    settings = cl.user_session.get("reply_settings") or ReplySettings()
+    settings = msgspec.structs.replace(settings, seed=None if settings.seed is None
+                                       else reply_seed(settings.seed, regenerated))
+    emitter = cl.context.emitter
+    await emitter.task_start()  # the Stop button, as for a message (an action has no task of its own)
+    try:
+        async with cl.Step(name="on_message", type="run"):  # as a message's reply is, so it gets a copy button
+            await reply(conversation, settings, replacing=last, on_first_text=drop_old_answer)
+    finally:
+        await emitter.task_end()
+
+
+@cl.action_callback("export")
+async def export_chat(action: cl.Action):
+    await send_export(current_conversation())
+
+
+async def send_export(conversation: Conversation) -> None:
+    """The chat as two files to download: Markdown, and JSON in the OpenAI messages shape."""
+    if not conversation.messages:
+        await cl.Message(content="There is nothing to export yet.").send()
+        return
+    elements = [cl.File(name=name, content=content, display="inline",
+                        mime="application/json" if name.endswith(".json") else "text/markdown")
+                for name, content in export.files(conversation).items()]
+    await cl.Message(content="This chat as Markdown and as JSON (OpenAI's messages):", elements=elements,
+                     author="export").send()
+
+
+@cl.on_stop
+async def stop_reply():
+    request = cl.user_session.get("request")
+    if request is not None:
+        request.cancel()
+
+
+@cl.on_chat_end
+async def end_chat():
+    """The tab closed or lost its connection, or a new chat began: free the model for others."""
+    request = cl.user_session.get("request")
+    if request is not None:  # nobody is reading the reply any more
+        request.cancel()
+    session = cl.context.session
+    if getattr(session, "to_clear", False):  # a new chat replaces this one for good
+        chat_contexts.pop(session.id, None)
+
+
+def chat_user() -> str:
+    """Whose chat this is: the engine reuses a kept KV cache only between requests of the same user."""
+    user = cl.context.session.user
+    return user.identifier if user else users.LOCAL_USER
+
+
+def current_conversation() -> Conversation:
+    conversation = cl.user_session.get("conversation")
+    if conversation is None:  # a message that came before on_chat_start was done
+        conversation = Conversation(model=BACKEND.default, system_prompt=SETTINGS.system_prompt)
+        cl.user_session.set("conversation", conversation)
+    return conversation
+
+
+async def reply(conversation: Conversation, settings: ReplySettings | None = None, *,
+                replacing: Message | None = None, on_first_text=None) -> None:
+    """Stream the answer to the conversation's last message, then a line of statistics.
+
+    A regenerated answer is `replacing` the one taken off the history: until its first text comes (and
+    `on_first_text()` takes the old one off the page), a failure, a busy server or Stop puts the old
+    one back, and the question stays answered. Stopped after its first text, an answer stays as far as
+    it came, in the history too; failed, it stays on the page but the question leaves the history, as
+    when nothing came: the error asks to send it again. So a cut answer is stored marked as cut
+    (history.CUT), and a resumed chat leaves it and its question out too."""
+
+    asked = conversation.messages[-1]
+
+    def not_answered() -> None:
+        if replacing is not None and on_first_text is not None:  # nothing of the new answer came
+            conversation.messages.append(replacing)
+        else:  # leave the question out of the history (the old answer, if any, went): it is to be sent again
+            conversation.messages = [m for m in conversation.messages if m is not asked]
+
+    try:
+        request = BACKEND.stream(conversation, settings or cl.user_session.get("reply_settings") or ReplySettings(),
+                                 user=chat_user())
+    except ServerBusy:
+        not_answered()
+        await cl.ErrorMessage(content=BUSY_NOTE).send()
+        return
+    except InvalidRequest as e:  # (a chat too long in messages, ...)
+        not_answered()
+        await cl.ErrorMessage(content=f"This message cannot be answered: {e}").send()
+        return
+    cl.user_session.set("request", request)
+    answer = cl.Message(content="", metadata={"kind": history.REPLY})  # what a resumed chat remembers
+    display = ShownStream()  # LaTeX is on: a dollar that is money is escaped (app.web.display)
+    status: cl.Message | None = None  # "waiting" or "loading", removed when the answer starts
+    try:
+        async for event in request:
+            if isinstance(event, Text):
+                if status is not None:
+                    await status.remove()
+                    status = None
+                if on_first_text is not None:
+                    await on_first_text()
+                    on_first_text = None
+                piece, whole = display.feed(event.text)
+                if piece or whole:
+                    await answer.stream_token(piece, is_sequence=whole)
+            elif isinstance(event, Queued):
+                status = await show_status(status, "The model is answering other chats; yours is "
+                                                   f"{'next' if event.position == 1 else f'number {event.position}'}"
+                                                   " in line…")
+            elif isinstance(event, Loading):
+                status = await show_status(status, loading_note(event.model))
+            elif isinstance(event, Restarting):
+                status = await show_status(status, RESTARTING_NOTE)
+            elif isinstance(event, Done):
+                if on_first_text is not None:  # an answer without text still replaces the old one
+                    await on_first_text()
+                    on_first_text = None
+                await finish(conversation, answer, event)
+            elif isinstance(event, Failed):
+                not_answered()
+                if answer.content:  # cut off midway (the engine stopped): no endless cursor
+                    answer.content = display.end()  # with a last "$..." held back, if any
+                    answer.metadata = {"kind": history.CUT}  # not an answer a resumed chat remembers
+                    await answer.send()
+                await cl.ErrorMessage(content=event.message).send()
+    except asyncio.CancelledError:  # the Stop button: keep what was written
+        request.cancel()
+        done = await last_event(request)
+        if replacing is not None and on_first_text is not None:  # stopped before the new answer began
+            not_answered()
+        elif isinstance(done, Done):
+            answer.content = done.text
+            await finish(conversation, answer, done)
+        else:
+            answer.content = display.end()  # with a last "$..." held back, if any
+            await answer.send()
+            conversation.add("assistant", display.raw, id=answer.id)  # as written, not as shown (app.web.display)
+        raise
+    finally:
+        request.cancel()  # a no-op once it is done
+        if status is not None:
+            await status.remove()
+        if cl.user_session.get("request") is request:
+            cl.user_session.set("request", None)
+
+
+async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> None:
+    """Finalize the streamed answer, add it to the history, and show the statistics line with the context in
+    use, as the engine reports it (and, once each, notes that older messages were left out or soon will be)."""
+    if answer.content or done.text or done.finish_reason != "cancelled":
+        answer.content = shown(done.text)
+        await answer.send()
+    conversation.add("assistant", done.text, id=answer.id, ids=done.token_ids)
+    context = done.context
+    trimmed = context.left_out > conversation.left_out  # this reply's prompt left out more than the last one's
+    conversation.left_out = max(conversation.left_out, context.left_out)  # later prompts start there: cache reused
+    for action in cl.user_session.get("actions") or []:  # only the last answer has them
+        await action.remove()
+    actions = [cl.Action(name="regenerate", payload={"answer": answer.id}, label="Regenerate", icon="refresh-cw",
+                         tooltip="Write this answer again (another sample)"),
+               cl.Action(name="export", payload={}, label="Export", icon="download",
+                         tooltip="Download this chat as Markdown and JSON")]
+    cl.user_session.set("actions", actions)
+    line = done.summary
+    if context.limit:  # (not known for a reply stopped before its prompt was built)
+        line += f" · {context_in_use(done.context_used, context.limit)}"
+    if context.left_out:
+        line += f" · {context.left_out} earlier message{'s' if context.left_out != 1 else ''} left out"
+    await below(cl.Message(content=f"*{line}*", author="stats", actions=actions))
+    if trimmed:
+        if not cl.user_session.get("told_trimmed"):
+            cl.user_session.set("told_trimmed", True)
+            await below(cl.Message(content=TRIMMED_NOTE))
+    elif context.room and done.context_used >= NEAR_FULL * context.room and not cl.user_session.get("told_near_full"):
+        cl.user_session.set("told_near_full", True)
+        await below(cl.Message(content=NEAR_FULL_NOTE.format(used=context_in_use(done.context_used, context.limit))))
+
+
+async def below(message: cl.Message) -> None:
+    """Send a line that follows an answer outside the answer's run step: the page gives its copy button to the
+    last message of a run, which must be the answer, not this."""
+    message.parent_id = None
+    await message.send()
+
+
+def context_in_use(used: int, limit: int) -> str:
+    """How much of the model's context the conversation takes: "1,234 / 8,192 tokens"."""
+    return f"{used:,} / {limit:,} tokens"
+
+
+async def last_event(request):
+    """The final event of a cancelled request (it stops at its next token), or None if it takes too long."""
+    last = None
+
+    async def drain():
+        nonlocal last
+        async for event in request:
+            last = event
+
+    try:
+        await asyncio.wait_for(drain(), STOPPED_WAIT_S)
+    except asyncio.TimeoutError:
+        return None
+    return last
+
+
+def loading_note(model: str) -> str:
+    return f"Loading **{model}** ({describe(model)})…"
+
+
+async def show_status(status: cl.Message | None, text: str) -> cl.Message:
+    if status is None:
+        return await cl.Message(content=text).send()
+    status.content = text
+    await status.update()
+    return status
+
+
+# ---- settings panel -----------------------------------------------------------------------------
+
+def settings_widgets(defaults: ReplySettings, system_prompt: str | None, limit: int,
+                     values: dict | None = None) -> list:
+    """The settings panel: the defaults, or the values the user set (as the panel sends them)."""
+    widgets = [
+        Slider(id="temperature", label="Temperature", initial=defaults.temperature, min=0, max=2, step=0.05,
+               description="0 always picks the most likely token; higher is more varied."),
+        Slider(id="top_k", label="Top-k", initial=defaults.top_k or 0, min=0, max=200, step=1,
+               description="Sample among the k most likely tokens (0: off)."),
+        Slider(id="top_p", label="Top-p", initial=defaults.top_p, min=0.05, max=1, step=0.05,
+               description="Sample among the most likely tokens holding this share of probability."),
+        Slider(id="min_p", label="Min-p", initial=defaults.min_p, min=0, max=0.5, step=0.01,
+               description="Leave out tokens less likely than this share of the most likely one (0: off)."),
+        Slider(id="repetition_penalty", label="Repetition penalty", initial=defaults.repetition_penalty, min=1,
+               max=2, step=0.01, description="Makes tokens of the last 64 less likely, so replies do not go round "
+                                             "in circles (1: off)."),
+        Slider(id="max_new_tokens", label="Max new tokens", initial=min(defaults.max_new_tokens, limit),
+               min=16, max=limit, step=16, description="The longest reply, in tokens."),
+        TextInput(id="seed", label="Seed", initial="", placeholder="random",
+                  description="A whole number makes sampling repeatable; blank is random."),
+        Select(id="preset", label="System prompt preset", values=[CUSTOM, *PRESETS],
+               initial_value=preset_of(PRESETS, system_prompt),
+               description="A named system prompt (from the presets folder); it fills the text below."),
+        TextInput(id="system_prompt", label="System prompt", initial=system_prompt or "", multiline=True,
+                  placeholder="The model's own default", description="Instructions the model sees first."),
+    ]
+    for widget in widgets:  # keep what the user set, when the panel is sent again
+        if values and widget.id in values and widget.id not in ("preset", "system_prompt"):
+            widget.initial = values[widget.id]
+    return widgets
+
+
+PANEL = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+
+
+def read_settings(values: dict) -> tuple[ReplySettings, str | None]:
+    """The panel's values as ReplySettings, each checked as any request's are (app.bounds' ranges); a
+    value that is not one is left out (its default applies), and the note for the user names it."""
+    given = {name: values.get(name) for name in PANEL if values.get(name) not in (None, "")}
+    problems = []
+    if "seed" in given:
+        text = str(given.pop("seed")).strip()
+        try:
+            given["seed"] = int(text) if text else None
+        except ValueError:
+            problems.append(f"The seed must be a whole number, not “{text[:40]}”; replies use a random seed.")
+    kept = {}
+    for name, value in given.items():
+        try:
+            msgspec.convert({name: value}, ReplySettings, strict=False)
+            kept[name] = value
+        except msgspec.ValidationError as e:
+            problems.append(f"The setting {name} = {str(value)[:40]} was left out ({str(e).split(' - at ')[0]}); "
+                            "its default applies.")
+    return msgspec.convert(kept, ReplySettings, strict=False), " ".join(problems) or None
+

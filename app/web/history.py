@@ -1,0 +1,192 @@
+"""Chat history: the SQLite database behind the sidebar, the sign-in that history needs, and the
+conversation a resumed chat continues from.
+
+Chainlit keeps threads (chats) and steps (messages) through a data layer; ours is its
+SQLAlchemyDataLayer over SQLite, with the tables created here on first start, with the columns
+Chainlit 2.12 really writes (its documented schema lacks some). Chainlit only lists and resumes
+the chats of a signed-in user, so history also means sign-in: by default one local user with no
+login form (header authentication that accepts every request), or a password login for a shared
+machine (app.web.users checks the passwords). Chainlit's JSON web tokens need a secret: CHAINLIT_AUTH_SECRET, else one generated once
+and kept in `.auth_secret` beside the database. The database's folder and files, the secret included,
+are readable by the app's account only (app.web.private_files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import sqlite3
+from collections.abc import Iterable
+from pathlib import Path
+
+from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
+
+from app.backend.conversation import Conversation
+from app.web.display import plain
+from app.web.private_files import FILE_MODE, open_private, private_file, private_folder
+from app.settings import Settings, SettingsError
+
+log = logging.getLogger(__name__)
+
+SECRET_FILE = ".auth_secret"
+SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")  # files SQLite keeps beside a database
+REPLY = "reply"  # metadata["kind"] of a step that holds one of the model's replies
+CUT = "cut"  # ... of a reply cut off by a failure (the question is to be sent again): not remembered
+
+# Every column Chainlit 2.12's SQLAlchemyDataLayer reads or writes (StepDict, Message.to_dict,
+# ElementDict, Feedback), in SQLite's types. JSON and list values are stored as text.
+TABLES: dict[str, dict[str, str]] = {
+    "users": {"id": "TEXT PRIMARY KEY", "identifier": "TEXT NOT NULL UNIQUE", "metadata": "TEXT NOT NULL",
+              "createdAt": "TEXT"},
+    "threads": {"id": "TEXT PRIMARY KEY", "createdAt": "TEXT", "name": "TEXT",
+                "userId": "TEXT REFERENCES users(id) ON DELETE CASCADE", "userIdentifier": "TEXT",
+                "tags": "TEXT", "metadata": "TEXT"},
+    "steps": {"id": "TEXT PRIMARY KEY", "name": "TEXT NOT NULL", "type": "TEXT NOT NULL",
+              "threadId": "TEXT NOT NULL REFERENCES threads(id) ON DELETE CASCADE", "parentId": "TEXT",
+              "streaming": "BOOLEAN NOT NULL", "waitForAnswer": "BOOLEAN", "isError": "BOOLEAN",
+              "metadata": "TEXT", "tags": "TEXT", "input": "TEXT", "output": "TEXT", "createdAt": "TEXT",
+              "command": "TEXT", "modes": "TEXT", "start": "TEXT", "end": "TEXT", "generation": "TEXT",
+              "showInput": "TEXT", "language": "TEXT", "indent": "INTEGER", "defaultOpen": "BOOLEAN",
+              "autoCollapse": "BOOLEAN", "icon": "TEXT"},
+    "elements": {"id": "TEXT PRIMARY KEY", "threadId": "TEXT REFERENCES threads(id) ON DELETE CASCADE",
+                 "type": "TEXT", "url": "TEXT", "chainlitKey": "TEXT", "name": "TEXT NOT NULL", "display": "TEXT",
+                 "objectKey": "TEXT", "size": "TEXT", "page": "INTEGER", "language": "TEXT", "forId": "TEXT",
+                 "mime": "TEXT", "props": "TEXT", "autoPlay": "BOOLEAN", "playerConfig": "TEXT"},
+    "feedbacks": {"id": "TEXT PRIMARY KEY", "forId": "TEXT NOT NULL",
+                  "threadId": "TEXT NOT NULL REFERENCES threads(id) ON DELETE CASCADE", "value": "INTEGER NOT NULL",
+                  "comment": "TEXT"},
+}
+
+
+def create_schema(path: Path) -> None:
+    """Create the database and its tables if missing; add columns that a database from an older
+    Chainlit lacks (a column added later is NULL in old rows, which Chainlit reads as unset). The folder
+    and the files are made private first: SQLite gives the files it adds the database's mode."""
+    private_file(private_folder(path.parent) / path.name)
+    for companion in SQLITE_COMPANIONS:
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(path.with_name(path.name + companion), FILE_MODE)
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer (kept in the file)
+        for table, columns in TABLES.items():
+            body = ", ".join(f'"{name}" {kind}' for name, kind in columns.items())
+            db.execute(f"CREATE TABLE IF NOT EXISTS {table} ({body})")
+            present = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+            for name, kind in columns.items():
+                if name not in present:
+                    kind = kind.split()[0]  # SQLite adds columns without constraints
+                    db.execute(f'ALTER TABLE {table} ADD COLUMN "{name}" {kind}')
+        db.execute('CREATE INDEX IF NOT EXISTS steps_thread ON steps ("threadId", "createdAt")')
+        db.execute('CREATE INDEX IF NOT EXISTS threads_user ON threads ("userId")')
+
+
+class SQLiteDataLayer(SQLAlchemyDataLayer):
+    """Chainlit's SQLAlchemy data layer on a SQLite file.
+
+    SQLite cannot bind lists or dicts (a step's tags or modes, a thread's tags): they are stored as
+    JSON text. Failed statements, which Chainlit only logs, are logged as errors naming the statement.
+    """
+
+    def __init__(self, path: Path):
+        super().__init__(conninfo=f"sqlite+aiosqlite:///{path}", storage_provider=None)
+        self.path = path
+
+    async def execute_sql(self, query: str, parameters: dict):
+        parameters = {k: json.dumps(v) if isinstance(v, list | dict) else v for k, v in parameters.items()}
+        result = await super().execute_sql(query, parameters)
+        if result is None:  # Chainlit logged the exception as a warning
+            log.error("history database %s: a statement failed: %s", self.path, " ".join(query.split())[:200])
+        return result
+
+
+def prepare(settings: Settings) -> None:
+    """Create the history database (at start, so that a path that cannot be used stops the app)."""
+    try:
+        create_schema(settings.history_db)
+    except (OSError, sqlite3.Error) as e:
+        raise SettingsError(f"LLAMA_HISTORY_DB={settings.history_db}: cannot create the database there, readable by "
+                            f"this account only: {e}") from None
+
+
+def data_layer(settings: Settings) -> SQLiteDataLayer:
+    create_schema(settings.history_db)  # again: the file may have been deleted since the start
+    layer = _quietly(lambda: SQLiteDataLayer(settings.history_db))
+    log.info("chat history in %s", settings.history_db)
+    return layer
+
+
+def _quietly(make):
+    """Build without Chainlit's warning that files are not stored (file uploads are off)."""
+    chainlit_log = logging.getLogger("chainlit")
+    level = chainlit_log.level
+    chainlit_log.setLevel(logging.ERROR)
+    try:
+        return make()
+    finally:
+        chainlit_log.setLevel(level)
+
+
+# ---- sign-in ------------------------------------------------------------------------------------
+
+def auth_secret(folder: Path) -> str:
+    """CHAINLIT_AUTH_SECRET, else the secret in folder/.auth_secret, created (mode 0600) the first time."""
+    if os.environ.get("CHAINLIT_AUTH_SECRET"):
+        return os.environ["CHAINLIT_AUTH_SECRET"]
+    path = private_folder(folder) / SECRET_FILE
+    try:
+        fd = open_private(path, os.O_EXCL)
+    except FileExistsError:
+        os.chmod(path, FILE_MODE)
+        secret = path.read_text().strip()
+        if not secret:
+            raise SettingsError(f"{path} is empty: delete it to have a new secret made, or set CHAINLIT_AUTH_SECRET")
+        return secret
+    secret = secrets.token_urlsafe(48)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret
+
+
+# ---- resuming a chat ----------------------------------------------------------------------------
+
+def conversation_from_steps(steps: Iterable[dict], *, model: str | None, system_prompt: str | None) -> Conversation:
+    """The Conversation a chat had, rebuilt from its stored steps (in order).
+
+    Only the user's messages and the model's replies (steps marked as replies) count; notes, errors,
+    statistics lines and replies cut off by a failure do not. As in a live chat, a message that failed
+    (an error followed it and no whole reply) is left out, and a reply stopped before its first token
+    is an empty reply. A reply is
+    taken as the model wrote it, without the escapes the page needed (app.web.display).
+    """
+    conversation = Conversation(model=model, system_prompt=system_prompt)
+    asked = None  # the user's message that waits for its reply
+    for step in steps:
+        if step.get("type") == "user_message":
+            if asked is not None:
+                conversation.add("assistant", "")
+            asked = None
+            if (step.get("output") or "").strip():
+                asked = conversation.add("user", step["output"], id=step.get("id"))
+        elif step.get("type") == "assistant_message":
+            if is_reply(step) and asked is not None:
+                conversation.add("assistant", plain(step.get("output") or ""), id=step.get("id"))
+                asked = None
+            elif step.get("isError") and asked is not None:
+                conversation.messages.remove(asked)
+                asked = None
+    if asked is not None:  # the last message was never answered: it waits for the next one
+        conversation.add("assistant", "")
+    return conversation
+
+
+def is_reply(step: dict) -> bool:
+    metadata = step.get("metadata") or {}
+    if isinstance(metadata, str):
+        try:
+            metadata = json.loads(metadata)
+        except json.JSONDecodeError:
+            return False
+    return isinstance(metadata, dict) and metadata.get("kind") == REPLY

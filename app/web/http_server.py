@@ -1,0 +1,143 @@
+"""How uvicorn serves both servers (the chat app, which `chainlit run` starts, and `python -m app.api`):
+slow clients are cut off, and a client's address comes from X-Forwarded-For only when a trusted proxy
+sends it.
+
+Slow clients. Uvicorn closes a connection idle between requests (its keep-alive timeout) but waits
+for ever on a request that has begun: a client that sends half its headers, or half its body, then
+stalls, holds its connection and a task as long as it likes, and a few hundred such clients hold them
+all. No setting of uvicorn's bounds this, and an ASGI middleware is called only once the headers are
+in, so the deadlines are kept in uvicorn's own HTTP/1.1 protocol (h11, also where httptools is
+installed), subclassed: a request's headers must arrive within LLAMA_HEADER_TIMEOUT seconds of the
+connection opening (or of the previous answer on it ending), its body within LLAMA_BODY_TIMEOUT
+seconds of its headers. Past either, the client is answered 408 (if it sent part of a request) and
+the connection closed; the app, if it was reading the body, sees the client gone (`install` has that
+answered quietly, as for any client that leaves before its body is read). Websockets, once upgraded,
+and answers however long, are not timed.
+
+Forwarded addresses. Uvicorn believes X-Forwarded-For (and -Proto) from the addresses in its
+`forwarded_allow_ips`, by default loopback: any program on this machine could then claim any address
+and sign-in failures would be counted against it. Here only LLAMA_TRUSTED_PROXIES are believed (none
+by default), with uvicorn's own middleware: it takes the nearest address that is not a trusted proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import h11
+import uvicorn.config
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from app.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, Settings
+
+log = logging.getLogger(__name__)
+
+STATUS_408 = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+              "content-length: {length}\r\n\r\n{text}")
+
+
+class Deadlines(H11Protocol):
+    """uvicorn's h11 protocol, with a deadline for each request's headers and one for its body."""
+
+    header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s = DEFAULT_BODY_TIMEOUT_S
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.awaiting: str | None = None  # "headers" or "body": what the deadline is for
+        self.deadline: asyncio.TimerHandle | None = None
+        self.upgraded = False  # a websocket now: no deadlines
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._follow()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()
+
+    def handle_websocket_upgrade(self, event) -> None:
+        self.upgraded = True
+        self._await(None)
+        super().handle_websocket_upgrade(event)
+
+    def connection_lost(self, exc) -> None:
+        self._await(None)
+        super().connection_lost(exc)
+
+    def _follow(self) -> None:
+        """Time what the client is in the middle of sending, as h11 reads it."""
+        state = self.conn.their_state
+        if self.upgraded or self.transport.is_closing():
+            self._await(None)
+        else:
+            self._await("headers" if state is h11.IDLE else "body" if state is h11.SEND_BODY else None)
+
+    def _await(self, awaiting: str | None) -> None:
+        if awaiting == self.awaiting:
+            return
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+        self.awaiting = awaiting
+        if awaiting is not None:
+            self.deadline = self.loop.call_later(self._timeout(awaiting), self._too_slow)
+
+    def _timeout(self, awaiting: str) -> float:
+        return self.header_timeout_s if awaiting == "headers" else self.body_timeout_s
+
+    def _too_slow(self) -> None:
+        awaiting, self.deadline = self.awaiting, None
+        timeout = self._timeout(awaiting)
+        begun = awaiting == "body" or bool(self.conn.trailing_data[0])  # not a connection opened ahead of use
+        answered = self.cycle is not None and self.cycle.response_started and awaiting == "body"
+        if begun:
+            variable = "LLAMA_HEADER_TIMEOUT" if awaiting == "headers" else "LLAMA_BODY_TIMEOUT"
+            log.warning("%s: closed a connection whose request %s did not arrive within %g s (%s)",
+                        _address(self.client), awaiting, timeout, variable)
+        if begun and not answered:
+            text = f"The request's {awaiting} did not arrive within {timeout:g} s; the connection is closed.\n"
+            self.transport.write(STATUS_408.format(length=len(text), text=text).encode())
+        if awaiting == "body" and self.cycle is not None:  # the app, reading the body, sees the client gone
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self.awaiting = None
+        self.transport.close()
+
+
+async def client_gone(request, error: ClientDisconnect) -> Response:
+    """A client that went away, or was cut off, before its request was read: nobody is left to answer, and
+    it is no fault of the app's (uvicorn would log it with a traceback)."""
+    return Response(status_code=499)  # nginx's "client closed request"; never sent
+
+
+def install(app) -> None:
+    """Have a Starlette or FastAPI app answer clients gone before their body was read with client_gone."""
+    app.add_exception_handler(ClientDisconnect, client_gone)
+
+
+def _address(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "a client"
+
+
+def uvicorn_options(settings: Settings) -> dict:
+    """What uvicorn.run / uvicorn.Config takes for these rules."""
+    protocol = type("Deadlines", (Deadlines,), {"header_timeout_s": settings.header_timeout,
+                                                 "body_timeout_s": settings.body_timeout})
+    return {"http": protocol, "proxy_headers": True, "forwarded_allow_ips": ",".join(settings.trusted_proxies)}
+
+
+def configure_chainlit(settings: Settings) -> None:
+    """The same rules for the uvicorn that `chainlit run` starts once it has imported the app: it names no
+    HTTP protocol (so takes uvicorn's "auto" one) and no forwarded_allow_ips (so reads FORWARDED_ALLOW_IPS)."""
+    options = uvicorn_options(settings)
+    uvicorn.config.HTTP_PROTOCOLS["auto"] = options["http"]  # uvicorn resolves the name to a class: ours
+    os.environ["FORWARDED_ALLOW_IPS"] = options["forwarded_allow_ips"]

@@ -1,0 +1,443 @@
+"""Chat history: the SQLite schema against what Chainlit 2.12 writes, the conversation a resumed chat
+is rebuilt to, sign-in, and the real thing: a chat stored by one `chainlit run`, listed and resumed
+with its memory by the next.
+
+The end-to-end tests run a tiny random checkpoint greedily. The default model (SmolLM2-135M) does
+not reliably answer "What is my name?" even with the name in its prompt, so memory is checked
+exactly instead: the reply after the restart must be the engine's greedy reply to the whole stored
+conversation, which differs from its reply to the last question alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import re
+import sqlite3
+import stat
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import socketio
+import torch
+from chainlit.user import User
+from support.chat_tab import ChatTab, sign_in
+from support.checkpoints import write_tiny_checkpoint
+from support.servers import ChainlitServer, server_env
+
+from app.web import history
+from app.settings import Settings, SettingsError
+from app.web.users import HASHER
+
+pytestmark = pytest.mark.timeout(240)
+
+FIRST = "My name is Ada. Remember it."
+SECOND = "What is my name?"
+MAX_NEW_TOKENS = 24
+# A data layer that fails logs a warning or an error and goes on: any such line fails the test, but
+# for Chainlit's note that chainlit.md has no translation for the browser's language.
+BAD_LOG_LINE = re.compile(r" - (WARNING|ERROR|CRITICAL) - |Traceback|sqlite3\.|OperationalError|IntegrityError")
+HARMLESS_LOG_LINE = re.compile(r"Translated markdown file for [\w-]+ not found")
+
+
+# ---- the schema ---------------------------------------------------------------------------------
+
+def test_schema_has_a_column_for_every_field_chainlit_writes(tmp_path):
+    from chainlit.element import ElementDict
+    from chainlit.step import StepDict
+    from chainlit.types import Feedback
+
+    db = tmp_path / "history.db"
+    history.create_schema(db)
+    with sqlite3.connect(db) as connection:
+        columns = {table: {row[1] for row in connection.execute(f"PRAGMA table_info({table})")}
+                   for table in history.TABLES}
+    # create_step writes every key of a step's dict but "feedback" (a join); elements and feedbacks likewise
+    assert set(StepDict.__annotations__) - {"feedback"} <= columns["steps"]
+    assert set(ElementDict.__annotations__) - {"path"} <= columns["elements"]
+    assert {f.name for f in dataclasses.fields(Feedback)} <= columns["feedbacks"]
+    assert {"autoCollapse", "defaultOpen", "modes", "command"} <= columns["steps"]
+
+
+def test_an_older_database_gets_the_missing_columns(tmp_path):
+    db = tmp_path / "history.db"
+    with sqlite3.connect(db) as connection:  # the schema of Chainlit's documentation, without autoCollapse
+        connection.execute('CREATE TABLE steps ("id" TEXT PRIMARY KEY, "name" TEXT NOT NULL, "type" TEXT NOT NULL, '
+                           '"threadId" TEXT NOT NULL, "streaming" BOOLEAN NOT NULL, "output" TEXT)')
+        connection.execute("INSERT INTO steps VALUES ('s', 'User', 'user_message', 't', 0, 'kept')")
+    history.create_schema(db)
+    with sqlite3.connect(db) as connection:
+        columns = {row[1] for row in connection.execute("PRAGMA table_info(steps)")}
+        assert connection.execute("SELECT output FROM steps").fetchall() == [("kept",)]
+    assert set(history.TABLES["steps"]) == columns
+
+
+def test_the_data_layer_stores_and_lists_chats_without_sql_errors(tmp_path, caplog):
+    """Every write Chainlit makes for a chat, with the values it really sends (lists, dicts, booleans)."""
+    import chainlit as cl
+    from chainlit.context import init_http_context
+    from chainlit.types import Feedback, Pagination, ThreadFilter
+
+    settings = Settings.from_env({"LLAMA_HISTORY_DB": str(tmp_path / "history.db")})
+    history.prepare(settings)
+
+    async def scenario():
+        layer = history.data_layer(settings)
+        try:
+            user = await layer.create_user(cl.User(identifier="local", metadata={"provider": "local"}))
+            context = init_http_context(user=user)
+            thread_id = context.session.thread_id
+            await layer.update_thread(thread_id, name="A chat", user_id=user.id, tags=["tiny"],
+                                      metadata={"chat_settings": {"temperature": 0.5}})
+            question = cl.Message(content="Hello", author="User", type="user_message")
+            step = cl.Step(name="on_message", type="run", default_open=True, auto_collapse=True, icon="bot")
+            answer = cl.Message(content="Hi there", metadata={"kind": history.REPLY}, tags=["a", "b"])
+            for step_dict in (question.to_dict(), step.to_dict(), answer.to_dict()):
+                await layer.create_step(step_dict)
+            answer.content = "Hi there, edited"
+            await layer.update_step(answer.to_dict())
+            await layer.upsert_feedback(Feedback(forId=answer.id, value=1, threadId=thread_id, comment="good"))
+            listed = await layer.list_threads(Pagination(first=10), ThreadFilter(userId=user.id))
+            thread = await layer.get_thread(thread_id)
+            author = await layer.get_thread_author(thread_id)
+            await layer.delete_thread(thread_id)
+            return listed, thread, author, await layer.get_thread(thread_id)
+        finally:
+            await layer.close()
+
+    with caplog.at_level(logging.INFO):
+        listed, thread, author, deleted = asyncio.run(scenario())
+    assert [t["name"] for t in listed.data] == ["A chat"] and author == "local"
+    steps = {s["type"]: s for s in thread["steps"]}
+    assert {type: s["output"] for type, s in steps.items()} == {
+        "user_message": "Hello", "run": "", "assistant_message": "Hi there, edited"}
+    assert history.is_reply(steps["assistant_message"]) and not history.is_reply(steps["user_message"])
+    assert steps["assistant_message"]["feedback"]["value"] == 1
+    assert deleted is None
+    problems = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not problems, problems
+
+
+# ---- the conversation of a resumed chat ---------------------------------------------------------
+
+def step(type: str, output: str, reply: bool = False, error: bool = False, name: str = "Llama Chat") -> dict:
+    return {"id": f"id-{output}", "type": type, "name": name, "output": output, "isError": error,
+            "metadata": json.dumps({"kind": history.REPLY}) if reply else "{}"}
+
+
+def test_a_resumed_conversation_has_the_messages_and_replies_only():
+    steps = [
+        step("run", "", name="on_chat_start"),
+        step("user_message", "My name is Ada.", name="User"),
+        step("run", "", name="on_message"),
+        step("assistant_message", "Nice to meet you, Ada.", reply=True),
+        step("assistant_message", "*12 tokens · stop token*", name="stats"),
+        step("assistant_message", "*Older messages of this chat no longer fit…*"),
+        step("user_message", "word " * 5000, name="User"),
+        step("assistant_message", "Your message is too long for this model", error=True),
+        step("user_message", "   ", name="User"),
+        step("assistant_message", "Please type a message."),
+        step("user_message", "Tell me a story.", name="User"),
+        step("assistant_message", "Task manually stopped."),  # stopped before the first token
+        step("user_message", "What is my name?", name="User"),
+        step("assistant_message", "Ada.", reply=True),
+    ]
+    conversation = history.conversation_from_steps(steps, model="tiny", system_prompt="Be brief.")
+    assert conversation.model == "tiny" and conversation.system_prompt == "Be brief."
+    assert [(m.role, m.content) for m in conversation.messages] == [
+        ("user", "My name is Ada."), ("assistant", "Nice to meet you, Ada."),
+        ("user", "Tell me a story."), ("assistant", ""),
+        ("user", "What is my name?"), ("assistant", "Ada.")]
+    assert conversation.messages[0].id == "id-My name is Ada."  # an edit of it truncates from there
+    assert all(m.ids is None for m in conversation.messages)  # stored as text: a resumed chat re-encodes it
+
+
+def test_a_chat_that_ends_with_an_unanswered_message_resumes_ready_for_the_next():
+    conversation = history.conversation_from_steps(
+        [step("user_message", "Hi", name="User")], model=None, system_prompt=None)
+    assert [(m.role, m.content) for m in conversation.messages] == [("user", "Hi"), ("assistant", "")]
+
+
+# ---- sign-in ------------------------------------------------------------------------------------
+
+def test_the_auth_secret_is_made_once_and_kept_private(tmp_path, monkeypatch):
+    monkeypatch.delenv("CHAINLIT_AUTH_SECRET", raising=False)
+    secret = history.auth_secret(tmp_path / "data")
+    path = tmp_path / "data" / history.SECRET_FILE
+    assert len(secret) >= 32 and path.read_text().strip() == secret
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert history.auth_secret(tmp_path / "data") == secret  # the next start signs the same tokens
+    monkeypatch.setenv("CHAINLIT_AUTH_SECRET", "from-the-environment")
+    assert history.auth_secret(tmp_path / "other") == "from-the-environment"
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.fixture
+def permissive_umask():
+    """A umask that takes nothing away (files created 0666, folders 0777), as some systems set."""
+    before = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(before)
+
+
+def modes(folder: Path) -> dict[str, int]:
+    return {path.name: stat.S_IMODE(path.stat().st_mode) for path in [folder, *folder.iterdir()]}
+
+
+def test_the_database_its_sqlite_files_and_the_secret_are_private_whatever_the_umask(tmp_path, monkeypatch,
+                                                                                      permissive_umask):
+    monkeypatch.delenv("CHAINLIT_AUTH_SECRET", raising=False)
+    settings = Settings.from_env({"LLAMA_HISTORY_DB": str(tmp_path / "data" / "history.db")})
+    history.prepare(settings)
+    history.auth_secret(settings.history_db.parent)
+
+    async def write():
+        layer = history.data_layer(settings)
+        user = await layer.create_user(User(identifier="ada"))
+        await layer.update_thread("t1", name="Secrets", user_id=user.id)
+        await layer.engine.dispose()
+
+    with sqlite3.connect(settings.history_db) as db:  # held open: SQLite's -wal and -shm exist meanwhile
+        db.execute("SELECT 1 FROM threads").fetchall()
+        asyncio.run(write())
+        found = modes(settings.history_db.parent)
+    assert {"history.db", "history.db-wal", "history.db-shm", ".auth_secret"} <= set(found), found
+    assert found == {"data": 0o700} | {name: 0o600 for name in found if name != "data"}
+
+
+def test_an_older_history_made_readable_by_others_is_made_private(tmp_path, monkeypatch, permissive_umask):
+    monkeypatch.delenv("CHAINLIT_AUTH_SECRET", raising=False)
+    folder = tmp_path / "data"
+    folder.mkdir(mode=0o755)
+    (folder / history.SECRET_FILE).write_text("x" * 48)  # as an older start, or a copy, left them: 0666
+    db = folder / "history.db"
+    with sqlite3.connect(db) as older:  # open meanwhile: its -wal and -shm exist, with the database's 0644
+        older.execute("PRAGMA journal_mode=WAL").fetchall()
+        older.execute("CREATE TABLE notes (text)")
+        assert modes(folder)["history.db-wal"] == 0o644
+        history.prepare(Settings.from_env({"LLAMA_HISTORY_DB": str(db)}))
+        assert history.auth_secret(folder) == "x" * 48
+        assert modes(folder) == {"data": 0o700, "history.db": 0o600, "history.db-wal": 0o600,
+                                 "history.db-shm": 0o600, history.SECRET_FILE: 0o600}
+
+
+def test_history_and_auth_settings():
+    settings = Settings.from_env({})
+    assert settings.history and settings.history_db.parts[-2:] == ("data", "history.db")
+    assert settings.auth == "none" and settings.password is None
+    assert not Settings.from_env({"LLAMA_HISTORY": "off"}).history
+    assert Settings.from_env({"LLAMA_AUTH": "password", "LLAMA_PASSWORD": "x", "LLAMA_API_KEY": "k"}).password == "x"
+    with pytest.raises(SettingsError, match="LLAMA_HISTORY=maybe: expected on or off"):
+        Settings.from_env({"LLAMA_HISTORY": "maybe"})
+    with pytest.raises(SettingsError, match="LLAMA_AUTH=password: expected LLAMA_PASSWORD or LLAMA_USERS"):
+        Settings.from_env({"LLAMA_AUTH": "password"})
+    with pytest.raises(SettingsError, match="LLAMA_AUTH=oauth: expected one of none, password"):
+        Settings.from_env({"LLAMA_AUTH": "oauth"})
+
+
+def test_a_database_path_that_cannot_be_used_is_named(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    settings = Settings.from_env({"LLAMA_HISTORY_DB": str(blocker / "history.db")})
+    with pytest.raises(SettingsError, match="LLAMA_HISTORY_DB=.*cannot create the database"):
+        history.prepare(settings)
+
+
+# ---- end to end: stored, listed after a restart, resumed with memory ----------------------------
+
+def assert_clean_log(server: ChainlitServer, allowed: re.Pattern | None = None) -> None:
+    bad = [line for line in server.log_path.read_text(errors="replace").splitlines()
+           if BAD_LOG_LINE.search(line) and not HARMLESS_LOG_LINE.search(line)
+           and not (allowed and allowed.search(line))]
+    assert not bad, "the server logged problems:\n" + "\n".join(bad)
+
+
+def stored_steps(db: Path, thread_id: str) -> list[tuple[str, str, dict]]:
+    with sqlite3.connect(db) as connection:
+        rows = connection.execute('SELECT type, output, metadata FROM steps WHERE "threadId" = ? '
+                                  'ORDER BY "createdAt"', (thread_id,)).fetchall()
+    return [(type, output, json.loads(metadata or "{}")) for type, output, metadata in rows]
+
+
+def stored_replies(db: Path, thread_id: str) -> list[str]:
+    return [output for type, output, metadata in stored_steps(db, thread_id) if metadata.get("kind") == history.REPLY]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def first_chat(tiny, tmp_path_factory):
+    """One chat with one question, by a server that is then stopped: (environment, thread id, cookies)."""
+    folder = tmp_path_factory.mktemp("history")
+    env = server_env(checkpoint=tiny, weights_dir=tiny.parent, temperature=0, dtype="fp32", threads=1,
+                     max_new_tokens=MAX_NEW_TOKENS, history_db=folder / "history.db")
+    env.pop("CHAINLIT_AUTH_SECRET", None)  # the app makes its own and keeps it beside the database
+    server = ChainlitServer(env, log=folder / "first.log")
+    try:
+        server.wait_ready()
+        cookies = sign_in(server.url)
+        tab = ChatTab(server.url, cookies)
+        tab.wait_for("chat_settings")
+        tab.send(FIRST)
+        thread_id = tab.thread_id
+        tab.close()
+        time.sleep(0.5)  # the session's settings are stored when the socket closes
+    finally:
+        server.stop()
+    assert_clean_log(server)
+    return env, thread_id, cookies, folder
+
+
+@pytest.fixture(scope="module")
+def restarted(first_chat):
+    env, _, _, folder = first_chat
+    server = ChainlitServer(env, log=folder / "second.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+    assert_clean_log(server)
+
+
+def test_the_chat_is_stored_with_its_reply(first_chat):
+    env, thread_id, _, folder = first_chat
+    db = Path(env["LLAMA_HISTORY_DB"])
+    steps = stored_steps(db, thread_id)
+    assert [output for type, output, _ in steps if type == "user_message"] == [FIRST]
+    [reply] = stored_replies(db, thread_id)
+    assert reply
+    assert any(type == "assistant_message" and output.startswith(f"*{MAX_NEW_TOKENS} tokens")
+               for type, output, _ in steps)  # the stats line is stored too, but is no reply
+    secret = folder / history.SECRET_FILE
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+
+
+def test_after_a_restart_the_chat_is_listed_for_the_same_sign_in(first_chat, restarted):
+    _, thread_id, cookies, _ = first_chat
+    # the sign-in of the first run still holds (the secret was kept): what the sidebar asks
+    response = httpx.post(f"{restarted.url}/project/threads", cookies=cookies, timeout=30,
+                          json={"pagination": {"first": 20, "cursor": None}, "filter": {}})
+    assert response.status_code == 200, response.text
+    assert [(t["id"], t["name"]) for t in response.json()["data"]] == [(thread_id, FIRST)]
+    assert_clean_log(restarted)
+
+
+def test_a_resumed_chat_continues_with_the_models_memory_of_it(first_chat, restarted, tiny):
+    from model.checkpoint import load_checkpoint
+    from model.generation import Generation
+
+    env, thread_id, cookies, _ = first_chat
+    db = Path(env["LLAMA_HISTORY_DB"])
+    tab = ChatTab(restarted.url, sign_in(restarted.url), thread_id=thread_id)
+    try:
+        _, resumed = tab.wait_for("resume_thread")
+        assert resumed["id"] == thread_id
+        tab.send(SECOND)
+    finally:
+        tab.close()
+    deadline = time.monotonic() + 10
+    while len(stored_replies(db, thread_id)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the reply is written to the database as it is sent, not awaited
+    first_reply, reply = stored_replies(db, thread_id)
+    assert f"resumed chat {thread_id} with 2 messages" in restarted.log()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        checkpoint = load_checkpoint(tiny, dtype=torch.float32)
+
+        def greedy(dialog: list[dict]) -> str:
+            ids = checkpoint.chat_format.encode_dialog(dialog)
+            return "".join(Generation(checkpoint, ids, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0))
+
+        remembering = greedy([{"role": "user", "content": FIRST}, {"role": "assistant", "content": first_reply},
+                              {"role": "user", "content": SECOND}])
+        forgetting = greedy([{"role": "user", "content": SECOND}])
+    finally:
+        torch.set_num_threads(threads)
+    assert remembering != forgetting  # else this test could not tell
+    assert reply == remembering
+    assert_clean_log(restarted)
+
+
+def test_the_sidebar_lists_the_chat_and_opens_it(first_chat, restarted):
+    from support.browser import CHROMIUM, CHROMIUM_ARGS, browser_or_reason, skip_browser
+
+    reason = browser_or_reason()
+    if reason and skip_browser():
+        pytest.skip(f"LLAMA_SKIP_BROWSER=1: {reason}")
+    assert reason is None, f"{reason} (or set LLAMA_SKIP_BROWSER=1 to skip the browser tests)"
+    from playwright.sync_api import sync_playwright
+
+    _, thread_id, _, _ = first_chat
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 800})
+            page.set_default_timeout(60_000)
+            page.goto(restarted.url)  # no login form: signed in as the local user
+            link = page.locator('#thread-history a[href^="/thread/"]')
+            link.first.wait_for()
+            assert link.count() == 1 and link.first.get_attribute("href") == f"/thread/{thread_id}"
+            assert FIRST in link.first.inner_text()
+            link.first.click()
+            page.wait_for_url(f"**/thread/{thread_id}")
+            page.locator('.step[data-step-type="user_message"]', has_text=FIRST).wait_for()
+            page.wait_for_selector("#chat-input")
+        finally:
+            browser.close()
+    assert_clean_log(restarted)
+
+
+# ---- a shared machine: each signed-in person has their own history ------------------------------
+
+def test_with_password_logins_each_person_sees_only_their_own_chats(tiny, tmp_path):
+    users = tmp_path / "users"
+    users.write_text(f"ada:{HASHER.hash('lovelace')}\ngrace:{HASHER.hash('hopper')}\n")
+    env = server_env(checkpoint=tiny, weights_dir=tiny.parent, temperature=0, dtype="fp32", threads=1,
+                     max_new_tokens=8, history_db=tmp_path / "history.db", auth="password", users=users,
+                     api_key="a-key")
+    env.pop("CHAINLIT_AUTH_SECRET", None)
+    server = ChainlitServer(env, log=tmp_path / "chainlit.log")
+
+    def login(name: str, password: str) -> httpx.Response:
+        return httpx.post(f"{server.url}/login", data={"username": name, "password": password}, timeout=30)
+
+    def threads(cookies) -> list[str]:
+        response = httpx.post(f"{server.url}/project/threads", cookies=cookies, timeout=30,
+                              json={"pagination": {"first": 20, "cursor": None}, "filter": {}})
+        assert response.status_code == 200, response.text
+        return [t["name"] for t in response.json()["data"]]
+
+    try:
+        server.wait_ready()
+        config = httpx.get(f"{server.url}/auth/config").json()
+        assert config["passwordAuth"] and not config["headerAuth"]
+        assert httpx.post(f"{server.url}/auth/header").status_code == 400  # no way in without a password
+        assert login("ada", "hopper").status_code == 401
+        assert "sign-in as 'ada' from 127.0.0.1 failed" in server.log()  # slowed per name and address
+        ada, grace = dict(login("ada", "lovelace").cookies), dict(login("grace", "hopper").cookies)
+        tab = ChatTab(server.url, ada)
+        try:
+            tab.wait_for("chat_settings")
+            tab.send("Ada's question")
+        finally:
+            tab.close()
+        assert threads(ada) == ["Ada's question"]
+        assert threads(grace) == []
+        with pytest.raises(socketio.exceptions.ConnectionError):  # grace cannot open ada's chat
+            ChatTab(server.url, grace, thread_id=tab.thread_id)
+    finally:
+        server.stop()
+    assert_clean_log(server, allowed=re.compile(r"Authorization for the thread failed"))

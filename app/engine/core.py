@@ -256,7 +256,7 @@ class Engine:
         ids, start = sequence.prefill_chunk()
         tokens = torch.tensor([ids], device=model.tok_embeddings.weight.device)
         logits = model(tokens, start_pos=start, kv_cache=sequence.cache, last_only=True)[0, -1]
-        sequence.cache.extend(ids)
+        sequence.computed(ids)
         if sequence.prompt_left == 0:
             for follower in sequence.followers:  # the other replies to the same prompt start here too
                 follower.cache = sequence.cache.copy_prefix(sequence.cache.length, follower.max_len)
@@ -272,7 +272,7 @@ class Engine:
         for sequence, token, row in zip(batch, last, logits):
             if sequence.id in self.requests:  # (another reply of its request may have failed it just now)
                 with self._contained(sequence.id, "Sampling"):
-                    sequence.cache.extend([token])
+                    sequence.computed([token])
                     self._accept(sequence, sequence.sample(row))
 
     def _accept(self, sequence: Sequence, token: int) -> None:

@@ -1,10 +1,11 @@
 """One request inside the engine: its prompt, its KV cache, its place in the batch, its reply so far.
 
-The engine's step loop feeds a sequence prompt chunks (`prefill_chunk`, then `prefilled`) and the
-logits of each position it must sample (`sample`), then asks `accept(token)` what text that token
-adds. What a token means for the reply (stop tokens and strings, the JSON constraint, the token
-limit, logprobs, tool calls, stats) is the reply's `Decoding` (model/decoding.py), the rules
-`generate()` follows too; here: when the sequence runs, and its messages.
+The engine's step loop runs a sequence's prompt chunks (`prefill_chunk`, then `computed`) and its
+last token (`computed` again), samples at the positions it must (`sample`), then asks `accept(token)`
+what text that token adds; the sequence keeps its cache's ids. What a token means for the reply
+(stop tokens and strings, the JSON constraint, the token limit, logprobs, tool calls, stats) is the
+reply's `Decoding` (model/decoding.py), the rules `generate()` follows too; here: when the sequence
+runs, and its messages.
 """
 
 from __future__ import annotations
@@ -116,6 +117,10 @@ class Sequence:
         """The prompt ids of its next prefill chunk, and the position of the first."""
         start = self.cache.length
         return self.prompt[start:start + self.next_chunk], start
+
+    def computed(self, ids: list[int]) -> None:
+        """These ids (a prompt chunk, or the last sampled token) went through the model into its cache."""
+        self.cache.extend(ids)
 
     def sample(self, logits: torch.Tensor) -> int:
         """The next token, from the logits of the model at the reply's next position (vocab,)."""

@@ -93,6 +93,11 @@ def configure(*, enabled: bool = True, march: str = "native", deterministic: boo
         _engine = None
 
 
+def configured() -> Options:
+    """What configure() last set (the defaults before it is called)."""
+    return _options
+
+
 def build(march: str = "native") -> Kernels:
     """The extension compiled with -march=`march`, built on first call (or loaded from the cache folder).
 

@@ -17,16 +17,14 @@ def imported_app(**llama):
     env |= {f"LLAMA_{name.upper()}": str(value) for name, value in llama.items()}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
-    for module in ("app.main", "app.web.chat"):
-        sys.modules.pop(module, None)
+    forget()
     main = None
     try:
         importlib.import_module("app.main")
         main = sys.modules["app.web.chat"]  # the handlers, started as `chainlit run app/main.py` starts them
         yield main
     finally:
-        for module in ("app.main", "app.web.chat"):
-            sys.modules.pop(module, None)
+        forget()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -34,3 +32,13 @@ def imported_app(**llama):
                 os.environ[name] = value
         if main is not None:
             main.BACKEND.close()
+
+
+def forget() -> None:
+    """The next import of app.main runs it again, and imports app.web.chat again (`from app.web import chat`
+    would take the package's attribute, left from the last import, without running it)."""
+    for module in ("app.main", "app.web.chat"):
+        sys.modules.pop(module, None)
+    web = sys.modules.get("app.web")
+    if web is not None and hasattr(web, "chat"):
+        delattr(web, "chat")

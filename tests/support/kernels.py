@@ -2,24 +2,26 @@
 the int4 kernel rounds x (int8 blocks, the AVX-512 builds' default, or int16 rows), and whether bf16 batches
 take the AMX tiles."""
 
+import dataclasses
 from contextlib import contextmanager
 
 import torch
 
 import model.kernels
 from model.kernels import kernels
-from model.options import ModelOptions
 
 
 @contextmanager
 def configured(**options):
-    """While inside, this process's kernel as model.kernels.configure(**options) sets it; afterwards as
-    LLAMA_* set it for the tests (conftest.py)."""
+    """While inside, this process's kernel as model.kernels.configure(**options) sets it; afterwards as it was
+    before (as LLAMA_* set it for the tests, conftest.py; not as they are at the end, which a test may have
+    changed meanwhile)."""
+    before = dataclasses.asdict(model.kernels.configured())
     model.kernels.configure(**options)
     try:
         yield
     finally:
-        model.kernels.configure(**ModelOptions.from_env().kernel_options)
+        model.kernels.configure(**before)
 
 
 @contextmanager

@@ -406,26 +406,9 @@ def main(tiny):
         yield main
 
 
-class CutOff:
-    """A backend's stream that gives some text and then fails, as when the engine process dies mid-answer."""
-
-    def __init__(self, *pieces: str):
-        self.pieces = pieces
-
-    def __aiter__(self):
-        return self.events()
-
-    async def events(self):
-        for piece in self.pieces:
-            yield Text(id="cut", text=piece)
-        yield Failed(id="cut", message="The model process stopped unexpectedly.", reason="engine")
-
-    def cancel(self) -> None:
-        pass
-
 
 def test_a_cut_reply_is_stored_as_cut_and_a_resumed_chat_leaves_it_out(main, monkeypatch):
-    from support.handlers import Chat
+    from support.handlers import Chat, CutOff
 
     from app.web import history
 

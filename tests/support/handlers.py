@@ -104,3 +104,22 @@ class Chat:
     def conversation(self):
         from chainlit.user_session import user_sessions
         return user_sessions[self.session.id]["conversation"]
+
+
+class CutOff:
+    """A backend's stream that gives some text and then fails, as when the engine process dies mid-answer."""
+
+    def __init__(self, *pieces: str):
+        self.pieces = pieces
+
+    def __aiter__(self):
+        return self.events()
+
+    async def events(self):
+        from app.messages import Failed, Text
+        for piece in self.pieces:
+            yield Text(id="cut", text=piece)
+        yield Failed(id="cut", message="The engine process stopped; starting a new one.", reason="engine")
+
+    def cancel(self) -> None:
+        pass

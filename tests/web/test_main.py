@@ -14,7 +14,7 @@ import time
 import pytest
 from support.app import imported_app
 from support.checkpoints import write_tiny_checkpoint
-from support.handlers import Chat
+from support.handlers import Chat, CutOff
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -258,24 +258,6 @@ def test_a_regenerate_that_fails_before_its_first_word_keeps_the_old_answer(main
     old_ids = {regenerate.payload["answer"], regenerate.forId}
     assert not old_ids & set(chat.removed()) and regenerate.id not in chat.removed("remove_action")
 
-
-class CutOff:
-    """A backend's stream that gives some text and then fails, as when the engine process dies mid-answer."""
-
-    def __init__(self, *pieces: str):
-        self.pieces = pieces
-
-    def __aiter__(self):
-        return self.events()
-
-    async def events(self):
-        from app.messages import Failed, Text
-        for piece in self.pieces:
-            yield Text(id="cut", text=piece)
-        yield Failed(id="cut", message="The engine process stopped; starting a new one.", reason="engine")
-
-    def cancel(self) -> None:
-        pass
 
 
 def test_an_answer_cut_off_by_a_failure_stays_on_the_page_as_written_and_its_question_leaves_the_history(

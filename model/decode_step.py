@@ -75,9 +75,11 @@ class LayerWeights:
 _layer_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its LayerWeights
 
 
-def decode_layers(model, x: torch.Tensor, rope: Rope, caches: list[KVCache], ops=None) -> torch.Tensor | None:
-    """x (b, dim) through every layer of `model` in one op, sequence i's key and value written to
-    caches[i] at its length; rope's tables (b, head_dim) in x's dtype. None where the op does not apply
+def decode_layers(model, x: torch.Tensor, rope: Rope, caches: list[KVCache], positions: list[int] | None = None,
+                  ops=None) -> torch.Tensor | None:
+    """x (b, dim) through every layer of `model` in one op, row i's key and value written to caches[i]
+    at positions[i] (default: its length; rows may share a cache, the op writes every row's keys and
+    values before any row attends); rope's tables (b, head_dim) in x's dtype. None where the op does not apply
     (no kernel, not on the CPU, weights it does not take, more sequences than it takes): the caller
     runs the reference. `ops`: the build to use (default: the one linears() uses)."""
     if torch.compiler.is_compiling() or x.device.type != "cpu":  # compile traces the reference; a GPU runs it
@@ -90,10 +92,12 @@ def decode_layers(model, x: torch.Tensor, rope: Rope, caches: list[KVCache], ops
     found = _layer_weights[model].current(x.dtype)
     if found is None:
         return None
-    for cache in caches:
-        if cache.length >= cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} positions; asked to write up to {cache.length + 1}")
+    if positions is None:
+        positions = [cache.length for cache in caches]
+    for cache, position in zip(caches, positions):
+        if position >= cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions; asked to write up to {position + 1}")
     norms, weights, scales, offsets = found
     config = model.config
     return ops.decode_layers(x, norms, weights, scales, offsets, rope.cos, rope.sin, [c.k for c in caches],
-                             [c.v for c in caches], [c.length for c in caches], config.n_heads, config.norm_eps)
+                             [c.v for c in caches], positions, config.n_heads, config.norm_eps)

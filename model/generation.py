@@ -13,7 +13,9 @@ from .config import DEFAULT_MAX_CONTEXT
 from .context import PromptTooLong
 from .decoding import Decoding, Logprob
 from .kv_cache import PREFILL_CHUNK, KVCache
+from .linear import MAX_KERNEL_ROWS
 from .sampling import Sampler, SamplingParams
+from .speculation import Draft, PromptLookup, Speculation, check, same_tokenizer
 from .stats import Stats
 from .tools import ToolCall, read_tools
 
@@ -32,7 +34,9 @@ class Generation:
     `seed`, when given, replaces the seed of either. Neither given: greedy. `stop`: strings that end the
     reply, never part of its text. `logprobs`: report each token's log-probability and this many
     alternatives. `tools`: the OpenAI tool definitions the prompt offers; a reply that calls one gives
-    `tool_calls` (and its text is the content around the calls).
+    `tool_calls` (and its text is the content around the calls). `speculate`: how decode steps guess
+    tokens ahead (model/speculation.py): "auto" from the prompt and the reply (prompt lookup), "off",
+    or a smaller Checkpoint with the same tokenizer to draft them; the reply is the same either way.
     """
 
     def __init__(self, checkpoint: Checkpoint, prompt_ids: list[int], *, max_new_tokens: int = 512,
@@ -41,7 +45,8 @@ class Generation:
                  seed: int | None = None, should_stop: Callable[[], bool] | None = None,
                  max_context: int | None = None, kv_cache: KVCache | None = None,
                  stop_ids: set[int] | None = None, stop: str | Sequence[str] = (), constraint=None,
-                 logprobs: int | None = None, tools: list[dict] | None = None, parallel_tool_calls: bool = True):
+                 logprobs: int | None = None, tools: list[dict] | None = None, parallel_tool_calls: bool = True,
+                 speculate: str | Checkpoint = "auto"):
         limit = min(max_context or DEFAULT_MAX_CONTEXT, checkpoint.config.max_seq_len)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -63,6 +68,7 @@ class Generation:
             kv_cache = kv_cache.resized(needed)
         self.kv_cache = kv_cache
         self._model = checkpoint.model
+        self.speculation = speculation(checkpoint, speculate, needed)
 
     def __iter__(self) -> Iterator[str]:
         decoding, cache = self.decoding, self.kv_cache
@@ -80,14 +86,23 @@ class Generation:
                 chunk = self.prompt_ids[start:cache.chunk_end(len(self.prompt_ids))]
                 logits = self._prefill(chunk, start)
                 cache.extend(chunk)
+            rows, inputs, guesses = logits[None], [], []  # the prompt's last row: no guesses
             while not decoding.finished and not self.should_stop():
-                token = decoding.sample(logits)
-                piece = decoding.accept(token)
-                if piece:
-                    yield piece
-                if not decoding.finished:
-                    logits = self._decode(token)
-                    cache.extend([token])
+                taken = 0
+                for token, piece in check(decoding, rows, guesses):
+                    taken += 1
+                    if piece:
+                        yield piece
+                if inputs:  # a decode step: [last] + guesses ran; [last] + the guesses that stood are kept
+                    cache.extend(inputs[:taken])
+                    self.stats.step(len(guesses), taken)
+                    if self.speculation is not None:
+                        self.speculation.checked(len(guesses), taken - 1)
+                if decoding.finished:
+                    break
+                guesses = self._guesses()
+                inputs = [token, *guesses]
+                rows = self._decode(inputs)
             piece = decoding.end()
             if piece:
                 yield piece
@@ -134,11 +149,39 @@ class Generation:
         tokens = torch.tensor([ids], dtype=torch.long, device=self.checkpoint.device)
         return self._model(tokens, start_pos=start_pos, kv_cache=self.kv_cache, last_only=True)[0, -1]
 
+    def _guesses(self) -> list[int]:
+        """Tokens guessed to follow the last sampled one, as many as the step, the cache and the token
+        limit have room for."""
+        if self.speculation is None:
+            return []
+        decoding, cache = self.decoding, self.kv_cache
+        room = min(MAX_KERNEL_ROWS - 1, cache.max_len - cache.length - 1,
+                   decoding.max_new_tokens - len(decoding.tokens) - 1)
+        return self.speculation.guesses(self.prompt_ids + decoding.tokens, room)
+
     @torch.inference_mode()
-    def _decode(self, token: int) -> torch.Tensor:
-        """One sampled token at the cache's length through the model; the next logits (vocab,)."""
-        tokens = torch.tensor([token], dtype=torch.long, device=self.checkpoint.device)
-        return self._model.decode(tokens, [self.kv_cache])[0]
+    def _decode(self, inputs: list[int]) -> torch.Tensor:
+        """The last sampled token and the guesses after it, at the cache's length on, through the model;
+        the logits of each (len(inputs), vocab)."""
+        tokens = torch.tensor(inputs, dtype=torch.long, device=self.checkpoint.device)
+        start = self.kv_cache.length
+        return self._model.decode(tokens, [self.kv_cache] * len(inputs),
+                                  positions=list(range(start, start + len(inputs))))
+
+
+def speculation(checkpoint: Checkpoint, speculate, max_len: int) -> Speculation | None:
+    """The Speculation `speculate` asks for ("auto", "off" or a draft Checkpoint) for a reply whose
+    cache holds max_len positions."""
+    if isinstance(speculate, Checkpoint):
+        why = same_tokenizer(checkpoint.tokenizer, speculate.tokenizer)
+        if why is not None:
+            raise ValueError(f"{speculate.path} cannot draft for {checkpoint.path}: {why}")
+        return Speculation(Draft(speculate, max_len))
+    if speculate == "auto":
+        return Speculation(PromptLookup())
+    if speculate == "off":
+        return None
+    raise ValueError(f"speculate={speculate!r}: expected 'auto', 'off' or a draft Checkpoint")
 
 
 def sampling_params(sampling: SamplingParams | None, temperature: float | None, top_k: int | None,

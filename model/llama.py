@@ -48,8 +48,9 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def decode(self, x, rope: Rope, caches: list[LayerCache]):
-        """One new token of each of len(caches) sequences, x (b, 1, dim), each at its own position
-        (its cache's length); rope's tables (b, 1, 1, d). The projections see all b rows at once."""
+        """One new token of each of len(caches) rows, x (b, 1, dim), each at its own position (its layer
+        cache's length); rope's tables (b, 1, 1, d). The projections see all b rows at once; row i's keys
+        and values are written before row i + 1 attends (rows may share a cache: Llama.decode)."""
         q, k, v = self.qkv(x, rope)
         out = torch.cat([self.attend_one(q[i:i + 1], *cache.update(cache.length, k[i:i + 1], v[i:i + 1]))
                          for i, cache in enumerate(caches)])  # (b, kv, groups, d)
@@ -149,29 +150,39 @@ class Llama(nn.Module):
             x = x[:, -1:, :]
         return self.logits(x)
 
-    def decode(self, tokens: torch.Tensor, caches: list[KVCache], fused: bool | None = None) -> torch.Tensor:
-        """One new token for each of several sequences: tokens (b,), sequence i at position
-        caches[i].length (its keys/values written there) -> logits (b, vocab) in fp32.
+    def decode(self, tokens: torch.Tensor, caches: list[KVCache], fused: bool | None = None,
+               positions: list[int] | None = None) -> torch.Tensor:
+        """One new token for each of several rows: tokens (b,), row i at position positions[i] (default:
+        caches[i].length) of caches[i], its keys/values written there -> logits (b, vocab) in fp32.
 
-        The weight matrices are read once for all b rows; attention runs per sequence, each over
-        its own cache. The caller appends the tokens to each cache's `tokens` afterwards.
+        The weight matrices are read once for all b rows; attention runs per row, over its cache up to
+        its position. Rows may share a cache at consecutive positions (a speculative check: the guesses
+        after a sequence's last token): every row's keys and values are written before any row
+        attends, so each sees the ones before it, and none sees a later one. The caller records the
+        ids that stand in each cache's `tokens` afterwards (positions past them are written over later).
         Where it applies (model/decode_step.py), the layers run as one C++ op; with fused=False
         (default: self.fused_decode), or where it does not, they run as the blocks' decode methods
         below, the reference.
         """
+        if positions is None:
+            positions = [cache.length for cache in caches]
         if len(caches) > MAX_KERNEL_ROWS and tokens.device.type == "cpu":  # the fused op's rows at a time
-            return torch.cat([self.decode(tokens[i:i + MAX_KERNEL_ROWS], caches[i:i + MAX_KERNEL_ROWS], fused)
+            return torch.cat([self.decode(tokens[i:i + MAX_KERNEL_ROWS], caches[i:i + MAX_KERNEL_ROWS], fused,
+                                          positions[i:i + MAX_KERNEL_ROWS])
                               for i in range(0, len(caches), MAX_KERNEL_ROWS)])
-        positions = [cache.length for cache in caches]
+        for cache, position in zip(caches, positions):
+            if not 0 <= position < cache.max_len:
+                raise ValueError(f"KV cache holds {cache.max_len} positions; asked to write up to {position + 1}")
         self.ensure_rope(max(positions) + 1)
         x = self.tok_embeddings(tokens).to(self.compute_dtype)  # (b, dim)
         rope = self.rope.at(positions, x.dtype)  # (b, head_dim) tables
         fused = self.fused_decode if fused is None else fused
-        out = decode_layers(self, x, rope, caches) if fused else None  # (b, dim), or None
+        out = decode_layers(self, x, rope, caches, positions) if fused else None  # (b, dim), or None
         if out is None:
             x, rope = x[:, None], rope.view(len(caches), 1, 1, -1)  # (b, 1, dim), (b, 1, 1, head_dim)
             for i, block in enumerate(self.layers):
-                x = block.decode(x, rope, [cache.layer(i) for cache in caches])
+                x = block.decode(x, rope, [LayerCache(cache.k[i], cache.v[i], position)
+                                           for cache, position in zip(caches, positions)])
             out = x[:, 0]
         return self.logits(out)
 

@@ -108,6 +108,8 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     max_batch: int = DEFAULT_MAX_BATCH  # sequences decoded together; more wait
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB  # kept and running KV caches together
     threads: int | None = None
+    speculate: str = ModelOptions.speculate  # "auto": decode steps check guessed tokens; "off"
+    draft: str | None = None  # the checkpoint that drafts the guesses of the default model (else prompt lookup)
     # The engine process's options of the model package (model.kernels.configure, prepare_default)
     kernels: bool = ModelOptions.kernels
     kernel_march: str = ModelOptions.kernel_march

@@ -72,8 +72,9 @@ def _numel(shape) -> int:
     return n
 
 
-def random_checkpoint(shape: str, seed: int = 0) -> Path:
-    """`bench/.cache/<shape>-bf16/`: random bf16 weights of a preset's shape, as a Hugging Face folder.
+def random_checkpoint(shape: str, seed: int = 0, vocab_size: int | None = None) -> Path:
+    """`bench/.cache/<shape>-bf16/`: random bf16 weights of a preset's shape, as a Hugging Face folder
+    (`<shape>-<vocab_size>-bf16/` with another vocabulary size).
 
     Written once with safetensors in HF names and our own `to_hf_config()`, so neither this nor our
     engine needs transformers. Matrices ~ N(0, 0.02), norms 1: values do not change the speed.
@@ -83,6 +84,9 @@ def random_checkpoint(shape: str, seed: int = 0) -> Path:
 
     config = LlamaConfig.preset(shape).replace(dtype="bfloat16")
     folder = CACHE / f"{shape}-bf16"
+    if vocab_size is not None:
+        config = config.replace(vocab_size=vocab_size)
+        folder = CACHE / f"{shape}-{vocab_size}-bf16"
     done = folder / "model.safetensors"
     if done.is_file() and (folder / "config.json").is_file():
         return folder

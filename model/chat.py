@@ -17,7 +17,8 @@ import torch
 from . import kernels
 from .checkpoint import CheckpointError, load_checkpoint
 from .generation import PromptTooLong, generate, sampling_defaults
-from .options import DEVICES, DTYPES, QUANTIZE, ModelOptions, SettingsError
+from .options import DEVICES, DTYPES, QUANTIZE, SPECULATE, ModelOptions, SettingsError
+from .speculation import same_tokenizer
 
 
 def parse_args(argv: list[str] | None = None, options: ModelOptions | None = None) -> argparse.Namespace:
@@ -62,14 +63,19 @@ def parse_args(argv: list[str] | None = None, options: ModelOptions | None = Non
                            help="store linear weights as int4, a scale and offset per 32 "
                                 "(fastest decode, slower prefill)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first reply)")
+    p.add_argument("--speculate", choices=SPECULATE, default=o.speculate,
+                   help="guess tokens ahead from the prompt and the reply, and check them in one step "
+                        "(the reply is the same; default: %(default)s)")
+    p.add_argument("--draft", type=Path, default=o.draft, metavar="CHECKPOINT",
+                   help="a smaller model with the same tokenizer that drafts the guesses")
     return p.parse_args(argv)
 
 
-def reply(ckpt, messages, args, sampling, kv_cache=None):
+def reply(ckpt, messages, args, sampling, kv_cache=None, speculate="auto"):
     """Stream one answer to stdout; returns the Generation (text, stats, cache)."""
     ids = ckpt.chat_format.encode_dialog(messages)
     gen = generate(ckpt, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
-                   max_context=args.max_context, kv_cache=kv_cache)
+                   max_context=args.max_context, kv_cache=kv_cache, speculate=speculate)
     try:
         for piece in gen:
             print(piece, end="", flush=True)
@@ -79,7 +85,7 @@ def reply(ckpt, messages, args, sampling, kv_cache=None):
     s = gen.stats
     print(f"[{s.prompt_tokens} prompt tokens ({s.reused_tokens} cached), {s.new_tokens} new, "
           f"first token {s.time_to_first_token:.2f} s, {s.tokens_per_second:.1f} tokens/s, "
-          f"{gen.finish_reason}]", file=sys.stderr)
+          f"{s.tokens_per_step:.1f} tokens a step, {gen.finish_reason}]", file=sys.stderr)
     return gen
 
 
@@ -103,6 +109,11 @@ def main(argv=None) -> int:
     try:
         ckpt = load_checkpoint(args.checkpoint, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
                                quantize=args.quantize, compile=args.compile)
+        speculate = args.speculate
+        if args.draft is not None and speculate != "off":
+            speculate = load_checkpoint(args.draft, device=args.device, dtype=args.dtype, quantize=args.quantize)
+            if (why := same_tokenizer(ckpt.tokenizer, speculate.tokenizer)) is not None:
+                raise CheckpointError(f"{args.draft} cannot draft for {args.checkpoint}: {why}")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -117,7 +128,7 @@ def main(argv=None) -> int:
 
     if args.prompt is not None:
         try:
-            reply(ckpt, system + [{"role": "user", "content": args.prompt}], args, sampling)
+            reply(ckpt, system + [{"role": "user", "content": args.prompt}], args, sampling, speculate=speculate)
         except PromptTooLong as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -141,7 +152,7 @@ def main(argv=None) -> int:
             continue
         messages.append({"role": "user", "content": text})
         try:
-            gen = reply(ckpt, messages, args, sampling, cache)
+            gen = reply(ckpt, messages, args, sampling, cache, speculate)
         except PromptTooLong as e:
             print(f"error: {e} (/reset starts over)", file=sys.stderr)
             messages.pop()

@@ -175,7 +175,7 @@ def speculation(checkpoint: Checkpoint, speculate, max_len: int) -> Speculation 
     if isinstance(speculate, Checkpoint):
         why = same_tokenizer(checkpoint.tokenizer, speculate.tokenizer)
         if why is not None:
-            raise ValueError(f"{speculate.path} cannot draft for {checkpoint.path}: {why}")
+            raise ValueError(f"{speculate.name} cannot draft for {checkpoint.name}: {why}")
         return Speculation(Draft(speculate, max_len))
     if speculate == "auto":
         return Speculation(PromptLookup())

@@ -32,6 +32,7 @@ DEFAULT_MAX_NEW_TOKENS = 1024
 DEVICES = ("auto", "cpu", "cuda", "mps")  # auto: CUDA, then MPS, then the CPU
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # how weights are stored: our name -> torch's
 QUANTIZE = ("off", "int8", "int4")
+SPECULATE = ("auto", "off")  # auto: decode steps guess tokens ahead (model/speculation.py), with LLAMA_DRAFT's model if set
 SWITCH = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 
 
@@ -117,6 +118,8 @@ class ModelOptions:
     min_p: float | None = None
     repetition_penalty: float | None = None
     threads: int | None = None  # None: torch's default (all cores)
+    speculate: str = "auto"  # decode steps check guessed tokens: from the prompt and reply, or from `draft`
+    draft: Path | None = None  # a smaller checkpoint with the same tokenizer that drafts the guesses
     kernels: bool = True  # the decode kernel (model/kernels.py); off: every product through F.linear
     kernel_march: str = "native"  # the -march it is compiled for
     deterministic: bool = False  # int8 batches kept out of AMX tiles, so replies do not depend on the batch
@@ -158,6 +161,8 @@ def read_model_options(env: Environment) -> dict:
         min_p=env.number("LLAMA_MIN_P", low=0.0, high=1.0),
         repetition_penalty=env.number("LLAMA_REPETITION_PENALTY", low=0.0, high=10.0, low_open=True),
         threads=env.integer("LLAMA_THREADS", low=1),
+        speculate=env.choice("LLAMA_SPECULATE", SPECULATE, "auto"),
+        draft=env.path("LLAMA_DRAFT"),
         kernels=env.switch("LLAMA_KERNELS", default=True),
         kernel_march=(env.text("LLAMA_KERNEL_MARCH") or "native").strip(),
         deterministic=env.switch("LLAMA_DETERMINISTIC", default=False),

@@ -1,0 +1,218 @@
+"""Speculative decoding, off against on, side by side in one run.
+
+    python bench/speculative.py [--rounds 2] [--tokens 256] [--threads N] [--skip-1b] [--out FILE]
+
+1. The default model (real weights, as the app serves it), one stream, temperature 0, through the engine
+   (app/engine/core.py, in this process, without sockets): asks whose answer repeats the prompt (fixing
+   a text, commenting or renaming in code, reformatting, quoting) and plain questions, each asked with
+   LLAMA_SPECULATE=off and =auto in turn, `--rounds` times; the best decode tokens/s of each is kept.
+   Reported per ask: tokens a decode step gave, decode tokens/s, the ratio, whether the texts are equal.
+2. The same model, 8 streams at once (the grounded asks and the questions together), off against
+   auto: aggregate tokens/s over the wall time.
+3. The 1B shape (random weights, bench/common.py), library `generate()`, one stream: a draft that is the
+   model itself (every guess right: what checking k guesses in one step can give at most, paying a
+   full-size draft) and a random draft of the default model's shape with Llama 3's vocabulary (every
+   guess wrong: what guessing costs when nothing stands); plus the time of one step of 1, 4 and 8 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+
+from common import machine, random_checkpoint  # noqa: E402
+
+PARAGRAPH = ("Teh quick brown fox jumpd over the lazzy dog. It was a sunny day and the fox was verry happy. "
+             "The dog did not care, it just slept under the tree all day long, dreaming of bones.")
+FUNCTION = '''def mean(values):
+    if not values:
+        return 0.0
+    total = 0.0
+    for value in values:
+        total += value
+    return total / len(values)
+'''
+CODE = '''def area(x, y):
+    result = x * y
+    print("area", result)
+    return result
+
+
+def perimeter(x, y):
+    result = 2 * (x + y)
+    print("perimeter", result)
+    return result
+'''
+STORY = ("The river runs past the old mill. Children play in the park every afternoon. In spring the river "
+         "floods the low fields. The baker opens at six. Fishermen wait by the river before dawn. The library "
+         "closes early on Fridays.")
+GROUNDED = {
+    "fix spelling": f"Fix the spelling in this paragraph and give it back in full:\n\n{PARAGRAPH}",
+    "comment code": f"Add a comment to each line of this function and give back the whole function:\n\n{FUNCTION}",
+    "rename variable": f"Rename the variable `result` to `value` in this code and give back all of it:\n\n{CODE}",
+    "reformat list": "Reformat this as a Markdown bulleted list, one item a line: apples, pears, plums, cherries, "
+                     "grapes, lemons, oranges, melons, peaches, apricots, figs, dates.",
+    "quote sentences": f"Quote, word for word, every sentence of this text that mentions the river:\n\n{STORY}",
+    "repeat a text": f"Repeat this text exactly, then say how many sentences it has:\n\n{STORY}",
+}
+QUESTIONS = {
+    "capital": "What is the capital of France? Answer in two sentences.",
+    "photosynthesis": "Explain photosynthesis in one paragraph.",
+    "sleep tips": "Give me three tips for sleeping better.",
+    "haiku": "Write a haiku about autumn.",
+    "prime numbers": "What is a prime number? Give examples.",
+    "airplanes": "How do airplanes fly?",
+}
+
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def one_stream(harness_for, asks: dict[str, str], rounds: int, tokens: int) -> list[dict]:
+    from support.engine import last, request
+    from app.messages import ReplySettings
+
+    settings = ReplySettings(max_new_tokens=tokens, temperature=0.0)
+    rows = []
+    for name, ask in asks.items():
+        best = {}
+        for _ in range(rounds):
+            for mode in ("off", "auto"):  # interleaved: the machine's drift meets both alike
+                harness = harness_for(mode)
+                asked = request(ask, settings, model=MODEL)
+                done = last(harness.ask(asked)[asked.id])
+                s = done.stats
+                if mode not in best or s.tokens_per_second > best[mode]["tokens_per_second"]:
+                    best[mode] = {"tokens_per_second": s.tokens_per_second, "tokens_per_step": s.tokens_per_step,
+                                  "tokens": s.new_tokens, "text": done.text}
+        off, auto = best["off"], best["auto"]
+        rows.append({"ask": name, "tokens": auto["tokens"], "tokens_per_step": auto["tokens_per_step"],
+                     "off_tokens_per_second": off["tokens_per_second"],
+                     "auto_tokens_per_second": auto["tokens_per_second"],
+                     "ratio": auto["tokens_per_second"] / off["tokens_per_second"],
+                     "same_text": off["text"] == auto["text"]})
+        print(f"  {name:16} {rows[-1]['tokens']:4d} tokens  {rows[-1]['tokens_per_step']:.2f} a step  "
+              f"off {off['tokens_per_second']:6.1f}  auto {auto['tokens_per_second']:6.1f} tokens/s  "
+              f"{rows[-1]['ratio']:.2f}x  same text: {rows[-1]['same_text']}", flush=True)
+    return rows
+
+
+def many_streams(harness_for, asks: list[str], rounds: int, tokens: int) -> dict:
+    from support.engine import request
+    from app.messages import Done, ReplySettings
+
+    settings = ReplySettings(max_new_tokens=tokens, temperature=0.0)
+    best: dict[str, float] = {}
+    texts: dict[str, list[str]] = {}
+    for _ in range(rounds):
+        for mode in ("off", "auto"):
+            harness = harness_for(mode)
+            requests = [request(ask, settings, model=MODEL) for ask in asks]
+            started = time.perf_counter()
+            events = harness.run(*requests)
+            seconds = time.perf_counter() - started
+            done = {e.id: e for e in events if isinstance(e, Done)}
+            new_tokens = sum(d.stats.new_tokens for d in done.values())
+            best[mode] = max(best.get(mode, 0.0), new_tokens / seconds)
+            texts[mode] = [done[r.id].text for r in requests]
+    result = {"streams": len(asks), "off_tokens_per_second": best["off"], "auto_tokens_per_second": best["auto"],
+              "ratio": best["auto"] / best["off"], "same_text": texts["off"] == texts["auto"]}
+    print(f"  {len(asks)} streams: off {best['off']:.1f}  auto {best['auto']:.1f} tokens/s  "
+          f"{result['ratio']:.3f}x  same text: {result['same_text']}", flush=True)
+    return result
+
+
+def one_billion(tokens: int) -> dict:
+    """The 1B shape, library generate(): no guesses, a self-draft, a random draft; one step of 1, 4, 8 rows."""
+    import torch
+    from common import random_prompt
+    from model import generate, load_checkpoint
+    from model.kv_cache import KVCache
+
+    target = load_checkpoint(random_checkpoint("llama3.2-1b"), dtype="bfloat16")
+    draft = load_checkpoint(random_checkpoint("smollm2-135m", vocab_size=128256), dtype="bfloat16")
+    prompt = random_prompt(target.config.vocab_size, 200)
+    out = {}
+    texts = {}
+    for name, speculate in (("off", "off"), ("self-draft", target), ("random draft", draft), ("prompt lookup", "auto")):
+        g = generate(target, prompt, max_new_tokens=tokens, speculate=speculate, stop_ids=set())
+        texts[name] = "".join(g)
+        s = g.stats
+        out[name] = {"tokens_per_second": s.tokens_per_second, "tokens_per_step": s.tokens_per_step,
+                     "guesses": s.guesses}
+        print(f"  1B {name:14} {s.tokens_per_second:6.2f} tokens/s  {s.tokens_per_step:.2f} a step", flush=True)
+    out["same_text"] = len(set(texts.values())) == 1
+    cache = KVCache(target.config, 1024, dtype=target.dtype)
+    with torch.inference_mode():
+        target.model(torch.tensor([prompt]), kv_cache=cache, last_only=True)
+        cache.extend(prompt)
+        steps = {}
+        for rows in (1, 4, 8):
+            positions = list(range(cache.length, cache.length + rows))
+            times = []
+            for _ in range(6):
+                started = time.perf_counter()
+                target.model.decode(torch.tensor(prompt[:rows]), [cache] * rows, positions=positions)
+                times.append(time.perf_counter() - started)
+            steps[rows] = sorted(times)[len(times) // 2]
+    out["step_ms"] = {rows: 1000 * t for rows, t in steps.items()}
+    print("  1B one step: " + ", ".join(f"{r} rows {1000 * t:.1f} ms" for r, t in steps.items()), flush=True)
+    return out
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--skip-1b", action="store_true")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args()
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from support.engine import EngineHarness
+    from support.special_checkpoints import default_model
+
+    folder = default_model()
+    harnesses = {}
+
+    def harness_for(mode: str) -> EngineHarness:
+        """An engine with speculation `mode` that keeps no KV cache (each ask prefills its prompt)."""
+        if mode not in harnesses:
+            harnesses[mode] = EngineHarness(folder, speculate=mode, kv_cache_mb=0)
+        return harnesses[mode]
+
+    results = {"machine": machine(), "tokens": args.tokens, "rounds": args.rounds}
+    print(f"[bench] {results['machine']['cpu']}, {torch.get_num_threads()} threads", flush=True)
+    print("One stream, grounded asks:", flush=True)
+    results["grounded"] = one_stream(harness_for, GROUNDED, args.rounds, args.tokens)
+    print("One stream, plain questions:", flush=True)
+    results["questions"] = one_stream(harness_for, QUESTIONS, args.rounds, args.tokens)
+    for kind in ("grounded", "questions"):
+        results[f"{kind}_geomean"] = geometric_mean([r["ratio"] for r in results[kind]])
+        print(f"  {kind}: geometric mean {results[f'{kind}_geomean']:.2f}x, slowest "
+              f"{min(r['ratio'] for r in results[kind]):.2f}x", flush=True)
+    print("Many streams:", flush=True)
+    mixed = list(GROUNDED.values())[:4] + list(QUESTIONS.values())[:4]
+    results["streams"] = [many_streams(harness_for, mixed[:n], args.rounds, args.tokens) for n in (2, 8)]
+    if not args.skip_1b:
+        print("The 1B shape:", flush=True)
+        results["1b"] = one_billion(min(args.tokens, 64))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

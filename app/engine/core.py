@@ -64,7 +64,7 @@ from app.engine.outbox import Outbox
 from app.engine.prefix_cache import PrefixCache
 from app.engine.prompt import fit_prompt, prompt_budget
 from app.engine.scheduler import Scheduler
-from app.engine.sequence import Sequence
+from app.engine.sequence import Sequence, State
 
 log = logging.getLogger("app.engine")
 
@@ -257,9 +257,9 @@ class Engine:
         tokens = torch.tensor([ids], device=model.tok_embeddings.weight.device)
         logits = model(tokens, start_pos=start, kv_cache=sequence.cache, last_only=True)[0, -1]
         sequence.computed(ids)
-        if sequence.prompt_left == 0:
+        if sequence.state is State.DECODING:  # its whole prompt is in
             for follower in sequence.followers:  # the other replies to the same prompt start here too
-                follower.cache = sequence.cache.copy_prefix(sequence.cache.length, follower.max_len)
+                follower.follow()
                 self._accept(follower, follower.sample(logits))
             self._accept(sequence, sequence.sample(logits))
 
@@ -350,7 +350,7 @@ class Engine:
         return self._token_tables[request.model]
 
     def _take_cache(self, sequence: Sequence) -> None:
-        if sequence.cache is not None:  # a follower, with its copy of the leader's prompt
+        if sequence.state is not State.READY:  # a follower with its copy of the leader's prompt, or one that ended
             return
         checkpoint = self.checkpoints[sequence.model]
 
@@ -358,8 +358,7 @@ class Engine:
             return KVCache(checkpoint.config, max_len, device=checkpoint.device, dtype=checkpoint.dtype)
 
         self.prefix_cache.trim(self._bytes_in_use())
-        sequence.cache, sequence.stats.reused_tokens = self.prefix_cache.take(
-            sequence.scope, sequence.prompt, sequence.max_len, new_cache)
+        sequence.take_cache(*self.prefix_cache.take(sequence.scope, sequence.prompt, sequence.max_len, new_cache))
 
     def _finish(self, sequence: Sequence) -> None:
         """Send the sequence's Done and keep its cache for requests that start the same way."""
@@ -411,7 +410,7 @@ class Engine:
                 return
             self._loading.discard(name)
             waiting = [request_id for request_id, (leader, *_) in self.requests.items()
-                       if leader.model == name and leader.prompt is None]
+                       if leader.model == name and leader.state is State.NEW]
             if isinstance(result, Exception):
                 message = f"The model {name} could not be loaded: {result}"
                 self.emit(ModelFailed(name, message))
@@ -422,9 +421,8 @@ class Engine:
             self.infos[name] = model_info(name, result, self.config, seconds)
             self.emit(ModelReady(self.infos[name]))
             for request_id in waiting:
-                if not self.requests[request_id][0].finished:  # else cancelled while its model loaded
-                    with self._contained(request_id, "Starting the request"):
-                        self._prepare(request_id)
+                with self._contained(request_id, "Starting the request"):
+                    self._prepare(request_id)
 
     def _announce_positions(self) -> None:
         positions = {sequence.id: position for sequence, position in self.scheduler.positions().items()

@@ -15,6 +15,7 @@ from support.engine import EngineHarness, last, reference, request
 
 from app.backend.conversation import Conversation
 from app.engine.core import find_profiles
+from app.engine.sequence import State
 from app.messages import (
     Cancel,
     Context,
@@ -444,6 +445,28 @@ def test_n_replies_share_one_prefill_and_each_is_the_reply_its_seed_gives(tiny, 
     h.run(cancelled, max_steps=3)
     events = h.run(Cancel(cancelled.id))
     assert sorted(e.index for e in events if isinstance(e, Done) and e.finish_reason == "cancelled") == [0, 1]
+
+
+
+def test_the_engine_moves_a_leader_and_its_follower_through_their_states(tiny, checkpoint):
+    h = harness(tiny, checkpoint, kv_cache_mb=0)
+    r = request("word" + " word" * PREFILL_CHUNK, ReplySettings(max_new_tokens=3, temperature=0.0), n=2)
+    h.engine.handle(r)
+    leader, follower = h.engine.requests[r.id]
+    assert PREFILL_CHUNK < len(leader.prompt) <= 2 * PREFILL_CHUNK  # two chunks
+    assert (leader.state, follower.state) == (State.READY, State.NEW)
+    h.engine.step()  # the leader takes a cache and prefills its first chunk; the follower waits for it
+    assert (leader.state, follower.state) == (State.PREFILLING, State.NEW)
+    assert follower not in h.engine.scheduler.running
+    h.engine.step()  # the last chunk: both sample their first token from its logits
+    assert (leader.state, follower.state) == (State.DECODING, State.DECODING)
+    assert follower.cache.tokens == leader.prompt and [len(leader.tokens), len(follower.tokens)] == [1, 1]
+    h.engine.step()  # the follower joins the batch; both decode
+    assert (leader.state, follower.state) == (State.DECODING, State.DECODING) and len(follower.tokens) == 2
+    first = len(h.events)
+    h.engine.step()  # the third token: the token limit; both end at the end of the step
+    assert (leader.state, follower.state) == (State.FINISHED, State.FINISHED) and r.id not in h.engine.requests
+    assert sorted(e.index for e in h.events[first:] if isinstance(e, Done) and e.finish_reason == "length") == [0, 1]
 
 
 # ---- tools --------------------------------------------------------------------------------------

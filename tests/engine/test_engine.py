@@ -14,7 +14,6 @@ from support.checkpoints import write_tiny_checkpoint
 from support.engine import EngineHarness, last, reference, request
 
 from app.backend.conversation import Conversation
-from app.engine.core import find_profiles
 from app.engine.sequence import State
 from app.messages import (
     Cancel,
@@ -340,7 +339,7 @@ def test_models_load_on_first_use_once_and_a_broken_one_is_reported(tiny, tmp_pa
     for file in ("config.json", "model.safetensors"):
         (weights / "other" / file).symlink_to(tiny / file)
     h = EngineHarness(tiny, loader=loader, weights_dir=str(weights))
-    assert loads == ["tiny"] and list(h.engine.profiles) == ["tiny", "broken", "other"]
+    assert loads == ["tiny"] and list(h.engine.models.profiles) == ["tiny", "broken", "other"]
 
     events = h.ask(r := request("Hi", model="broken"))[r.id]
     assert isinstance(events[0], Loading) and last(events).reason == "load" and "broken" in last(events).message
@@ -404,22 +403,6 @@ def test_a_failing_step_fails_only_its_sequences(tiny, checkpoint, monkeypatch):
     events = h.ask(r := request("Hi", GREEDY))[r.id]
     assert last(events).reason == "error" and "out of memory" in last(events).message
     assert isinstance(last(h.ask(r := request("Hi", GREEDY))[r.id]), Done)
-
-
-def test_profiles_are_the_checkpoint_then_each_checkpoint_folder(tiny, tmp_path):
-    weights = tmp_path / "weights"
-    for name in ("b-model", "a-model"):
-        folder = weights / name
-        folder.mkdir(parents=True)
-        for file in ("config.json", "model.safetensors"):
-            (folder / file).symlink_to(tiny / file)
-    (weights / "not-a-model").mkdir()
-    (weights / ".hidden-build").mkdir()
-    (weights / "README.md").write_text("notes")
-
-    assert list(find_profiles(tiny, weights)) == ["tiny", "a-model", "b-model"]
-    assert find_profiles(weights / "a-model", weights) == {"a-model": weights / "a-model",
-                                                          "b-model": weights / "b-model"}
 
 
 def test_n_replies_share_one_prefill_and_each_is_the_reply_its_seed_gives(tiny, checkpoint):

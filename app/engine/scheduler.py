@@ -23,10 +23,7 @@ class Schedulable(Protocol):
     id: str
 
     @property
-    def ready(self) -> bool: ...  # its prompt is built (its model is loaded)
-
-    @property
-    def prompt_left(self) -> int: ...  # prompt tokens not yet in its cache
+    def ready(self) -> bool: ...  # it may join the batch: its prompt is built (its model is loaded)
 
     @property
     def next_chunk(self) -> int: ...  # prompt tokens in its next prefill chunk (whole: its bounds decide its sums)

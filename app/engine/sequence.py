@@ -6,10 +6,24 @@ what text that token adds; the sequence keeps its cache's ids. What a token mean
 (stop tokens and strings, the JSON constraint, the token limit, logprobs, tool calls, stats) is the
 reply's `Decoding` (model/decoding.py), the rules `generate()` follows too; here: when the sequence
 runs, and its messages.
+
+A sequence's `state` changes only in its own methods:
+
+    NEW         start()          -> READY        its prompt is built (a follower stays NEW)
+    NEW         follow()         -> DECODING     a follower: a copy of its leader's prefilled prompt
+    READY       take_cache()     -> PREFILLING   a fresh or kept cache (a kept one leaves a prompt token to run)
+    PREFILLING  computed(ids)    -> DECODING     the prompt's last chunk is in its cache
+    DECODING    accept(token)    -> FINISHED     a stop id or string, the token limit, the end of the JSON
+    any         cancel(), done() -> FINISHED     the reply ends where it is
+
+start() finishes a reply with no room for a token at once; a sequence cancelled while NEW stays FINISHED.
+The engine sends a FINISHED sequence's done() at the end of the step (at once, when one not in the batch
+is cancelled).
 """
 
 from __future__ import annotations
 
+import enum
 import time
 
 import torch
@@ -19,6 +33,23 @@ from model.kv_cache import KVCache
 from model.sampling import SamplingParams
 
 from app.messages import Context, Done, Generate, ReplySettings, Stats, TokenLogprob
+
+
+class State(enum.Enum):
+    NEW = "new"  # its model loads (its prompt is not built); a follower: its leader's prompt is not prefilled
+    READY = "ready"  # its prompt is built: it may join the batch, where it takes a KV cache
+    PREFILLING = "prefilling"  # its prompt goes into its cache, a chunk a step
+    DECODING = "decoding"  # its prompt is in its cache: a token a step
+    FINISHED = "finished"  # its reply ended (by a rule of its Decoding, or cancelled): Done is next
+
+
+_NEXT = {  # the table above
+    State.NEW: {State.READY, State.DECODING, State.FINISHED},
+    State.READY: {State.PREFILLING, State.FINISHED},
+    State.PREFILLING: {State.DECODING, State.FINISHED},
+    State.DECODING: {State.FINISHED},
+    State.FINISHED: {State.FINISHED},
+}
 
 
 class Sequence:
@@ -39,7 +70,7 @@ class Sequence:
         self.cache: KVCache | None = None  # taken when the sequence starts running
         self.decoding: Decoding | None = None  # once started
         self.unsent = ""  # text the reply held back to its end (e.g. a possible tool call): sent before Done
-        self.cancelled = False
+        self.state = State.NEW
         self._stats = Stats()  # before it starts
         self.context = Context()  # how its prompt fit the model's context, set by the engine with the prompt
         self._token_bytes: list[bytes] | None = None  # with logprobs: every token's bytes
@@ -63,8 +94,12 @@ class Sequence:
             constraint=constraint, logprobs=request.logprobs if token_bytes is not None else None,
             tools=tools, parallel_tool_calls=request.parallel_tool_calls, device=checkpoint.device,
             started=self.arrived)
-        if self.cancelled:
+        if self.state is State.FINISHED:  # cancelled while its model loaded
             self.decoding.cancel()
+        elif self.decoding.finished:  # no room for a token
+            self._move(State.FINISHED)
+        elif self.leader is None:  # (a follower waits for its leader's prefilled prompt: follow())
+            self._move(State.READY)
 
     @property
     def tokens(self) -> list[int]:
@@ -79,32 +114,26 @@ class Sequence:
     def finish_reason(self) -> str | None:
         if self.decoding is not None:
             return self.decoding.finish_reason
-        return "cancelled" if self.cancelled else None
+        return "cancelled" if self.state is State.FINISHED else None
 
     # -- what the scheduler reads
 
     @property
     def ready(self) -> bool:
-        """Its prompt is built, and (for a follower) its leader's prefilled prompt is copied."""
-        return (self.prompt is not None and (self.leader is None or self.cache is not None)) or self.finished
-
-    @property
-    def prompt_left(self) -> int:
-        if self.tokens or self.prompt is None:
-            return 0
-        return len(self.prompt) - (self.cache.length if self.cache is not None else 0)
+        """It may join the batch (a finished one, to leave it at the end of the step)."""
+        return self.state is not State.NEW
 
     @property
     def next_chunk(self) -> int:
         """Prompt tokens in its next prefill chunk (model/kv_cache.py: chunks start at multiples of the
         chunk size, whatever else is prefilled in the step), 0 once its prompt is in its cache."""
-        if self.prompt_left == 0:
+        if self.state is not State.PREFILLING:
             return 0
         return self.cache.chunk_end(len(self.prompt)) - self.cache.length
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.state is State.FINISHED
 
     @property
     def max_len(self) -> int:
@@ -112,6 +141,17 @@ class Sequence:
         return len(self.prompt) + self.decoding.max_new_tokens
 
     # -- what the engine calls
+
+    def take_cache(self, cache: KVCache, reused: int) -> None:
+        """Its KV cache, whose first `reused` positions hold its prompt's first ids already (a kept cache)."""
+        self._move(State.PREFILLING)
+        self.cache, self.stats.reused_tokens = cache, reused
+
+    def follow(self) -> None:
+        """A follower starts from a copy of its leader's prompt, now in the leader's cache."""
+        cache = self.leader.cache.copy_prefix(self.leader.cache.length, self.max_len)
+        self._move(State.DECODING)
+        self.cache = cache
 
     def prefill_chunk(self) -> tuple[list[int], int]:
         """The prompt ids of its next prefill chunk, and the position of the first."""
@@ -121,6 +161,8 @@ class Sequence:
     def computed(self, ids: list[int]) -> None:
         """These ids (a prompt chunk, or the last sampled token) went through the model into its cache."""
         self.cache.extend(ids)
+        if self.state is State.PREFILLING and self.cache.length == len(self.prompt):
+            self._move(State.DECODING)
 
     def sample(self, logits: torch.Tensor) -> int:
         """The next token, from the logits of the model at the reply's next position (vocab,)."""
@@ -128,7 +170,10 @@ class Sequence:
 
     def accept(self, token: int) -> str:
         """Take the sampled token; returns the text it adds (often "", for a partial character)."""
-        return self.decoding.accept(token)
+        text = self.decoding.accept(token)
+        if self.decoding.finished:  # its last token
+            self._move(State.FINISHED)
+        return text
 
     def take_logprobs(self) -> list[TokenLogprob]:
         """The logprobs of the reply's tokens since the last call (empty unless asked for)."""
@@ -144,12 +189,14 @@ class Sequence:
         return data.decode("utf-8", errors="replace"), list(data)
 
     def cancel(self) -> None:
-        self.cancelled = True
+        """End the reply where it is (the engine sends its Done: at once if it waits, else after its step)."""
         if self.decoding is not None:
             self.decoding.cancel()
+        self._move(State.FINISHED)
 
     def done(self) -> Done:
         """The reply's last message; `unsent` is the text it still held back, to send before it."""
+        self._move(State.FINISHED)  # (ended already, by a rule of its Decoding or a cancel)
         if self.decoding is None:  # cancelled (or failed) before it started
             self._stats.total_time = time.perf_counter() - self.arrived
             return Done(self.id, "", "cancelled", self._stats, [], self.index, [], self.context)
@@ -158,3 +205,9 @@ class Sequence:
         calls = [call.to_openai() for call in decoding.tool_calls]
         return Done(self.id, decoding.text, decoding.finish_reason, decoding.stats, list(decoding.tokens),
                     self.index, calls, self.context)
+
+    def _move(self, to: State) -> None:
+        if to not in _NEXT[self.state]:
+            raise RuntimeError(f"request {self.id}, reply {self.index}: a {self.state.name} sequence cannot "
+                               f"become {to.name}")
+        self.state = to

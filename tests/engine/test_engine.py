@@ -14,7 +14,7 @@ from support.checkpoints import write_tiny_checkpoint
 from support.engine import EngineHarness, last, reference, request
 
 from app.backend.conversation import Conversation
-from app.engine.core import find_profiles
+from app.engine.sequence import State
 from app.messages import (
     Cancel,
     Context,
@@ -339,7 +339,7 @@ def test_models_load_on_first_use_once_and_a_broken_one_is_reported(tiny, tmp_pa
     for file in ("config.json", "model.safetensors"):
         (weights / "other" / file).symlink_to(tiny / file)
     h = EngineHarness(tiny, loader=loader, weights_dir=str(weights))
-    assert loads == ["tiny"] and list(h.engine.profiles) == ["tiny", "broken", "other"]
+    assert loads == ["tiny"] and list(h.engine.models.profiles) == ["tiny", "broken", "other"]
 
     events = h.ask(r := request("Hi", model="broken"))[r.id]
     assert isinstance(events[0], Loading) and last(events).reason == "load" and "broken" in last(events).message
@@ -405,22 +405,6 @@ def test_a_failing_step_fails_only_its_sequences(tiny, checkpoint, monkeypatch):
     assert isinstance(last(h.ask(r := request("Hi", GREEDY))[r.id]), Done)
 
 
-def test_profiles_are_the_checkpoint_then_each_checkpoint_folder(tiny, tmp_path):
-    weights = tmp_path / "weights"
-    for name in ("b-model", "a-model"):
-        folder = weights / name
-        folder.mkdir(parents=True)
-        for file in ("config.json", "model.safetensors"):
-            (folder / file).symlink_to(tiny / file)
-    (weights / "not-a-model").mkdir()
-    (weights / ".hidden-build").mkdir()
-    (weights / "README.md").write_text("notes")
-
-    assert list(find_profiles(tiny, weights)) == ["tiny", "a-model", "b-model"]
-    assert find_profiles(weights / "a-model", weights) == {"a-model": weights / "a-model",
-                                                          "b-model": weights / "b-model"}
-
-
 def test_n_replies_share_one_prefill_and_each_is_the_reply_its_seed_gives(tiny, checkpoint):
     h = harness(tiny, checkpoint, kv_cache_mb=0)
     settings = ReplySettings(max_new_tokens=20, temperature=1.0, top_k=0, top_p=1.0, seed=5)
@@ -444,6 +428,28 @@ def test_n_replies_share_one_prefill_and_each_is_the_reply_its_seed_gives(tiny, 
     h.run(cancelled, max_steps=3)
     events = h.run(Cancel(cancelled.id))
     assert sorted(e.index for e in events if isinstance(e, Done) and e.finish_reason == "cancelled") == [0, 1]
+
+
+
+def test_the_engine_moves_a_leader_and_its_follower_through_their_states(tiny, checkpoint):
+    h = harness(tiny, checkpoint, kv_cache_mb=0)
+    r = request("word" + " word" * PREFILL_CHUNK, ReplySettings(max_new_tokens=3, temperature=0.0), n=2)
+    h.engine.handle(r)
+    leader, follower = h.engine.requests[r.id]
+    assert PREFILL_CHUNK < len(leader.prompt) <= 2 * PREFILL_CHUNK  # two chunks
+    assert (leader.state, follower.state) == (State.READY, State.NEW)
+    h.engine.step()  # the leader takes a cache and prefills its first chunk; the follower waits for it
+    assert (leader.state, follower.state) == (State.PREFILLING, State.NEW)
+    assert follower not in h.engine.scheduler.running
+    h.engine.step()  # the last chunk: both sample their first token from its logits
+    assert (leader.state, follower.state) == (State.DECODING, State.DECODING)
+    assert follower.cache.tokens == leader.prompt and [len(leader.tokens), len(follower.tokens)] == [1, 1]
+    h.engine.step()  # the follower joins the batch; both decode
+    assert (leader.state, follower.state) == (State.DECODING, State.DECODING) and len(follower.tokens) == 2
+    first = len(h.events)
+    h.engine.step()  # the third token: the token limit; both end at the end of the step
+    assert (leader.state, follower.state) == (State.FINISHED, State.FINISHED) and r.id not in h.engine.requests
+    assert sorted(e.index for e in h.events[first:] if isinstance(e, Done) and e.finish_reason == "length") == [0, 1]
 
 
 # ---- tools --------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def tiny(tmp_path_factory) -> Path:
 
 def events(engine: EngineHarness, model: str | None = None) -> list:
     """Every event of a reply to "Hello" by the model (the default one if None)."""
-    r = request("Hello", GREEDY, model=model or engine.engine.default)
+    r = request("Hello", GREEDY, model=model or engine.engine.models.default)
     return engine.ask(r)[r.id]
 
 

@@ -37,7 +37,7 @@ class EngineHarness:
             if not self.engine.busy and self.refine and self.engine.idle_work:
                 self.engine.refine()
                 continue
-            if not (self.engine.busy or self.engine.loading):
+            if not (self.engine.busy or self.engine.models.loading):
                 break
             if not self.engine.busy:
                 time.sleep(0.002)  # the loader thread needs the interpreter more than this loop

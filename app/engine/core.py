@@ -35,6 +35,8 @@ from model import kernels
 from model.checkpoint import Checkpoint
 from model.context import PromptTooLong
 from model.kv_cache import PREFILL_CHUNK, KVCache
+from model.linear import MAX_KERNEL_ROWS
+from model.speculation import Draft, PromptLookup, Speculation
 
 from app.bounds import reply_seed
 from app.messages import (
@@ -215,18 +217,35 @@ class Engine:
 
     @torch.inference_mode()
     def _decode(self, model_name: str, batch: list[Sequence]) -> None:
+        """One forward pass for the batch: each sequence's last token, and the tokens guessed to follow it
+        (model/speculation.py) in the rows the decode kernel reads the weights once for that the batch
+        leaves free: a full batch guesses nothing, so speculation never costs the other streams a
+        weight read."""
         model = self.models.checkpoints[model_name].model
-        last = [sequence.tokens[-1] for sequence in batch]
-        caches = [sequence.cache for sequence in batch]
-        logits = model.decode(torch.tensor(last, device=model.tok_embeddings.weight.device), caches)  # (b, vocab)
-        for sequence, token, row in zip(batch, last, logits):
+        spare = MAX_KERNEL_ROWS - len(batch)
+        inputs = []  # per sequence: [its last token, *guesses]
+        for sequence in batch:
+            guesses = []
+            if spare > 0:
+                with self._contained(sequence.id, "Guessing tokens ahead"):
+                    guesses = sequence.guesses(spare)
+            spare -= len(guesses)
+            inputs.append([sequence.tokens[-1], *guesses])
+        rows = [(sequence, i) for sequence, ids in zip(batch, inputs) for i in range(len(ids))]
+        logits = model.decode(torch.tensor([t for ids in inputs for t in ids], device=model.tok_embeddings.weight.device),
+                              [sequence.cache for sequence, _ in rows],
+                              positions=[sequence.cache.length + i for sequence, i in rows])  # (rows, vocab)
+        first = 0
+        for sequence, ids in zip(batch, inputs):
             if sequence.id in self.requests:  # (another reply of its request may have failed it just now)
                 with self._contained(sequence.id, "Sampling"):
-                    sequence.computed([token])
-                    self._accept(sequence, sequence.sample(row))
+                    self._send(sequence, sequence.decoded(logits[first:first + len(ids)], ids))
+            first += len(ids)
 
     def _accept(self, sequence: Sequence, token: int) -> None:
-        text = sequence.accept(token)
+        self._send(sequence, sequence.accept(token))
+
+    def _send(self, sequence: Sequence, text: str) -> None:
         logprobs = sequence.take_logprobs()
         if text or logprobs:
             self.emit(Text(sequence.id, text, sequence.index, logprobs))
@@ -282,7 +301,17 @@ class Engine:
             seed = None if settings.seed is None else reply_seed(settings.seed, sequence.index)
             sequence.context = context
             sequence.start(checkpoint, prompt, msgspec.structs.replace(settings, seed=seed), info.context_limit,
-                           constraint=constraint, token_bytes=token_bytes)
+                           constraint=constraint, token_bytes=token_bytes,
+                           speculation=self._speculation(request.model, min(len(prompt) + settings.max_new_tokens,
+                                                                             info.context_limit)))
+
+    def _speculation(self, model: str, max_len: int) -> Speculation | None:
+        """How a reply of `model` guesses tokens ahead: the draft model where one drafts for it, else from
+        its prompt and reply; None with LLAMA_SPECULATE=off."""
+        if self.config.speculate == "off":
+            return None
+        draft = self.models.drafts.get(model)
+        return Speculation(Draft(draft, max_len) if draft is not None else PromptLookup())
 
     def _constraint(self, request: Generate, checkpoint: Checkpoint):
         """The JSON constraint a reply of this request follows, or None."""
@@ -314,8 +343,9 @@ class Engine:
         self._forget(sequence)
         s = done.stats
         log.info("reply: prompt %d tokens (%d from the cache), %d new tokens, first token %.2f s, %.1f tokens/s, "
-                 "%s, batch %d", s.prompt_tokens, s.reused_tokens, s.new_tokens, s.time_to_first_token,
-                 s.tokens_per_second, done.finish_reason, batch)
+                 "%.1f tokens a step (%d of %d guesses stood), %s, batch %d", s.prompt_tokens, s.reused_tokens,
+                 s.new_tokens, s.time_to_first_token, s.tokens_per_second, s.tokens_per_step,
+                 s.decoded_tokens - s.decode_steps, s.guesses, done.finish_reason, batch)
 
     def _forget(self, sequence: Sequence) -> None:
         sequences = self.requests.get(sequence.id, [])

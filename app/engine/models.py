@@ -4,7 +4,8 @@ A model loads on a thread of its own, so the streams of the models already loade
 engine's loop takes what finished loading at each step (`take_loaded`) and starts the requests that
 waited for it. Loading makes what each reply of that model needs: its info (context limit, the reply
 defaults) and, for logprobs, every token's bytes. The default model may first be converted from the
-embedded SmolLM2 (model/convert/prepare_default.py).
+embedded SmolLM2 (model/convert/prepare_default.py). With LLAMA_DRAFT, the default model loads with
+the smaller model that drafts its guesses (model/speculation.py), refused if their tokenizers differ.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from model.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_checkpoint
 from model.generation import sampling_defaults
 from model.options import DEFAULT_MAX_NEW_TOKENS
+from model.speculation import same_tokenizer
 
 from app.messages import EngineConfig, ModelInfo, ReplySettings
 
@@ -42,6 +44,7 @@ class Models:
         self._loading: set[str] = set()
         self._loaded: queue.Queue[tuple[str, Checkpoint | Exception, float]] = queue.Queue()  # name, model, seconds
         self._token_tables: dict[str, list[bytes]] = {}  # model -> each token's bytes (for logprobs)
+        self.drafts: dict[str, Checkpoint] = {}  # model -> the smaller model that drafts its guesses (LLAMA_DRAFT)
 
     @property
     def loading(self) -> bool:
@@ -79,6 +82,8 @@ class Models:
         started = time.perf_counter()
         try:
             checkpoint = self._loader(name, self.profiles[name])
+            if name == self.default and self.config.draft and self.config.speculate != "off":
+                self.drafts[name] = self._load_draft(checkpoint)
             self._read_token_table(name, checkpoint)
             seconds = time.perf_counter() - started
             log.info("loaded %s in %.1f s", name, seconds)
@@ -107,6 +112,17 @@ class Models:
                 raise CheckpointError(str(e)) from None
         return load_checkpoint(path, device=c.device, dtype=c.dtype, quantize=c.quantize,
                                tokenizer=c.tokenizer if name == self.default else None)
+
+
+    def _load_draft(self, checkpoint: Checkpoint) -> Checkpoint:
+        """LLAMA_DRAFT's model, for the default model: refused unless it reads and writes the same ids."""
+        c = self.config
+        draft = load_checkpoint(Path(c.draft), device=c.device, dtype=c.dtype, quantize=c.quantize)
+        why = same_tokenizer(checkpoint.tokenizer, draft.tokenizer)
+        if why is not None:
+            raise CheckpointError(f"LLAMA_DRAFT={c.draft}: {draft.name} cannot draft for {checkpoint.name}: {why}")
+        log.info("%s drafts the guesses of %s", draft.name, checkpoint.name)
+        return draft
 
 
 def model_info(name: str, checkpoint: Checkpoint, config: EngineConfig, load_seconds: float = 0.0) -> ModelInfo:

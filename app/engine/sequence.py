@@ -1,8 +1,10 @@
 """One request inside the engine: its prompt, its KV cache, its place in the batch, its reply so far.
 
-The engine's step loop runs a sequence's prompt chunks (`prefill_chunk`, then `computed`) and its
-last token (`computed` again), samples at the positions it must (`sample`), then asks `accept(token)`
-what text that token adds; the sequence keeps its cache's ids. What a token means for the reply
+The engine's step loop runs a sequence's prompt chunks (`prefill_chunk`, then `computed`), samples
+its first token from the last chunk's logits (`sample`, then `accept(token)`: the text it adds), then
+runs its last token and the tokens guessed to follow it (`guesses`: model/speculation.py) in each
+decode step, and hands it their logits (`decoded`: the text of the tokens that came out, the inputs
+that stood kept in its cache). What a token means for the reply
 (stop tokens and strings, the JSON constraint, the token limit, logprobs, tool calls, stats) is the
 reply's `Decoding` (model/decoding.py), the rules `generate()` follows too; here: when the sequence
 runs, and its messages.
@@ -31,6 +33,7 @@ import torch
 from model.decoding import Decoding
 from model.kv_cache import KVCache
 from model.sampling import SamplingParams
+from model.speculation import Speculation, check
 
 from app.messages import Context, Done, Generate, ReplySettings, Stats, TokenLogprob
 
@@ -71,16 +74,19 @@ class Sequence:
         self.decoding: Decoding | None = None  # once started
         self.unsent = ""  # text the reply held back to its end (e.g. a possible tool call): sent before Done
         self.state = State.NEW
+        self.speculation: Speculation | None = None
         self._stats = Stats()  # before it starts
         self.context = Context()  # how its prompt fit the model's context, set by the engine with the prompt
         self._token_bytes: list[bytes] | None = None  # with logprobs: every token's bytes
         self._logprobs_sent = 0
 
     def start(self, checkpoint, prompt: list[int], settings: ReplySettings, limit: int, *, constraint=None,
-              token_bytes: list[bytes] | None = None) -> None:
+              token_bytes: list[bytes] | None = None, speculation: Speculation | None = None) -> None:
         """Ready to run: the prompt's ids and the reply's settings (all set) are known. constraint: the
-        JSON the reply must be; token_bytes: each token's bytes, when logprobs are asked for."""
+        JSON the reply must be; token_bytes: each token's bytes, when logprobs are asked for; speculation:
+        how its decode steps guess tokens ahead (None: they do not)."""
         self.prompt, self.settings, self._token_bytes = prompt, settings, token_bytes
+        self.speculation = speculation
         request = self.request
         tools = {t["function"]["name"] for t in request.tools or []} if request.tool_choice != "none" else set()
         self.decoding = Decoding(
@@ -163,6 +169,29 @@ class Sequence:
         self.cache.extend(ids)
         if self.state is State.PREFILLING and self.cache.length == len(self.prompt):
             self._move(State.DECODING)
+
+    def guesses(self, room: int) -> list[int]:
+        """Tokens guessed to follow its last one, for its next decode step: at most `room`, and no more
+        than its cache and its token limit have room for."""
+        if self.speculation is None:
+            return []
+        room = min(room, self.cache.max_len - self.cache.length - 1,
+                   self.decoding.max_new_tokens - len(self.tokens) - 1)
+        return self.speculation.guesses(self.prompt + self.tokens, room) if room > 0 else []
+
+    def decoded(self, logits: torch.Tensor, inputs: list[int]) -> str:
+        """A decode step ran `inputs` ([its last token, *guesses]) at its cache's length on, with these
+        logits (len(inputs), vocab): sample each row as plain decoding would while the guesses stand
+        (model/speculation.py), keep the inputs that did in the cache; the text the new tokens add."""
+        taken, texts = 0, []
+        for _, text in check(self, logits, inputs[1:]):
+            taken += 1
+            texts.append(text)
+        self.computed(inputs[:taken])
+        self.stats.step(len(inputs) - 1, taken)
+        if self.speculation is not None:
+            self.speculation.checked(len(inputs) - 1, taken - 1)
+        return "".join(texts)
 
     def sample(self, logits: torch.Tensor) -> int:
         """The next token, from the logits of the model at the reply's next position (vocab,)."""

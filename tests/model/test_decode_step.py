@@ -326,13 +326,14 @@ PROMPTS = [
 
 
 def default_model_steps(monkeypatch, activations, forced: bool, quantize=None):
-    """Greedy decode of 64 tokens on the 20 prompts (weights bf16, or `quantize`), in batches of up to 8
+    """Greedy decode of 64 tokens on the 20 prompts (its Q4_1 blocks widened at load to their float32
+    values, then stored in bf16, or `quantize`d), in batches of up to 8
     sequences of different lengths, by the fused op and by the reference: (fused tokens, reference
     tokens), each (20, 64), and per step of each prompt (fused logits, reference logits). forced: both
     paths are fed the reference's tokens (teacher forcing), so each step compares the same inputs; else
     each follows its own."""
     monkeypatch.setattr(model.checkpoint, "has_native_bf16", lambda: activations == torch.bfloat16)
-    ckpt = load_checkpoint(default_model(), dtype=torch.bfloat16, quantize=quantize)
+    ckpt = load_checkpoint(default_model(), dtype=torch.bfloat16, quantize=quantize, widen=True)
     net = ckpt.model
     assert net.compute_dtype == activations
     counting = CountingOps(model.decode_step.kernels())

@@ -5,6 +5,8 @@ prefill between decode steps; cancel; the queue; the prefix cache; context trimm
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -28,8 +30,11 @@ from app.messages import (
     ReplySettings,
     Text,
 )
+import model.checkpoint
 from model.checkpoint import load_checkpoint
 from model.generation import PREFILL_CHUNK
+from model.kernels import kernels
+from model.options import DEFAULT_MODEL_NAME
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
 
@@ -349,6 +354,28 @@ def test_models_load_on_first_use_once_and_a_broken_one_is_reported(tiny, tmp_pa
     assert loads == ["tiny", "broken", "other"]  # each once
     events = h.ask(r := request("Hi", model="nothing"))[r.id]
     assert last(events).reason == "bad_request" and "nothing" in last(events).message
+
+
+def test_the_default_model_is_served_from_its_q4_1_blocks_where_the_kernel_runs_else_widened(
+        tmp_path, monkeypatch, smollm2_gguf):
+    """Prepared on start, the default model keeps its int4 blocks where the decode kernel multiplies them
+    and is widened to floats where it would not (a GPU, no kernel); another folder of int4 blocks stays
+    int4 either way (widened, a large model may not fit)."""
+    weights = tmp_path / "weights"
+    folder = weights / DEFAULT_MODEL_NAME  # converted by the first engine's start
+    config = dict(weights_dir=str(weights), prepare_default=True, cache_dir=str(smollm2_gguf.parent))
+    for kernel in ([kernels()] if kernels() else []) + [None]:
+        monkeypatch.setattr(model.checkpoint, "kernels", lambda: kernel)  # None: no compiler, or LLAMA_KERNELS=off
+        h = EngineHarness(folder, **config)
+        wq = h.engine.checkpoints[DEFAULT_MODEL_NAME].model.layers[0].attention.wq
+        assert (wq.weight.dtype == torch.uint8) == (kernel is not None) and (wq.scale is None) == (kernel is None)
+        events = h.ask(r := request("Hi", ReplySettings(max_new_tokens=2), model=DEFAULT_MODEL_NAME))[r.id]
+        assert isinstance(last(events), Done)
+        if not (weights / "Other-Q4_1").exists():
+            shutil.copytree(folder, weights / "Other-Q4_1", copy_function=os.link)
+    events = h.ask(r := request("Hi", ReplySettings(max_new_tokens=2), model="Other-Q4_1"))[r.id]
+    assert isinstance(last(events), Done)
+    assert h.engine.checkpoints["Other-Q4_1"].model.layers[0].attention.wq.weight.dtype == torch.uint8
 
 
 def test_the_token_table_for_logprobs_is_read_while_the_model_loads(tiny, monkeypatch):

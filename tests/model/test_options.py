@@ -13,6 +13,7 @@ import pytest
 from support.checkpoints import write_tiny_checkpoint
 from support.kernels import configured
 
+import model.checkpoint
 import model.kernels
 from app.backend.protocol import engine_config, open_backend
 from app.messages import EngineConfig
@@ -131,6 +132,25 @@ def test_the_terminal_chat_takes_llama_kernels_off(tiny, monkeypatch, capsys):
     with configured():  # as it was afterwards
         assert chat.main(["--checkpoint", str(tiny), "--dtype", "fp32", "--max-new-tokens", "2", "Hi"]) == 0
         assert model.kernels.kernels() is None
+    assert "2 new" in capsys.readouterr().err
+
+
+def test_the_terminal_chat_widens_the_default_models_blocks_where_they_decode_slower(tiny, smollm2_gguf, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """As the engine (tests/engine/test_engine.py): the default model, prepared on first use, loads with
+    widen="auto"; any other checkpoint as it is stored."""
+    loaded = {}
+
+    def load(path, **options):
+        loaded[Path(path).name] = options["widen"]
+        return model.checkpoint.load_checkpoint(path, **options)
+    monkeypatch.setattr(chat, "load_checkpoint", load)
+    monkeypatch.setenv("LLAMA_WEIGHTS_DIR", str(tmp_path))
+    monkeypatch.setenv("LLAMA_CACHE_DIR", str(smollm2_gguf.parent))
+    with configured():  # the kernel's options as they were afterwards
+        for checkpoint in ([], ["--checkpoint", str(tiny)]):
+            assert chat.main([*checkpoint, "--max-new-tokens", "2", "Hi"]) == 0
+    assert loaded == {DEFAULT_MODEL_NAME: "auto", tiny.name: False}
     assert "2 new" in capsys.readouterr().err
 
 

@@ -1,7 +1,7 @@
 """What a checkpoint folder holds, told without loading its weights: format, size, parameters, dtype.
 
     summarize("weights/SmolLM2-135M-Instruct")
-    -> CheckpointSummary(format="safetensors", parameters=134515008, bytes=538090408, dtype="fp32")
+    -> CheckpointSummary(format="GGUF import", bytes=96651768, parameters=134515008, dtype="int4")
 
 The parameters and dtype of a safetensors file come from its header (names, dtypes and shapes: the
 first few kilobytes); of a Meta or .pth checkpoint, from its config, counted as the model holds them.

@@ -205,7 +205,8 @@ def describe(name: str) -> str:
         else:
             try:
                 summary = summarize(path)
-                quantized = SETTINGS.quantize != "off" and summary.dtype != SETTINGS.quantize  # LLAMA_QUANTIZE
+                # LLAMA_QUANTIZE; weights quantized in the file (a GGUF's blocks) stay as they are
+                quantized = SETTINGS.quantize != "off" and summary.dtype not in ("int8", "int4")
                 DESCRIPTIONS[name] = summary.describe() + (f" · {SETTINGS.quantize} when loaded" if quantized else "")
             except (CheckpointError, OSError) as e:
                 DESCRIPTIONS[name] = f"not readable: {e}"

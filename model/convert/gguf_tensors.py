@@ -9,8 +9,8 @@ same values in the same bytes, nothing quantized twice and nothing widened to fp
 - Q4_0 (d, 16 bytes) into `<module>.weight` and `<module>.scale` only: weight = (q - 8) d, which
   the loader reads as offset -8 d (model/quantize.py's int4, whose nibble order is llama.cpp's).
 q/k rows go from llama.cpp's interleaved RoPE order to ours. Any other type is refused, unless
-`dequantize` (the default model's folder): then every quantized tensor becomes float32, which holds
-every dequantized value exactly.
+`dequantize`: then every quantized tensor becomes float32, which holds every dequantized value exactly
+(a folder transformers can read: the reference of tests/model/test_gguf.py).
 """
 
 from __future__ import annotations

@@ -90,6 +90,18 @@ def test_a_profile_says_how_llama_quantize_stores_it_once_loaded(main, monkeypat
         description
 
 
+def test_a_profile_quantized_in_its_file_is_not_said_to_be_quantized_again(main, monkeypatch):
+    """The default model's folder, its GGUF's Q4_1 blocks: loaded as they are whatever LLAMA_QUANTIZE says."""
+    import dataclasses
+
+    from model.summary import CheckpointSummary
+    run(main.chat_profiles(None))
+    monkeypatch.setattr(main, "SETTINGS", dataclasses.replace(main.SETTINGS, quantize="int8"))
+    monkeypatch.setattr(main, "DESCRIPTIONS", {})
+    monkeypatch.setattr(main, "summarize", lambda path: CheckpointSummary("GGUF import", 96_651_768, 134_515_008, "int4"))
+    assert main.describe("tiny") == "135M parameters · 97 MB · GGUF import · int4"
+
+
 # ---- replies ------------------------------------------------------------------------------------
 
 def test_message_streams_a_reply_then_a_stats_line_and_keeps_the_history(main):

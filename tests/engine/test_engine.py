@@ -367,7 +367,7 @@ def test_the_default_model_is_served_from_its_q4_1_blocks_where_the_kernel_runs_
     for kernel in ([kernels()] if kernels() else []) + [None]:
         monkeypatch.setattr(model.checkpoint, "kernels", lambda: kernel)  # None: no compiler, or LLAMA_KERNELS=off
         h = EngineHarness(folder, **config)
-        wq = h.engine.checkpoints[DEFAULT_MODEL_NAME].model.layers[0].attention.wq
+        wq = h.engine.models.checkpoints[DEFAULT_MODEL_NAME].model.layers[0].attention.wq
         assert (wq.weight.dtype == torch.uint8) == (kernel is not None) and (wq.scale is None) == (kernel is None)
         events = h.ask(r := request("Hi", ReplySettings(max_new_tokens=2), model=DEFAULT_MODEL_NAME))[r.id]
         assert isinstance(last(events), Done)
@@ -375,7 +375,7 @@ def test_the_default_model_is_served_from_its_q4_1_blocks_where_the_kernel_runs_
             shutil.copytree(folder, weights / "Other-Q4_1", copy_function=os.link)
     events = h.ask(r := request("Hi", ReplySettings(max_new_tokens=2), model="Other-Q4_1"))[r.id]
     assert isinstance(last(events), Done)
-    assert h.engine.checkpoints["Other-Q4_1"].model.layers[0].attention.wq.weight.dtype == torch.uint8
+    assert h.engine.models.checkpoints["Other-Q4_1"].model.layers[0].attention.wq.weight.dtype == torch.uint8
 
 
 def test_the_token_table_for_logprobs_is_read_while_the_model_loads(tiny, monkeypatch):

@@ -33,7 +33,7 @@ def other_tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_checkpoint(default_model(), dtype=torch.bfloat16)
+    return load_checkpoint(default_model(), dtype=torch.bfloat16, widen=True)  # its Q4_1 blocks widened to bf16
 
 
 # ---- rows that share a cache
@@ -218,9 +218,10 @@ def test_a_draft_keeps_its_cache_in_step(tiny):
     assert len(Draft(tiny, 64).propose(list(range(62)), 10)) == 2  # no more than its cache holds
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_quantized_weights_give_the_plain_reply_too(quantize):
-    checkpoint = load_checkpoint(default_model(), dtype=torch.bfloat16, quantize=quantize)
+@pytest.mark.parametrize("options", [{"quantize": "int8", "widen": True}, {"quantize": "int4", "widen": True}, {}],
+                         ids=["int8", "int4", "q4_1-blocks"])  # {}: the default model's own blocks, as served
+def test_quantized_weights_give_the_plain_reply_too(options):
+    checkpoint = load_checkpoint(default_model(), dtype=torch.bfloat16, **options)
     text = "Quote exactly: the river runs past the old mill, and fishermen wait by the river before dawn."
     prompt = checkpoint.chat_format.encode_dialog([{"role": "user", "content": text}])
     off = generate(checkpoint, prompt, max_new_tokens=40, speculate="off")

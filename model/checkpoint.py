@@ -265,7 +265,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def blocks_decode_fast(device: torch.device) -> bool:
     """Whether int8 and int4 weights decode faster than float ones on `device`: on the CPU, where the decode
-    kernel streams the blocks (the default model's Q4_1: 1.2-1.6x its bf16 speed, docs/benchmarks.md); not
+    kernel streams the blocks (the default model's Q4_1: 1.2-1.9x its bf16 speed, docs/benchmarks.md); not
     on a GPU, nor without the kernel, where every product widens the whole matrix first (on an H100, a tenth
     of bf16's speed)."""
     return device.type == "cpu" and kernels() is not None

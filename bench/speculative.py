@@ -31,6 +31,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from common import machine, random_checkpoint  # noqa: E402
 
+from model.options import DEFAULT_MODEL_NAME  # noqa: E402
+
 PARAGRAPH = ("Teh quick brown fox jumpd over the lazzy dog. It was a sunny day and the fox was verry happy. "
              "The dog did not care, it just slept under the tree all day long, dreaming of bones.")
 FUNCTION = '''def mean(values):
@@ -74,7 +76,7 @@ QUESTIONS = {
 }
 
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = DEFAULT_MODEL_NAME
 
 
 def one_stream(harness_for, asks: dict[str, str], rounds: int, settings) -> list[dict]:

@@ -15,7 +15,7 @@ from .decoding import Decoding, Logprob
 from .kv_cache import PREFILL_CHUNK, KVCache
 from .linear import MAX_KERNEL_ROWS
 from .sampling import Sampler, SamplingParams
-from .speculation import Draft, PromptLookup, Speculation, check, same_tokenizer
+from .speculation import Draft, PromptLookup, Speculation, check, same_tokenizer, step_times
 from .stats import Stats
 from .tools import ToolCall, read_tools
 
@@ -164,9 +164,12 @@ class Generation:
         """The last sampled token and the guesses after it, at the cache's length on, through the model;
         the logits of each (len(inputs), vocab)."""
         tokens = torch.tensor(inputs, dtype=torch.long, device=self.checkpoint.device)
-        start = self.kv_cache.length
-        return self._model.decode(tokens, [self.kv_cache] * len(inputs),
-                                  positions=list(range(start, start + len(inputs))))
+        start, started = self.kv_cache.length, time.perf_counter()
+        logits = self._model.decode(tokens, [self.kv_cache] * len(inputs),
+                                    positions=list(range(start, start + len(inputs))))
+        if self.speculation is not None:
+            self.speculation.times.observe(len(inputs), time.perf_counter() - started)
+        return logits
 
 
 def speculation(checkpoint: Checkpoint, speculate, max_len: int) -> Speculation | None:
@@ -176,9 +179,9 @@ def speculation(checkpoint: Checkpoint, speculate, max_len: int) -> Speculation 
         why = same_tokenizer(checkpoint.tokenizer, speculate.tokenizer)
         if why is not None:
             raise ValueError(f"{speculate.name} cannot draft for {checkpoint.name}: {why}")
-        return Speculation(Draft(speculate, max_len))
+        return Speculation(Draft(speculate, max_len), step_times(checkpoint.model))
     if speculate == "auto":
-        return Speculation(PromptLookup())
+        return Speculation(PromptLookup(), step_times(checkpoint.model))
     if speculate == "off":
         return None
     raise ValueError(f"speculate={speculate!r}: expected 'auto', 'off' or a draft Checkpoint")

@@ -36,7 +36,7 @@ from model.checkpoint import Checkpoint
 from model.context import PromptTooLong
 from model.kv_cache import PREFILL_CHUNK, KVCache
 from model.linear import MAX_KERNEL_ROWS
-from model.speculation import Draft, PromptLookup, Speculation
+from model.speculation import Draft, PromptLookup, Speculation, step_times
 
 from app.bounds import reply_seed
 from app.messages import (
@@ -222,19 +222,22 @@ class Engine:
         leaves free: a full batch guesses nothing, so speculation never costs the other streams a
         weight read."""
         model = self.models.checkpoints[model_name].model
-        spare = MAX_KERNEL_ROWS - len(batch)
+        rows, expected = len(batch), float(len(batch))  # the step's rows so far, and the tokens they should give
         inputs = []  # per sequence: [its last token, *guesses]
         for sequence in batch:
             guesses = []
-            if spare > 0:
+            if rows < MAX_KERNEL_ROWS:
                 with self._contained(sequence.id, "Guessing tokens ahead"):
-                    guesses = sequence.guesses(spare)
-            spare -= len(guesses)
+                    guesses = sequence.guesses(MAX_KERNEL_ROWS - rows, rows, expected)
+                    expected += sequence.speculation.expected(len(guesses)) if guesses else 0.0
+            rows += len(guesses)
             inputs.append([sequence.tokens[-1], *guesses])
-        rows = [(sequence, i) for sequence, ids in zip(batch, inputs) for i in range(len(ids))]
+        at = [(sequence, i) for sequence, ids in zip(batch, inputs) for i in range(len(ids))]
+        started = time.perf_counter()
         logits = model.decode(torch.tensor([t for ids in inputs for t in ids], device=model.tok_embeddings.weight.device),
-                              [sequence.cache for sequence, _ in rows],
-                              positions=[sequence.cache.length + i for sequence, i in rows])  # (rows, vocab)
+                              [sequence.cache for sequence, _ in at],
+                              positions=[sequence.cache.length + i for sequence, i in at])  # (rows, vocab)
+        step_times(model).observe(rows, time.perf_counter() - started)
         first = 0
         for sequence, ids in zip(batch, inputs):
             if sequence.id in self.requests:  # (another reply of its request may have failed it just now)
@@ -311,7 +314,8 @@ class Engine:
         if self.config.speculate == "off":
             return None
         draft = self.models.drafts.get(model)
-        return Speculation(Draft(draft, max_len) if draft is not None else PromptLookup())
+        guesser = Draft(draft, max_len) if draft is not None else PromptLookup()
+        return Speculation(guesser, step_times(self.models.checkpoints[model].model))
 
     def _constraint(self, request: Generate, checkpoint: Checkpoint):
         """The JSON constraint a reply of this request follows, or None."""

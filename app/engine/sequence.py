@@ -170,14 +170,15 @@ class Sequence:
         if self.state is State.PREFILLING and self.cache.length == len(self.prompt):
             self._move(State.DECODING)
 
-    def guesses(self, room: int) -> list[int]:
+    def guesses(self, room: int, rows: int = 1, expected: float = 1.0) -> list[int]:
         """Tokens guessed to follow its last one, for its next decode step: at most `room`, and no more
-        than its cache and its token limit have room for."""
+        than its cache and its token limit have room for; as many as raise the step's expected tokens
+        per second, given its `rows` so far and the tokens they should give (model/speculation.py)."""
         if self.speculation is None:
             return []
         room = min(room, self.cache.max_len - self.cache.length - 1,
                    self.decoding.max_new_tokens - len(self.tokens) - 1)
-        return self.speculation.guesses(self.prompt + self.tokens, room) if room > 0 else []
+        return self.speculation.guesses(self.prompt + self.tokens, room, rows, expected) if room > 0 else []
 
     def decoded(self, logits: torch.Tensor, inputs: list[int]) -> str:
         """A decode step ran `inputs` ([its last token, *guesses]) at its cache's length on, with these

@@ -14,7 +14,7 @@ from support.special_checkpoints import default_model
 from model import generate, load_checkpoint
 from model.kv_cache import KVCache
 from model.sampling import Sampler, SamplingParams
-from model.speculation import Draft, PromptLookup, Speculation, check
+from model.speculation import Draft, PromptLookup, Speculation, StepTimes, check
 
 
 @pytest.fixture(scope="module")
@@ -93,24 +93,46 @@ def test_prompt_lookup_grown_a_token_at_a_time_proposes_as_one_built_at_once():
         assert grown.propose(tokens[:n], 5) == PromptLookup().propose(tokens[:n], 5)
 
 
-def test_speculation_guesses_more_after_hits_fewer_after_misses_and_backs_off():
-    class Always:
-        def propose(self, tokens, k):
-            return [0] * k
+def times(per_row: float) -> StepTimes:
+    measured = StepTimes()
+    for rows in range(1, 9):
+        measured.observe(rows, 1.0 + per_row * (rows - 1))
+    return measured
 
-    s = Speculation(Always(), max_guesses=7)
-    assert len(s.guesses([1], 7)) == 3
-    s.checked(3, 3)
-    assert len(s.guesses([1], 7)) == 5
-    assert len(s.guesses([1], 2)) == 2  # no more than the room
-    s.checked(5, 1)
-    assert len(s.guesses([1], 7)) == 2
-    s.checked(2, 0)  # none stood: one step without guesses, then two, then four
-    assert s.guesses([1], 7) == [] and len(s.guesses([1], 7)) == 1
-    s.checked(1, 0)
-    assert s.guesses([1], 7) == [] == s.guesses([1], 7) and s.guesses([1], 7)
-    s.checked(1, 1)
-    assert s.backoff == 0
+
+class Always:
+    def propose(self, tokens, k):
+        return [0] * k
+
+
+def test_speculation_guesses_as_many_as_raise_the_tokens_per_second():
+    hits = Speculation(Always(), times(0.05))
+    for _ in range(5):
+        hits.checked(7, 7)  # every guess stood
+    assert len(hits.guesses([1], 7)) == 7
+    assert len(hits.guesses([1], 3)) == 3  # no more than the room
+    assert Speculation(Always(), times(0.5)).guesses([1], 7) == []  # a guess at 1/2 for half a step: none
+    misses = Speculation(Always(), times(0.2))
+    for _ in range(5):
+        misses.checked(3, 0)  # none stood
+    assert misses.guesses([1], 7) == []
+    for _ in range(30):  # the misses fade, and it tries again
+        misses.guesses([1], 7)
+    assert misses.guesses([1], 7)
+    batched = Speculation(Always(), times(0.2))
+    assert batched.guesses([1], 7, rows=1, expected=1.0)  # alone, a guess at 1/2 for a fifth of a step pays
+    assert batched.guesses([1], 1, rows=7, expected=7.0) == []  # beside 6 other streams it would not
+
+
+def test_step_times_estimate_the_rows_not_measured_from_those_that_were():
+    measured = StepTimes()
+    assert measured.cost(1) == 1.0 and measured.cost(3) == pytest.approx(1.3)  # the prior
+    measured.observe(1, 0.010)
+    assert measured.cost(2) == pytest.approx(0.0115)
+    measured.observe(4, 0.016)
+    assert measured.cost(4) == 0.016 and measured.cost(8) == pytest.approx(0.024)
+    measured.observe(4, 0.026)  # a moving average
+    assert measured.cost(4) == pytest.approx(0.018)
 
 
 # ---- the acceptance rule

@@ -31,6 +31,7 @@ with no rows to spare, guesses little or nothing.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Protocol
@@ -44,6 +45,8 @@ MAX_NGRAM, MIN_NGRAM = 3, 2  # prompt lookup's longest and shortest n-gram (a si
 
 
 class Guesser(Protocol):
+    cost_per_guess: float  # seconds a guess takes to make (0 for a lookup)
+
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that may follow `tokens` (the prompt and the reply so far)."""
 
@@ -52,6 +55,8 @@ class PromptLookup:
     """Guesses the tokens that followed the latest earlier occurrence of the last n tokens (n from
     MAX_NGRAM down to MIN_NGRAM). Keeps an index of every n-gram's latest continuation, updated as the
     sequence grows (a few dict writes a token), so a lookup costs the same in a prompt of 8,000 tokens."""
+
+    cost_per_guess = 0.0  # dict reads
 
     def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
         self.sizes = range(max_ngram, min_ngram - 1, -1)
@@ -88,9 +93,22 @@ class Draft:
         self.model = checkpoint.model
         self.device = checkpoint.device
         self.cache = KVCache(checkpoint.config, max_len, device=checkpoint.device, dtype=checkpoint.dtype)
+        self.seconds_per_guess = 0.0  # measured: a moving average of propose()'s time over its guesses
+
+    @property
+    def cost_per_guess(self) -> float:
+        return self.seconds_per_guess
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        started = time.perf_counter()
+        guesses = self._propose(tokens, k)
+        if guesses:
+            seconds = (time.perf_counter() - started) / len(guesses)
+            self.seconds_per_guess = seconds if not self.seconds_per_guess else 0.8 * self.seconds_per_guess + 0.2 * seconds
+        return guesses
 
     @torch.inference_mode()
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def _propose(self, tokens: list[int], k: int) -> list[int]:
         cache = self.cache
         room = cache.max_len - len(tokens)  # guesses this cache can hold after the sequence
         k = min(k, room)
@@ -160,7 +178,8 @@ def step_times(model) -> StepTimes:
 class Speculation:
     """One sequence's guesser, and how many guesses its next step makes: as many as maximize the tokens
     the step is expected to give per second of the step (Leviathan et al. 2023, section 3.5), from the
-    sequence's acceptance rate so far and the measured step times (`StepTimes`). In a batch, the step's
+    sequence's acceptance rate so far, the measured step times (`StepTimes`) and the time a guess
+    takes to make (a draft model's steps). In a batch, the step's
     other rows and the tokens they are expected to give count too, so a guess is made only where it
     raises the whole batch's rate. The acceptance counts fade at each step, so a sequence whose guesses
     failed tries again later."""
@@ -195,7 +214,7 @@ class Speculation:
         for k in range(1, room + 1):
             chance *= a  # guesses 1..k all stand
             gain += chance
-            rate = (expected + gain) / self.times.cost(rows + k)
+            rate = (expected + gain) / (self.times.cost(rows + k) + k * self.guesser.cost_per_guess)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

@@ -101,6 +101,8 @@ def times(per_row: float) -> StepTimes:
 
 
 class Always:
+    cost_per_guess = 0.0
+
     def propose(self, tokens, k):
         return [0] * k
 
@@ -205,7 +207,8 @@ def test_greedy_prompt_lookup_gives_the_plain_reply_in_fewer_steps(smollm2):
     assert auto.stats.decoded_tokens == off.stats.decoded_tokens  # one per token, the stop token too
 
 
-def test_a_model_drafting_for_itself_has_every_guess_accepted(tiny):
+def test_a_model_drafting_for_itself_has_every_guess_accepted(tiny, monkeypatch):
+    monkeypatch.setattr(Draft, "cost_per_guess", 0.0)  # else a draft as slow as the model is never asked
     prompt = list(range(2000, 2030))
     plain = generate(tiny, prompt, max_new_tokens=40, speculate="off")
     drafted = generate(tiny, prompt, max_new_tokens=40, speculate=tiny)
@@ -214,7 +217,8 @@ def test_a_model_drafting_for_itself_has_every_guess_accepted(tiny):
     assert s.guesses > 0 and s.decoded_tokens - s.decode_steps == s.guesses  # every guess stood
 
 
-def test_another_random_draft_changes_nothing(tiny, other_tiny):
+def test_another_random_draft_changes_nothing(tiny, other_tiny, monkeypatch):
+    monkeypatch.setattr(Draft, "cost_per_guess", 0.0)
     prompt = list(range(3000, 3030))
     plain = generate(tiny, prompt, max_new_tokens=40, speculate="off")
     drafted = generate(tiny, prompt, max_new_tokens=40, speculate=other_tiny)
@@ -250,3 +254,12 @@ def test_quantized_weights_give_the_plain_reply_too(options):
     auto = generate(checkpoint, prompt, max_new_tokens=40)
     assert "".join(off) == "".join(auto) and off.tokens == auto.tokens
     assert auto.stats.guesses > 0
+
+
+def test_a_draft_that_costs_as_much_as_the_model_steps_aside(tiny):
+    prompt = list(range(4000, 4030))
+    drafted = generate(tiny, prompt, max_new_tokens=40, speculate=tiny)
+    plain = generate(tiny, prompt, max_new_tokens=40, speculate="off")
+    assert "".join(drafted) == "".join(plain)
+    s = drafted.stats
+    assert s.guesses < s.decode_steps  # after its first guesses its time is known: few, or none, follow

@@ -274,3 +274,11 @@ def test_the_project_reads_llama_variables_only_through_the_reader():
     found = [f"{path.relative_to(ROOT)}: {line.strip()}" for path in python_files("app", "model", "bench")
              for line in path.read_text().splitlines() if reads.search(line)]
     assert found == []
+
+
+def test_speculation_settings():
+    assert ModelOptions.from_env({}).speculate == "auto" and ModelOptions.from_env({}).draft is None
+    assert ModelOptions.from_env({"LLAMA_SPECULATE": " OFF "}).speculate == "off"
+    with pytest.raises(SettingsError, match="LLAMA_SPECULATE=sometimes: expected one of auto, off"):
+        ModelOptions.from_env({"LLAMA_SPECULATE": "sometimes"})
+    assert ModelOptions.from_env({"LLAMA_DRAFT": "weights/small"}).draft.is_absolute()

@@ -139,8 +139,10 @@ def same_tokenizer(target, draft) -> str | None:
 
 
 class StepTimes:
-    """How long a model's decode step takes by its number of rows, as measured (a moving average per
-    row count): what a guess costs. Rows not measured yet are estimated from those that were."""
+    """How long a model's decode step takes by its number of rows, as measured: what a guess costs. Per
+    row count a moving average that falls at once to a faster step (a first step that built the kernel,
+    or one slowed by another process, does not stay in it). Rows not measured yet are estimated from
+    those that were."""
 
     PRIOR_ROW_COST = 0.15  # a row more costs this part of a one-row step, until two row counts are measured
 
@@ -149,7 +151,7 @@ class StepTimes:
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.seconds[rows] = seconds if old is None else min(seconds, 0.8 * old + 0.2 * seconds)
 
     def cost(self, rows: int) -> float:
         """The time of a step of `rows` rows (1.0 for one row before anything is measured)."""

@@ -11,7 +11,7 @@ from support.special_checkpoints import default_model, write_chatml_checkpoint
 
 from app.messages import Done, Failed, ModelFailed, ReplySettings
 from model.linear import MAX_KERNEL_ROWS
-from model.speculation import Draft
+from model.speculation import Draft, StepTimes
 from model.options import DEFAULT_MODEL_NAME
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -23,6 +23,13 @@ ASKS = [f"Fix the spelling in this paragraph and give it back in full:\n\n{PARAG
         "Reformat as a Markdown list, one a line: apples, pears, plums, cherries, grapes, lemons.",
         "Repeat exactly: the train leaves at nine from platform two, every day but Sunday.",
         "What is the capital of France?", "Write a haiku about autumn.", "Why is the sky blue?"]
+
+
+@pytest.fixture
+def fixed_step_times(monkeypatch):
+    """Step times fixed for the test (a row more costs a tenth of a step), so how many guesses are made
+    does not depend on this machine's load while the test runs."""
+    monkeypatch.setattr(StepTimes, "cost", lambda self, rows: 1.0 + 0.1 * (rows - 1))
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +48,7 @@ def replies(harness, settings, asks=ASKS, together=False, model=SMOLLM2, **field
 
 @pytest.mark.parametrize("together", [False, True])
 @pytest.mark.parametrize("penalty", [1.0, None])  # None: the model's own (SmolLM2: 1.1, which copies less)
-def test_greedy_replies_are_those_of_plain_decoding(engines, together, penalty):
+def test_greedy_replies_are_those_of_plain_decoding(engines, fixed_step_times, together, penalty):
     settings = ReplySettings(max_new_tokens=48, temperature=0.0, repetition_penalty=penalty)
     off = replies(engines["off"], settings, together=together)
     auto = replies(engines["auto"], settings, together=together)
@@ -68,7 +75,7 @@ def test_sampled_replies_with_logprobs_and_stop_strings_are_those_of_plain_decod
     assert texts["off"] == texts["auto"] and texts["off"]
 
 
-def test_guesses_go_only_in_the_rows_a_batch_leaves_free(engines, monkeypatch):
+def test_guesses_go_only_in_the_rows_a_batch_leaves_free(engines, fixed_step_times, monkeypatch):
     harness = engines["auto"]
     model = harness.engine.models.checkpoints[SMOLLM2].model
     decode, steps = model.decode, []
@@ -91,7 +98,7 @@ def tiny(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
 
 
-def test_a_model_drafting_for_itself_has_every_guess_stand(tiny, monkeypatch):
+def test_a_model_drafting_for_itself_has_every_guess_stand(tiny, fixed_step_times, monkeypatch):
     monkeypatch.setattr(Draft, "cost_per_guess", 0.0)  # else a draft as slow as the model is never asked
     settings = ReplySettings(max_new_tokens=30, temperature=0.0, ignore_eos=True)
     off = EngineHarness(tiny, speculate="off", dtype="fp32")

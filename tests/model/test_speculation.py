@@ -31,6 +31,13 @@ def other_tiny(tmp_path_factory):
     return load_checkpoint(folder, dtype=torch.float32)
 
 
+@pytest.fixture
+def fixed_step_times(monkeypatch):
+    """Step times fixed for the test (a row more costs a tenth of a step), so how many guesses are made
+    does not depend on this machine's load while the test runs."""
+    monkeypatch.setattr(StepTimes, "cost", lambda self, rows: 1.0 + 0.1 * (rows - 1))
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     return load_checkpoint(default_model(), dtype=torch.bfloat16, widen=True)  # its Q4_1 blocks widened to bf16
@@ -135,6 +142,8 @@ def test_step_times_estimate_the_rows_not_measured_from_those_that_were():
     assert measured.cost(4) == 0.016 and measured.cost(8) == pytest.approx(0.024)
     measured.observe(4, 0.026)  # a moving average
     assert measured.cost(4) == pytest.approx(0.018)
+    measured.observe(1, 0.004)  # that falls at once to a faster step
+    assert measured.cost(1) == 0.004
 
 
 # ---- the acceptance rule
@@ -174,7 +183,7 @@ def test_check_keeps_the_distribution_of_plain_sampling():
         assert abs(lengths[length] / n - probability) < 4 * math.sqrt(probability * (1 - probability) / n)
 
 
-def test_a_seeded_reply_is_the_same_with_and_without_speculation(smollm2):
+def test_a_seeded_reply_is_the_same_with_and_without_speculation(smollm2, fixed_step_times):
     text = ("The train leaves at nine. The train leaves at nine from platform two. The train leaves at "
             "nine from platform two, every day but Sunday.")
     prompt = smollm2.chat_format.encode_dialog([{"role": "user", "content": f"Repeat this exactly: {text}"}])
@@ -194,7 +203,7 @@ def test_a_seeded_reply_is_the_same_with_and_without_speculation(smollm2):
 # ---- the library
 
 
-def test_greedy_prompt_lookup_gives_the_plain_reply_in_fewer_steps(smollm2):
+def test_greedy_prompt_lookup_gives_the_plain_reply_in_fewer_steps(smollm2, fixed_step_times):
     paragraph = ("Teh quick brown fox jumpd over the lazzy dog. It was a sunny day and the fox was verry "
                  "happy. The dog did not care, it just slept under the tree all day long.")
     prompt = smollm2.chat_format.encode_dialog(
@@ -207,7 +216,7 @@ def test_greedy_prompt_lookup_gives_the_plain_reply_in_fewer_steps(smollm2):
     assert auto.stats.decoded_tokens == off.stats.decoded_tokens  # one per token, the stop token too
 
 
-def test_a_model_drafting_for_itself_has_every_guess_accepted(tiny, monkeypatch):
+def test_a_model_drafting_for_itself_has_every_guess_accepted(tiny, fixed_step_times, monkeypatch):
     monkeypatch.setattr(Draft, "cost_per_guess", 0.0)  # else a draft as slow as the model is never asked
     prompt = list(range(2000, 2030))
     plain = generate(tiny, prompt, max_new_tokens=40, speculate="off")
@@ -217,7 +226,7 @@ def test_a_model_drafting_for_itself_has_every_guess_accepted(tiny, monkeypatch)
     assert s.guesses > 0 and s.decoded_tokens - s.decode_steps == s.guesses  # every guess stood
 
 
-def test_another_random_draft_changes_nothing(tiny, other_tiny, monkeypatch):
+def test_another_random_draft_changes_nothing(tiny, other_tiny, fixed_step_times, monkeypatch):
     monkeypatch.setattr(Draft, "cost_per_guess", 0.0)
     prompt = list(range(3000, 3030))
     plain = generate(tiny, prompt, max_new_tokens=40, speculate="off")
@@ -246,7 +255,7 @@ def test_a_draft_keeps_its_cache_in_step(tiny):
 
 @pytest.mark.parametrize("options", [{"quantize": "int8", "widen": True}, {"quantize": "int4", "widen": True}, {}],
                          ids=["int8", "int4", "q4_1-blocks"])  # {}: the default model's own blocks, as served
-def test_quantized_weights_give_the_plain_reply_too(options):
+def test_quantized_weights_give_the_plain_reply_too(options, fixed_step_times):
     checkpoint = load_checkpoint(default_model(), dtype=torch.bfloat16, **options)
     text = "Quote exactly: the river runs past the old mill, and fishermen wait by the river before dawn."
     prompt = checkpoint.chat_format.encode_dialog([{"role": "user", "content": text}])

@@ -157,7 +157,7 @@ class Generation:
         decoding, cache = self.decoding, self.kv_cache
         room = min(MAX_KERNEL_ROWS - 1, cache.max_len - cache.length - 1,
                    decoding.max_new_tokens - len(decoding.tokens) - 1)
-        return self.speculation.guesses(self.prompt_ids + decoding.tokens, room)
+        return self.speculation.guesses(lambda: self.prompt_ids + decoding.tokens, room)
 
     @torch.inference_mode()
     def _decode(self, inputs: list[int]) -> torch.Tensor:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -73,7 +73,7 @@ class PromptLookup:
 
     def _index(self, tokens: list[int]) -> None:
         seen = self.seen
-        if tokens[:len(seen)] != seen:  # not the same sequence grown: start again
+        if len(tokens) < len(seen) or (seen and tokens[len(seen) - 1] != seen[-1]):  # another sequence: start again
             self.index, seen = {}, []
             self.seen = seen
         # The n-grams that end at positions len(seen) - 1 .. len(tokens) - 2 (not the last token: its
@@ -104,7 +104,8 @@ class Draft:
         guesses = self._propose(tokens, k)
         if guesses:
             seconds = (time.perf_counter() - started) / len(guesses)
-            self.seconds_per_guess = seconds if not self.seconds_per_guess else 0.8 * self.seconds_per_guess + 0.2 * seconds
+            old = self.seconds_per_guess
+            self.seconds_per_guess = seconds if not old else 0.8 * old + 0.2 * seconds
         return guesses
 
     @torch.inference_mode()
@@ -200,13 +201,14 @@ class Speculation:
         """The chance that a guess stands given the ones before it did (prior 1/2)."""
         return (self.stood + 1.0) / (self.stood + self.missed + 2.0)
 
-    def guesses(self, tokens: list[int], room: int, rows: int = 1, expected: float = 1.0) -> list[int]:
-        """Guesses for the step that runs `tokens[-1]`, at most `room`. rows: the step's rows before
-        this sequence's guesses (its own last token included); expected: the tokens they should give."""
+    def guesses(self, tokens: Callable[[], list[int]], room: int, rows: int = 1, expected: float = 1.0) -> list[int]:
+        """Guesses for the step that runs the last of `tokens()` (the prompt and the reply so far, built
+        only when a guess is worth making), at most `room`. rows: the step's rows before this sequence's
+        guesses (its own last token included); expected: the tokens they should give."""
         self.stood *= self.DECAY
         self.missed *= self.DECAY
         k = self.best(min(room, self.max_guesses), rows, expected)
-        return self.guesser.propose(tokens, k) if k > 0 else []
+        return self.guesser.propose(tokens(), k) if k > 0 else []
 
     def best(self, room: int, rows: int, expected: float) -> int:
         """The number of guesses (0..room) that maximizes expected tokens over the step's time."""

@@ -103,3 +103,12 @@ def device():
     if name == "cuda" and not torch.cuda.is_available():
         pytest.exit("LLAMA_TEST_DEVICE=cuda, but torch sees no CUDA device", returncode=2)
     return torch.device(name)
+
+
+@pytest.fixture
+def fixed_step_times(monkeypatch):
+    """Decode step times fixed for the test (a row more costs a tenth of a step), so how many tokens a
+    speculating reply guesses does not depend on this machine's load while the test runs."""
+    from model.speculation import StepTimes
+
+    monkeypatch.setattr(StepTimes, "cost", lambda self, rows: 1.0 + 0.1 * (rows - 1))

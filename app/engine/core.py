@@ -233,9 +233,9 @@ class Engine:
             rows += len(guesses)
             inputs.append([sequence.tokens[-1], *guesses])
         at = [(sequence, i) for sequence, ids in zip(batch, inputs) for i in range(len(ids))]
+        tokens = torch.tensor([t for ids in inputs for t in ids], device=model.tok_embeddings.weight.device)
         started = time.perf_counter()
-        logits = model.decode(torch.tensor([t for ids in inputs for t in ids], device=model.tok_embeddings.weight.device),
-                              [sequence.cache for sequence, _ in at],
+        logits = model.decode(tokens, [sequence.cache for sequence, _ in at],
                               positions=[sequence.cache.length + i for sequence, i in at])  # (rows, vocab)
         step_times(model).observe(rows, time.perf_counter() - started)
         first = 0

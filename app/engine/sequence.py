@@ -178,7 +178,7 @@ class Sequence:
             return []
         room = min(room, self.cache.max_len - self.cache.length - 1,
                    self.decoding.max_new_tokens - len(self.tokens) - 1)
-        return self.speculation.guesses(self.prompt + self.tokens, room, rows, expected) if room > 0 else []
+        return self.speculation.guesses(lambda: self.prompt + self.tokens, room, rows, expected) if room > 0 else []
 
     def decoded(self, logits: torch.Tensor, inputs: list[int]) -> str:
         """A decode step ran `inputs` ([its last token, *guesses]) at its cache's length on, with these

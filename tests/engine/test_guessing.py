@@ -11,7 +11,7 @@ from support.special_checkpoints import default_model, write_chatml_checkpoint
 
 from app.messages import Done, Failed, ModelFailed, ReplySettings
 from model.linear import MAX_KERNEL_ROWS
-from model.speculation import Draft, StepTimes
+from model.speculation import Draft
 from model.options import DEFAULT_MODEL_NAME
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -23,13 +23,6 @@ ASKS = [f"Fix the spelling in this paragraph and give it back in full:\n\n{PARAG
         "Reformat as a Markdown list, one a line: apples, pears, plums, cherries, grapes, lemons.",
         "Repeat exactly: the train leaves at nine from platform two, every day but Sunday.",
         "What is the capital of France?", "Write a haiku about autumn.", "Why is the sky blue?"]
-
-
-@pytest.fixture
-def fixed_step_times(monkeypatch):
-    """Step times fixed for the test (a row more costs a tenth of a step), so how many guesses are made
-    does not depend on this machine's load while the test runs."""
-    monkeypatch.setattr(StepTimes, "cost", lambda self, rows: 1.0 + 0.1 * (rows - 1))
 
 
 @pytest.fixture(scope="module")

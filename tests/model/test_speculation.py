@@ -31,13 +31,6 @@ def other_tiny(tmp_path_factory):
     return load_checkpoint(folder, dtype=torch.float32)
 
 
-@pytest.fixture
-def fixed_step_times(monkeypatch):
-    """Step times fixed for the test (a row more costs a tenth of a step), so how many guesses are made
-    does not depend on this machine's load while the test runs."""
-    monkeypatch.setattr(StepTimes, "cost", lambda self, rows: 1.0 + 0.1 * (rows - 1))
-
-
 @pytest.fixture(scope="module")
 def smollm2():
     return load_checkpoint(default_model(), dtype=torch.bfloat16, widen=True)  # its Q4_1 blocks widened to bf16
@@ -118,19 +111,19 @@ def test_speculation_guesses_as_many_as_raise_the_tokens_per_second():
     hits = Speculation(Always(), times(0.05))
     for _ in range(5):
         hits.checked(7, 7)  # every guess stood
-    assert len(hits.guesses([1], 7)) == 7
-    assert len(hits.guesses([1], 3)) == 3  # no more than the room
-    assert Speculation(Always(), times(0.5)).guesses([1], 7) == []  # a guess at 1/2 for half a step: none
+    assert len(hits.guesses(lambda: [1], 7)) == 7
+    assert len(hits.guesses(lambda: [1], 3)) == 3  # no more than the room
+    assert Speculation(Always(), times(0.5)).guesses(lambda: [1], 7) == []  # a guess at 1/2 for half a step: none
     misses = Speculation(Always(), times(0.2))
     for _ in range(5):
         misses.checked(3, 0)  # none stood
-    assert misses.guesses([1], 7) == []
+    assert misses.guesses(lambda: [1], 7) == []
     for _ in range(30):  # the misses fade, and it tries again
-        misses.guesses([1], 7)
-    assert misses.guesses([1], 7)
+        misses.guesses(lambda: [1], 7)
+    assert misses.guesses(lambda: [1], 7)
     batched = Speculation(Always(), times(0.2))
-    assert batched.guesses([1], 7, rows=1, expected=1.0)  # alone, a guess at 1/2 for a fifth of a step pays
-    assert batched.guesses([1], 1, rows=7, expected=7.0) == []  # beside 6 other streams it would not
+    assert batched.guesses(lambda: [1], 7, rows=1, expected=1.0)  # alone, a guess at 1/2 for a fifth of a step pays
+    assert batched.guesses(lambda: [1], 1, rows=7, expected=7.0) == []  # beside 6 other streams it would not
 
 
 def test_step_times_estimate_the_rows_not_measured_from_those_that_were():

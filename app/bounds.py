@@ -27,6 +27,10 @@ MAX_JSON_CHARS = 100_000  # tools, or a JSON schema, as JSON text
 MAX_NAME_LENGTH = 256  # a model's, a tool's or a call's name or id
 MAX_TOP_LOGPROBS = 20
 MAX_DEPTH = 64  # nesting of objects and arrays, the request body's own levels included
+MAX_FILES = 10  # files attached to one message
+MAX_FILE_BYTES = 20 * 2**20  # one file as uploaded
+MAX_FILE_CHARS = 4_000_000  # one file's text (about a million tokens: far past any context, BM25 picks from it)
+MAX_PDF_PAGES = 500
 MAX_INT32 = 2**31 - 1
 INT64 = 2**63  # msgspec's bounds, MessagePack's integers and torch's seeds all fit in [-2**63, 2**64)
 
@@ -44,6 +48,7 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 Name = Annotated[str, Meta(max_length=MAX_NAME_LENGTH)]
 TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]
 Count = Annotated[int, Meta(ge=0, le=MAX_INT32)]
+FileText = Annotated[str, Meta(max_length=MAX_FILE_CHARS)]
 
 
 def reply_seed(seed: int, index: int) -> int:

@@ -37,10 +37,13 @@ from model.stats import Stats  # a reply's figures: generate() reports the same 
 from model.options import ModelOptions
 
 from app.bounds import (
+    MAX_FILE_CHARS,
+    MAX_FILES,
     MAX_MESSAGES,
     MAX_STOP_STRINGS,
     MAX_TOOLS,
     Count,
+    FileText,
     MinP,
     Name,
     Penalty,
@@ -83,12 +86,31 @@ class ReplySettings(msgspec.Struct, frozen=True, omit_defaults=True):
                                                 if (value := getattr(self, name)) is not None})
 
 
+WHOLE = [-1]  # Attachment.chosen, FileUse.chosen: the file's whole text, not chunks of it
+ChunkIndex = Annotated[int, Meta(ge=-1, le=MAX_FILE_CHARS)]
+
+
+class Attachment(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A file sent with a user message, read into text at the edge (app.files.read). The engine decides,
+    the first time, how much of it goes into the prompt (app.engine.files); the web side keeps that
+    decision (chosen) and sends it back, so the message renders to the same tokens every turn."""
+
+    name: Name  # the file's name as uploaded (shown, and named in the prompt)
+    text: FileText  # its text (a PDF's pages joined with "\f")
+    size: Count = 0  # bytes of the uploaded file
+    pages: Count = 0  # a PDF's page count; 0: not a paged document
+    chosen: Annotated[list[ChunkIndex], Meta(max_length=MAX_FILE_CHARS)] | None = None
+    # chunk indices (app.files.chunks) in the prompt when first sent; None: the engine decides (Context.files);
+    # WHOLE: the whole text
+
+
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
     ids: list[TokenId] | None = None  # a reply of the model's: the token ids it was generated as
     tool_calls: Annotated[list[dict], Meta(max_length=MAX_TOOLS)] | None = None  # an assistant's calls, as OpenAI's
     tool_call_id: Name | None = None  # a tool result: the call it answers
+    files: Annotated[list[Attachment], Meta(max_length=MAX_FILES)] | None = None  # a user message's files
 
 
 # ---- web -> engine ------------------------------------------------------------------------------
@@ -179,6 +201,24 @@ def join_texts(pieces: list[Text]) -> Text:
     return Text(first.id, "".join(p.text for p in pieces), first.index, [lp for p in pieces for lp in p.logprobs])
 
 
+class Source(msgspec.Struct, frozen=True):
+    """A chunk of a file that went into the prompt."""
+
+    file: str  # the file's name
+    where: str  # where the chunk is in the file: "pages 3-4", "lines 120-168", "part 2 of 9"
+    text: str  # the chunk's text, as the model read it
+
+
+class FileUse(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How much of one file went into the prompt."""
+
+    name: str
+    tokens: int  # tokens of this file in the prompt
+    chosen: list[int]  # WHOLE; else chunk indices in file order (an Attachment's chosen on later turns)
+    chunks: int = 0  # how many chunks the file has (0 when whole)
+    sources: list[Source] = []  # the chunks used, when not whole
+
+
 class Context(msgspec.Struct, frozen=True, omit_defaults=True):
     """How a reply's conversation fit the model's context, as the engine built the prompt: the web side
     shows it, and sends left_out back with the chat's next request, which then starts there too (and
@@ -187,6 +227,7 @@ class Context(msgspec.Struct, frozen=True, omit_defaults=True):
     limit: int = 0  # the model's context in tokens, prompt + reply; 0: not known (the request never started)
     room: int = 0  # tokens the prompt may take, the reply's share kept: past it, older messages go; 0: none ever go
     left_out: int = 0  # leading non-system messages not in the prompt: they no longer fit
+    files: list[FileUse] = []  # the files of the request's last user message, as they went into the prompt
 
 
 class Done(msgspec.Struct, tag=True):

@@ -1,0 +1,168 @@
+"""An uploaded file's bytes -> its text, as an Attachment to a user message; or FileRefused, saying why.
+
+Runs at the edge (the chat page's uploads, the API's "file" content parts), before anything is sent to
+the engine: what is refused here never reaches it. The kind comes from the name's extension, and the
+bytes must be what the name says: a PDF starts with %PDF, a text file is UTF-8 (or UTF-16 with its byte
+order mark) without NUL bytes, a .json file parses. The text is made safe to carry and show: no lone
+surrogates, no control characters but newline, tab and form feed (a PDF's pages are joined with "\\f").
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import posixpath
+import re
+import unicodedata
+
+from app.bounds import MAX_FILE_BYTES, MAX_FILE_CHARS, MAX_NAME_LENGTH, MAX_PDF_PAGES
+from app.messages import Attachment
+
+__all__ = ["ACCEPTED_EXTENSIONS", "ACCEPTED_MIME", "MAX_FILE_BYTES", "MAX_FILE_CHARS", "MAX_PDF_PAGES",
+           "FileRefused", "clean_name", "read_file"]
+
+PAGE_BREAK = "\f"
+
+TEXT_EXTENSIONS = (".txt", ".text", ".md", ".markdown", ".rst", ".log", ".tex", ".csv", ".tsv", ".json", ".jsonl",
+                   ".yaml", ".yml", ".toml", ".ini", ".cfg", ".xml", ".html", ".htm", ".css", ".svg")
+CODE_EXTENSIONS = (".py", ".pyi", ".ipynb", ".js", ".mjs", ".ts", ".tsx", ".jsx", ".java", ".kt", ".scala", ".c",
+                   ".h", ".cc", ".cpp", ".hpp", ".cs", ".go", ".rs", ".rb", ".php", ".swift", ".m", ".r", ".jl",
+                   ".lua", ".pl", ".sh", ".bash", ".zsh", ".ps1", ".bat", ".sql", ".hs", ".ml", ".ex", ".exs",
+                   ".erl", ".clj", ".dart", ".vue", ".svelte", ".dockerfile", ".mk", ".cmake", ".gradle", ".proto")
+PDF_EXTENSIONS = (".pdf",)
+ACCEPTED_EXTENSIONS = list(TEXT_EXTENSIONS + CODE_EXTENSIONS + PDF_EXTENSIONS)
+# What browsers name these files (a code file is often text/plain, or has no type at all: the extension decides).
+ACCEPTED_MIME = ["text/plain", "text/markdown", "text/x-markdown", "text/csv", "text/tab-separated-values",
+                 "application/json", "application/x-ndjson", "application/pdf", "text/html", "text/css",
+                 "text/xml", "application/xml", "application/yaml", "application/x-yaml", "text/yaml",
+                 "application/toml", "image/svg+xml", "text/x-python", "text/x-c", "text/x-java-source",
+                 "text/javascript", "application/javascript", "application/x-sh", "application/sql",
+                 "application/x-ipynb+json"]
+
+# Control characters that are no text: all but \t \n \f (\r is turned into \n first).
+_CONTROL = re.compile("[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_BOMS = ((b"\xef\xbb\xbf", "utf-8"), (b"\xff\xfe\x00\x00", "utf-32-le"), (b"\x00\x00\xfe\xff", "utf-32-be"),
+         (b"\xff\xfe", "utf-16-le"), (b"\xfe\xff", "utf-16-be"))  # (the UTF-32 marks start like UTF-16's: first)
+
+logging.getLogger("pypdf").setLevel(logging.ERROR)  # a damaged PDF is refused or read; its warnings are noise
+
+
+class FileRefused(ValueError):
+    """A file that cannot be attached; the message names it and says what is wrong."""
+
+    def __init__(self, name: str, problem: str):
+        super().__init__(f"{name}: {problem}")
+        self.name = name
+        self.problem = problem
+
+
+def read_file(name: str, data: bytes) -> Attachment:
+    """The file's text as an Attachment (chosen None: the engine decides how much goes into the prompt)."""
+    name = clean_name(name)
+    extension = _extension(name)
+    if extension not in ACCEPTED_EXTENSIONS:
+        kind = f"files of type {extension}" if extension else "files without an extension"
+        raise FileRefused(name, f"{kind} are not taken. Text, Markdown, code, CSV, JSON and PDF files are "
+                                f"(by their extension: {', '.join(ACCEPTED_EXTENSIONS[:8])}, ...).")
+    if len(data) > MAX_FILE_BYTES:
+        raise FileRefused(name, f"the file is {_mb(len(data))}; files may be at most {_mb(MAX_FILE_BYTES)}.")
+    if not data:
+        raise FileRefused(name, "the file is empty.")
+    if extension in PDF_EXTENSIONS:
+        text = _pdf_text(name, data)
+        pages = text.count(PAGE_BREAK) + 1
+    else:
+        text, pages = _decoded(name, data), 0
+        if extension == ".json":
+            _check_json(name, text)
+    if not text.strip():
+        raise FileRefused(name, "the file holds no text.")
+    if len(text) > MAX_FILE_CHARS:
+        raise FileRefused(name, f"its text is {len(text):,} characters long; at most {MAX_FILE_CHARS:,} are taken.")
+    return Attachment(name=name, text=text, size=len(data), pages=pages)
+
+
+def clean_name(name: str) -> str:
+    """The name to show and to put in the prompt: its last path part (a browser or a program may send a
+    whole path), valid Unicode, no control characters, at most MAX_NAME_LENGTH characters (the extension kept)."""
+    name = clean_text(name).replace(PAGE_BREAK, "").replace("\n", " ").replace("\t", " ")
+    name = posixpath.basename(name.replace("\\", "/")).strip() or "file"
+    if len(name) > MAX_NAME_LENGTH:
+        stem, dot, extension = name.rpartition(".")
+        keep = "." + extension if dot and len(extension) < 16 else ""
+        name = name[:MAX_NAME_LENGTH - len(keep) - 1] + "…" + keep
+    return name
+
+
+def clean_text(text: str) -> str:
+    """Text that can be carried anywhere: line ends as \\n, lone surrogates as U+FFFD, no control characters
+    but \\t \\n \\f, NFC (the same letters always the same code points, so search finds them)."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = _CONTROL.sub("", _SURROGATE.sub("\ufffd", text))
+    return unicodedata.normalize("NFC", text)
+
+
+def _decoded(name: str, data: bytes) -> str:
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            break
+    else:
+        bom, encoding = b"", "utf-8"
+        if b"\x00" in data:
+            raise FileRefused(name, "the file holds binary data (NUL bytes), not text: is it what its name says?")
+    try:
+        text = data[len(bom):].decode(encoding)  # strict: invalid bytes, and UTF-16's lone surrogates, raise
+    except UnicodeDecodeError as e:
+        raise FileRefused(name, f"the file is not {encoding.upper()} text (byte {e.start + len(bom)} is "
+                                f"{data[e.start + len(bom)]:#04x}): is it what its name says? Save it as "
+                                f"UTF-8 to send it.") from None
+    return clean_text(text)
+
+
+def _check_json(name: str, text: str) -> None:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError) as e:
+        where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise FileRefused(name, f"the file is not valid JSON{where}.") from None
+
+
+def _pdf_text(name: str, data: bytes) -> str:
+    """Each page's text (pypdf's layout-free extraction), the pages joined with \\f."""
+    import pypdf  # here: only files that are PDFs need it
+    from pypdf.errors import PyPdfError
+
+    if not data.lstrip()[:1024].startswith(b"%PDF-"):
+        raise FileRefused(name, "the file is not a PDF (it does not start with %PDF-): is it what its name says?")
+    try:
+        reader = pypdf.PdfReader(io.BytesIO(data))
+        if reader.is_encrypted and not reader.decrypt(""):  # many PDFs are "encrypted" with an empty password
+            raise FileRefused(name, "the PDF is protected by a password; send a copy without one.")
+        if len(reader.pages) > MAX_PDF_PAGES:
+            raise FileRefused(name, f"the PDF has {len(reader.pages)} pages; at most {MAX_PDF_PAGES} are taken.")
+        pages = [clean_text(page.extract_text() or "").replace(PAGE_BREAK, "\n").strip() for page in reader.pages]
+    except FileRefused:
+        raise
+    except (PyPdfError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError, OSError,
+            NotImplementedError) as e:  # pypdf lets through what a damaged file makes its parser meet
+        if "decrypt" in str(e).lower() or "crypt" in type(e).__name__.lower():
+            raise FileRefused(name, "the PDF is encrypted in a way that cannot be read here; send a copy "
+                                    "without a password.") from None
+        raise FileRefused(name, f"the PDF could not be read ({type(e).__name__}): is it damaged?") from None
+    if not any(pages):
+        raise FileRefused(name, "the PDF has no text to read: its pages may be scanned images (text from "
+                                "images is not read). Send a PDF with text in it, or the text itself.")
+    return PAGE_BREAK.join(pages)
+
+
+def _extension(name: str) -> str:
+    if name.lower() in ("dockerfile", "makefile"):
+        return "." + name.lower().replace("makefile", "mk")
+    stem, dot, extension = name.rpartition(".")
+    return "." + extension.lower() if dot and stem else ""
+
+
+def _mb(size: int) -> str:
+    return f"{size / 2**20:.1f} MB"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from model.unicode import valid_unicode
 
-from app.messages import ChatMessage
+from app.messages import Attachment, ChatMessage
 
 
 @dataclass
@@ -22,6 +22,7 @@ class Message:
     ids: list[int] | None = None  # a reply of the model's: the token ids it was generated as
     tool_calls: list[dict] | None = None  # an assistant's tool calls (the API)
     tool_call_id: str | None = None  # a tool result: the call it answers
+    files: list[Attachment] | None = None  # a user message's files (their chosen set once the engine decided)
 
 
 @dataclass(eq=False)
@@ -53,5 +54,5 @@ class Conversation:
         """The system prompt and every message, as the engine and remote servers take them (as valid
         Unicode: half an emoji from a browser becomes U+FFFD, as the tokenizers read it anyway)."""
         system = [ChatMessage("system", valid_unicode(self.system_prompt))] if self.system_prompt else []
-        return system + [ChatMessage(m.role, valid_unicode(m.content), m.ids, m.tool_calls, m.tool_call_id)
+        return system + [ChatMessage(m.role, valid_unicode(m.content), m.ids, m.tool_calls, m.tool_call_id, m.files)
                          for m in self.messages]

@@ -16,7 +16,7 @@ A user message's content parts of type "file" (OpenAI's shape: {"type": "file", 
 into text here (app.files.read), each a 400 naming the message, the part and the file when it cannot be:
 bad base64, too large, a kind not taken, bytes that are not what the name says. A file_id (OpenAI's files
 API, which this server does not have) is refused by name. The engine decides how much of each goes into the
-prompt (app.engine.files), the same way for the same message on every request.
+prompt (app.files.prompt), the same way for the same message on every request.
 """
 
 from __future__ import annotations

@@ -2,15 +2,15 @@
 
 Runs in the engine, which has the tokenizer and knows each model's context limit; it reports what it
 did with the reply (app.messages.Context), so the web side never counts tokens. A message's files
-(app.engine.files) are decided first (`choose_prompt_files`: whole, or which chunks), then rendered into
+(app.files.prompt) are decided first (`choose_prompt_files`: whole, or which chunks), then rendered into
 its content here, and count against the budget like any text.
 """
 
 from __future__ import annotations
 
-from model.context import PromptTooLong
+from model.context import PromptTooLong, prompt_budget
 
-from app.engine.files import FILES_SHARE, choose_files, render, without_files
+from app.files.prompt import choose_files, files_share, render, without_files
 from app.messages import ChatMessage, FileUse
 
 MIN_REPLY_TOKENS = 64  # a prompt must leave room for at least this many (or max_new_tokens) tokens
@@ -24,18 +24,13 @@ def dialog(messages: list[ChatMessage]) -> list[dict]:
             for m in messages]
 
 
-def prompt_budget(limit: int, max_new_tokens: int) -> int:
-    """The tokens a prompt may take: the context, less room for the reply (at most half of it)."""
-    return limit - min(max_new_tokens, limit // 2)
-
-
 def choose_prompt_files(chat_format, messages: list[ChatMessage], limit: int, max_new_tokens: int,
                         **tool_options) -> tuple[list[ChatMessage], list[FileUse]]:
-    """The messages with their files decided (app.engine.files.choose_files), and how the last user message's
-    files went in (Context.files). A message's files may take FILES_SHARE of the prompt's budget, less what
+    """The messages with their files decided (app.files.prompt.choose_files), and how the last user message's
+    files went in (Context.files). A message's files may take files_share of the prompt's budget, less what
     the system prompt and the message's own text take: the rest is left for the chat around it."""
     n_system = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
-    share = int(prompt_budget(limit, max_new_tokens) * FILES_SHARE)
+    share = files_share(limit, max_new_tokens)
 
     def room_for(message: ChatMessage) -> int:
         alone = dialog(messages[:n_system] + [without_files(message)])

@@ -53,7 +53,7 @@ def chunks(attachment: Attachment) -> list[Chunk]:
 def rank(chunks: list[Chunk], question: str) -> list[int]:
     """Every chunk's index, the best match for the question first (BM25 with English stopwords left out);
     ties, and chunks that share no word with the question, in file order."""
-    import bm25s  # here: the web process reads files but never ranks them
+    import bm25s  # here: imported by the first file too long for its prompt, never by reading one
 
     if not chunks:
         return []

@@ -1,4 +1,4 @@
-"""A user message's files in the prompt (app/engine/files.py, app/engine/prompt.py): whole when they fit, else
+"""A user message's files in the prompt (app/files/prompt.py, app/engine/prompt.py): whole when they fit, else
 the chunks that best match the message within the budget; the decision reported, and rendered the same on
 later turns; a file's text never becomes control tokens."""
 
@@ -12,7 +12,7 @@ from support.checkpoints import write_tiny_checkpoint
 from support.engine import EngineHarness, last, request
 
 from app.backend.conversation import Conversation
-from app.engine.files import FILES_SHARE, render
+from app.files.prompt import FILES_SHARE, render
 from app.engine.prompt import choose_prompt_files, dialog, fit_prompt, prompt_budget
 from app.files.chunks import chunks
 from app.messages import WHOLE, Attachment, ChatMessage, Done, FileUse, ReplySettings

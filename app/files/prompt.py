@@ -1,7 +1,9 @@
 """A user message's files in its prompt: whole when they fit, else the chunks that best match the message.
 
-The first time a message is sent its files' `chosen` is None, and the engine decides (`choose_files`):
-every file whole if all of them fit in the files' room, else the chunks of all of them (app.files.chunks),
+Text in, text out, with the counting of tokens left to the caller: the engine counts with the model's
+tokenizer (app.engine.prompt.choose_prompt_files), the remote backend, which has none, estimates
+(app.backend.remote). The first time a message is sent its files' `chosen` is None, and `choose_files`
+decides: every file whole if all of them fit in the files' room, else the chunks of all of them (app.files.chunks),
 ranked with BM25 against the message's text, taken best first while they fit, and then put back in file
 order. The room depends only on the model's context, the reply's share, the system prompt and the
 message itself, so the same message decides the same way on every turn, also where nobody sends the
@@ -30,11 +32,19 @@ from __future__ import annotations
 
 import msgspec
 
+from model.context import prompt_budget
+
 from app.files.chunks import Chunk, chunks, rank
 from app.messages import WHOLE, Attachment, ChatMessage, FileUse, Source
 
 FILES_SHARE = 3 / 4  # of the prompt's budget, what one message's files may take: the rest is the chat's
 CHARS_PER_TOKEN = 16  # more characters than this a token, in a whole file, does not occur: longer ones go in chunks
+
+
+def files_share(limit: int, max_new_tokens: int) -> int:
+    """The tokens one message's files may take in a prompt for this context and reply (the system prompt and the
+    message's own text come off it)."""
+    return int(prompt_budget(limit, max_new_tokens) * FILES_SHARE)
 
 
 def render(message: ChatMessage) -> str:

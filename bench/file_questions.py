@@ -6,9 +6,9 @@ page, so a question's words alone do not point to its page. Then reads it as an 
 (app.files.read) and, for each of 12 questions whose answer is on a known page, runs the engine's own
 selection (app.engine.prompt.choose_prompt_files) with the default model's tokenizer, context and reply
 room (weights/SmolLM2-135M-Instruct, LLAMA_MAX_CONTEXT's default, the default max_new_tokens): how many
-questions' chosen chunks hold the answer's page and the fact itself, where the fact's chunk ranked, how many
-chunks of how many went in, in how many tokens, and how long reading and choosing took. No model runs: this measures the retrieval, not
-the answers.
+questions' chosen chunks hold the answer's page and the fact itself, where the fact's chunk ranked, how
+many chunks of how many went in, in how many tokens, and how long reading and choosing took. No model
+runs: this measures the retrieval, not the answers.
 
     python bench/file_questions.py [--pages 48] [--checkpoint weights/SmolLM2-135M-Instruct] [--elsewhere]
                                    [--max-context 8192] [--max-new-tokens 1024]

@@ -500,7 +500,7 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
         flush()  # mid-step: a new reply's first token goes before the step decodes the others
 
     engine = Engine(config, emit)
-    frozen = -1  # models loaded when the heap was last frozen
+    frozen = -1  # Models.changes when the heap was last frozen
 
     try:
         engine.start()
@@ -527,12 +527,13 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
             except Exception:  # a fault of the loop itself, outside any one request's work
                 log.exception("an engine step failed")
                 engine.fail_all("The engine failed; please send your message again.")
-            if len(engine.models.checkpoints) != frozen or not gc.get_freeze_count():
+            if engine.models.changes != frozen:
                 # The imports and the loaded models live until a model is unloaded (release_memory unfreezes
                 # the heap): frozen, no garbage collection walks them again (a full one took 124-141 ms
-                # with the default model loaded, a pause of every stream).
+                # with the default model loaded, a pause of every stream). (Not gc.get_freeze_count() each
+                # step: it counts the frozen objects one by one, and slowed decoding fivefold.)
                 gc.freeze()
-                frozen = len(engine.models.checkpoints)
+                frozen = engine.models.changes
             flush(idle=not engine.busy)
         log.info("the web process %d is gone; stopping", parent)
     finally:

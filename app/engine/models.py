@@ -52,6 +52,7 @@ class Models:
         self._token_tables: dict[str, list[bytes]] = {}  # model -> each token's bytes (for logprobs)
         self.drafts: dict[str, Checkpoint] = {}  # model -> the smaller model that drafts its guesses (LLAMA_DRAFT)
         self._last_used: dict[str, float] = {}  # loaded model -> when it was last in use (the engine's clock)
+        self.changes = 0  # how often a model was loaded or unloaded
 
     @property
     def loading(self) -> bool:
@@ -76,6 +77,7 @@ class Models:
             if not isinstance(result, Exception):
                 self.checkpoints[name] = result
                 self.infos[name] = model_info(name, result, self.config, seconds)
+                self.changes += 1
             yield name, result, seconds
 
     def keep_alive(self, name: str) -> float:
@@ -108,6 +110,7 @@ class Models:
         engine drops its kept caches first), its memory is free. Not while it loads: it is not loaded yet."""
         for held in (self.checkpoints, self.infos, self._token_tables, self.drafts, self._last_used):
             held.pop(name, None)
+        self.changes += 1
 
     def token_bytes(self, name: str) -> list[bytes]:
         """Every token's bytes of a loaded model, for logprobs (read as it loaded; else now, or the

@@ -22,6 +22,7 @@ Engine -> web, each event naming its request:
 A request for n replies (the API's `n`) gets Text and Done events for each, told apart by `index`.
 
 and about the engine: Started(profiles, default), ModelReady(info), ModelFailed(model, message),
+ModelUnloaded(model) (idle past LLAMA_KEEP_ALIVE; its next request loads it again),
 EngineStats(running, waiting, kv_cache_bytes, kept_caches).
 """
 
@@ -129,6 +130,9 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     defaults: ReplySettings = ReplySettings()  # the server's defaults (LLAMA_TEMPERATURE, ...)
     max_batch: int = DEFAULT_MAX_BATCH  # sequences decoded together; more wait
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB  # kept and running KV caches together
+    # Seconds a model stays loaded after its last request ended (negative: until the engine stops); None
+    # (LLAMA_KEEP_ALIVE unset): DEFAULT_KEEP_ALIVE_S, and the default model stays
+    keep_alive: float | None = None
     threads: int | None = None
     speculate: str = ModelOptions.speculate  # "auto": decode steps check guessed tokens; "off"
     draft: str | None = None  # the checkpoint that drafts the guesses of the default model (else prompt lookup)
@@ -298,6 +302,12 @@ class ModelFailed(msgspec.Struct, tag=True):
     message: str
 
 
+class ModelUnloaded(msgspec.Struct, tag=True):
+    """The model was idle past its keep-alive and gave its memory back; a request for it loads it again."""
+
+    model: str
+
+
 class EngineStats(msgspec.Struct, tag=True):
     """Sent when it changes: what the engine holds now."""
 
@@ -308,4 +318,5 @@ class EngineStats(msgspec.Struct, tag=True):
 
 
 ToEngine = Generate | Cancel | Load
-FromEngine = Queued | Loading | Text | Done | Failed | Started | ModelReady | ModelFailed | EngineStats
+FromEngine = (Queued | Loading | Text | Done | Failed | Started | ModelReady | ModelFailed | ModelUnloaded
+              | EngineStats)

@@ -14,6 +14,8 @@ Sampling values left unset come from each checkpoint's generation_config.json
 from __future__ import annotations
 
 import ipaddress
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from model.options import PROJECT_ROOT, Environment, ModelOptions, SettingsError
 
 DEFAULT_KV_CACHE_MB = 1024  # KV caches kept between turns, all conversations together
 DEFAULT_MAX_BATCH = 8  # replies computed together
+DEFAULT_KEEP_ALIVE_S = 300.0  # a model idle this long is unloaded (the default model stays, unless LLAMA_KEEP_ALIVE is set)
 DEFAULT_MAX_WAITING = 32  # replies waiting for a place in the batch; past it the server says it is busy
 DEFAULT_MAX_BODY_MB = 4  # an API request's body; past it, 413
 DEFAULT_HISTORY_DB = PROJECT_ROOT / "data" / "history.db"
@@ -37,6 +40,7 @@ class Settings(ModelOptions):
 
     presets: Path = DEFAULT_PRESETS  # a folder of named system prompts, NAME.md each
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB  # KV caches kept between turns, all conversations together
+    keep_alive: float | None = None  # seconds a model stays loaded when unused (negative: always); None: unset
     max_batch: int = DEFAULT_MAX_BATCH
     max_waiting: int = DEFAULT_MAX_WAITING
     max_body_mb: int = DEFAULT_MAX_BODY_MB
@@ -64,6 +68,7 @@ class Settings(ModelOptions):
             **read_model_options(env),
             presets=env.path("LLAMA_PRESETS", DEFAULT_PRESETS),
             kv_cache_mb=env.integer("LLAMA_KV_CACHE_MB", low=0, default=DEFAULT_KV_CACHE_MB),
+            keep_alive=env.duration("LLAMA_KEEP_ALIVE"),
             max_batch=env.integer("LLAMA_MAX_BATCH", low=1, default=DEFAULT_MAX_BATCH),
             max_waiting=env.integer("LLAMA_MAX_WAITING", low=0, default=DEFAULT_MAX_WAITING),
             max_body_mb=env.integer("LLAMA_MAX_BODY_MB", low=1, default=DEFAULT_MAX_BODY_MB),
@@ -112,8 +117,13 @@ def _strip(value: str | None) -> str | None:
     return value.strip() if value is not None else None
 
 
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h)")  # one number and its unit: 1.5h, 30s
+
+
 class _AppEnvironment(Environment):
-    """The reader of model.options, and the kinds of value only the web server reads: lists, networks, URLs."""
+    """The reader of model.options, and the kinds of value only the web server reads: lists, networks, URLs,
+    durations."""
 
     def items(self, name: str) -> tuple[str, ...]:
         """A comma-separated list (app.api.guard checks the entries, naming the variable)."""
@@ -129,6 +139,25 @@ class _AppEnvironment(Environment):
                 raise SettingsError(f"{name}: {item!r} is not an address or network: expected entries such as "
                                     "127.0.0.1, 10.0.0.0/8 or ::1, comma-separated") from None
         return tuple(networks)
+
+    def duration(self, name: str) -> float | None:
+        """Seconds, as Ollama's keep_alive takes them: a number of seconds, or a duration such as 30s, 5m, 1h or
+        1h30m (units ms, s, m, h); negative stands for "forever"."""
+        value = self.text(name)
+        if value is None:
+            return None
+        text = value.strip().lower()
+        try:
+            seconds = float(text)
+        except ValueError:
+            sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.removeprefix("+"))
+            parts = _DURATION_PART.findall(body)
+            seconds = (sign * sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+                       if parts and "".join(number + unit for number, unit in parts) == body else math.nan)
+        if not math.isfinite(seconds):
+            raise SettingsError(f"{name}={value}: expected a number of seconds or a duration such as 30s, 5m or 1h "
+                                "(negative: forever)")
+        return seconds
 
     def url(self, name: str) -> str | None:
         value = self.text(name)

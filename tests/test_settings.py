@@ -60,7 +60,7 @@ def test_every_setting_is_documented():
             for name in re.findall(r'"(LLAMA_[A-Z_0-9]+)"', (root / reader).read_text())}
     table = set(re.findall(r"^\| `(LLAMA_[A-Z_0-9]+)`", (root / "chainlit.md").read_text(), re.MULTILINE))
     example = set(re.findall(r"^(LLAMA_[A-Z_0-9]+)=", (root / ".env.example").read_text(), re.MULTILINE))
-    assert len(read) == 41 and read == table == example
+    assert len(read) == 42 and read == table == example
 
 
 def test_kv_cache_budget_setting():
@@ -95,3 +95,22 @@ def test_min_p_and_repetition_penalty_settings():
     assert Settings.from_env({}).repetition_penalty is None  # the checkpoint's
     with pytest.raises(SettingsError, match="LLAMA_REPETITION_PENALTY=0: expected a number between 0 and 10"):
         Settings.from_env({"LLAMA_REPETITION_PENALTY": "0"})
+
+
+@pytest.mark.parametrize("value, seconds", [("300", 300.0), ("2.5", 2.5), ("30s", 30.0), ("5m", 300.0), ("1h", 3600.0),
+                                            ("1h30m", 5400.0), ("1.5h", 5400.0), ("250ms", 0.25), (" 5M ", 300.0),
+                                            ("0", 0.0), ("-1", -1.0), ("-5m", -300.0)])
+def test_keep_alive_takes_seconds_or_durations_as_ollama_does(value, seconds):
+    assert Settings.from_env({"LLAMA_KEEP_ALIVE": value}).keep_alive == seconds
+
+
+def test_keep_alive_unset_is_none_so_the_default_model_stays():
+    assert Settings.from_env({}).keep_alive is None and Settings.from_env({"LLAMA_KEEP_ALIVE": " "}).keep_alive is None
+
+
+@pytest.mark.parametrize("value", ["soon", "5 m", "5x", "m", "1h-30m", "--1", "inf", "nan", "5m3"])
+def test_a_bad_keep_alive_names_the_variable_and_the_value(value):
+    with pytest.raises(SettingsError) as error:
+        Settings.from_env({"LLAMA_KEEP_ALIVE": value})
+    assert str(error.value) == (f"LLAMA_KEEP_ALIVE={value}: expected a number of seconds or a duration such as 30s, "
+                                "5m or 1h (negative: forever)")

@@ -342,6 +342,7 @@ class ModelCard(Struct):
     object: str = "model"
     created: int = 0
     owned_by: str = "llama-chat"
+    loaded: bool | UnsetType = UNSET  # ours, beside OpenAI's fields: whether it is in memory now (as Ollama's /api/ps)
 
 
 class ModelList(Struct):

@@ -6,7 +6,8 @@
                                 stream_options.include_usage, logprobs + top_logprobs, tools +
                                 tool_choice (Llama 3), response_format (JSON), ignore_eos (as vLLM's)
     POST /v1/completions        the same for a raw prompt (no chat format; logprobs as a number)
-    GET  /v1/models             the models offered: the backend's profiles
+    GET  /v1/models             the models offered: the backend's profiles, each with "loaded" (whether it
+                                is in memory now; an idle one is unloaded after LLAMA_KEEP_ALIVE)
     GET  /v1/models/{model}
     GET  /metrics               Prometheus metrics (app.api.metrics)
 
@@ -191,7 +192,8 @@ def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int
         where = backend.profiles[name]  # a checkpoint's path, or a remote server's address
         path = Path(where)
         created = int(path.stat().st_mtime) if not is_remote(where) and path.exists() else started
-        return ModelCard(name, created=created)
+        loaded = backend.in_memory(name)  # None: not known (a remote server's): not said
+        return ModelCard(name, created=created, loaded=UNSET if loaded is None else loaded)
 
     metrics = Metrics(lambda: backend.stats, backend)
     backend.observers.append(metrics.observe)

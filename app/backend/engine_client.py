@@ -55,6 +55,7 @@ from app.messages import (
     ModelFailed,
     ModelInfo,
     ModelReady,
+    ModelUnloaded,
     ReplySettings,
     Restarting,
     Started,
@@ -93,7 +94,8 @@ class EngineClient:
         self.restarts = 0
         self.stats = EngineStats()  # the engine's, as last reported
         self.observers: list[Callable[[Event], None]] = []  # called with each reply's last event (metrics)
-        self._models: dict[str, ModelInfo] = {}
+        self._models: dict[str, ModelInfo] = {}  # every model this engine has loaded: its info (it stays true)
+        self._loaded: set[str] = set()  # those loaded now (the engine unloads idle ones: ModelUnloaded)
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._replies: dict[str, Reply] = {}  # every request holding places: sent, or held for a new engine
         self._held: dict[str, tuple[bytes, float]] = {}  # request id -> (its Generate, encoded; when it gives up)
@@ -123,11 +125,16 @@ class EngineClient:
 
     @property
     def ready(self) -> bool:
-        """The default model is loaded and the engine is running."""
+        """The engine is running and has loaded the default model (it may have unloaded it since, idle
+        past LLAMA_KEEP_ALIVE: the next request loads it again)."""
         return self.default is not None and self.default in self._models
 
     def is_loaded(self, name: str | None = None) -> bool:
-        return (name or self.default) in self._models
+        """Whether the model is loaded now."""
+        return (name or self.default) in self._loaded
+
+    def in_memory(self, name: str | None = None) -> bool:
+        return self.is_loaded(name)
 
     async def load(self, name: str | None = None) -> ModelInfo:
         """Load a model (if it is not loaded); raises EngineError with the reason when it cannot be."""
@@ -135,7 +142,7 @@ class EngineClient:
         name = name or self.default
         loop = asyncio.get_running_loop()
         with self._lock:
-            if name in self._models:
+            if name in self._loaded:
                 return self._models[name]
             future = loop.create_future()
             self._waiters.setdefault(name, []).append((loop, future))
@@ -143,6 +150,7 @@ class EngineClient:
         return await future
 
     def context_limit(self, name: str | None = None) -> int:
+        """Of a model loaded once (also while unloaded since): its context in tokens."""
         return self._info(name).context_limit
 
     def reply_defaults(self, name: str | None = None) -> ReplySettings:
@@ -363,11 +371,15 @@ class EngineClient:
                     for name in self._waiters:
                         self._send(Load(name))
             self._started.set()
+        elif isinstance(message, ModelUnloaded):
+            with self._lock:
+                self._loaded.discard(message.model)
         elif isinstance(message, ModelReady | ModelFailed):
             name = message.info.name if isinstance(message, ModelReady) else message.model
             with self._lock:
                 if isinstance(message, ModelReady):
                     self._models[name] = message.info
+                    self._loaded.add(name)
                 waiters = self._waiters.pop(name, [])
             for loop, future in waiters:
                 if isinstance(message, ModelReady):
@@ -405,6 +417,7 @@ class EngineClient:
         now = time.monotonic()
         with self._lock:
             self._models.clear()
+            self._loaded.clear()
             waiters = {}  # the loads this engine was asked for fail; while restarting, none was sent to it
             if self._restarting_since is None:
                 waiters, self._waiters = self._waiters, {}  # (a fresh dict: a load asked from now on waits)

@@ -23,14 +23,19 @@ class Backend(Protocol):
     default: str | None  # the one used when a request names none (known once started)
     restarts: int  # how often the engine process was started again after it stopped
     observers: list[Callable[[Event], None]]  # called with each reply's last event (the API's metrics)
-    ready: bool  # the default model is loaded: /health says 200
+    ready: bool  # the default model has loaded (it may be unloaded since, and loads again): /health says 200
     stats: EngineStats  # the engine's figures, as last reported (the API's metrics)
     places_taken: int  # replies running or waiting, of the most the queue takes
 
     async def start(self) -> None:
         """Ready to take requests: the models are listed."""
 
-    def is_loaded(self, name: str | None = None) -> bool: ...
+    def is_loaded(self, name: str | None = None) -> bool:
+        """Whether a request for the model is answered without loading it first."""
+
+    def in_memory(self, name: str | None = None) -> bool | None:
+        """Whether the model is loaded now (the engine unloads a model idle past LLAMA_KEEP_ALIVE); None:
+        not known here (a remote server's)."""
 
     async def load(self, name: str | None = None) -> ModelInfo:
         """Load a model if it is not loaded; raises EngineError with the reason when it cannot be."""
@@ -78,7 +83,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         defaults=ReplySettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                top_k=settings.top_k, top_p=settings.top_p, min_p=settings.min_p,
                                repetition_penalty=settings.repetition_penalty),
-        max_batch=settings.max_batch, kv_cache_mb=settings.kv_cache_mb, threads=settings.threads,
+        max_batch=settings.max_batch, kv_cache_mb=settings.kv_cache_mb, keep_alive=settings.keep_alive,
+        threads=settings.threads,
         speculate=settings.speculate, draft=str(settings.draft) if settings.draft else None,
         kernels=settings.kernels, kernel_march=settings.kernel_march, deterministic=settings.deterministic,
         cache_dir=str(settings.cache_dir),

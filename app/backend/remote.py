@@ -145,6 +145,10 @@ class RemoteClient:
     def is_loaded(self, name: str | None = None) -> bool:
         return True
 
+    def in_memory(self, name: str | None = None) -> None:
+        """Not known: an OpenAI-compatible server does not say which of its models are loaded."""
+        return None
+
     async def load(self, name: str | None = None) -> ModelInfo:
         """Nothing to load here: the server has its models."""
         return ModelInfo(name or self.default, self.max_context, self.reply_defaults(name))

@@ -6,6 +6,11 @@ waited for it. Loading makes what each reply of that model needs: its info (cont
 defaults) and, for logprobs, every token's bytes. The default model may first be converted from the
 embedded SmolLM2 (model/convert/prepare_default.py). With LLAMA_DRAFT, the default model loads with
 the smaller model that drafts its guesses (model/speculation.py), refused if their tokenizers differ.
+
+A model gives its memory back once unused for its keep-alive (LLAMA_KEEP_ALIVE, as Ollama's keep_alive;
+by default 5 minutes, and the default model stays): at each step the engine asks which models have been
+idle that long, telling those in use (`idle`), and unloads them (`unload`). A request for it later loads it
+again, as a first load does.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from model.options import DEFAULT_MAX_NEW_TOKENS
 from model.speculation import same_tokenizer
 
 from app.messages import EngineConfig, ModelInfo, ReplySettings
+from app.settings import DEFAULT_KEEP_ALIVE_S
 
 log = logging.getLogger("app.engine")
 
@@ -45,6 +51,8 @@ class Models:
         self._loaded: queue.Queue[tuple[str, Checkpoint | Exception, float]] = queue.Queue()  # name, model, seconds
         self._token_tables: dict[str, list[bytes]] = {}  # model -> each token's bytes (for logprobs)
         self.drafts: dict[str, Checkpoint] = {}  # model -> the smaller model that drafts its guesses (LLAMA_DRAFT)
+        self._last_used: dict[str, float] = {}  # loaded model -> when it was last in use (the engine's clock)
+        self.changes = 0  # how often a model was loaded or unloaded
 
     @property
     def loading(self) -> bool:
@@ -69,7 +77,40 @@ class Models:
             if not isinstance(result, Exception):
                 self.checkpoints[name] = result
                 self.infos[name] = model_info(name, result, self.config, seconds)
+                self.changes += 1
             yield name, result, seconds
+
+    def keep_alive(self, name: str) -> float:
+        """Seconds the model stays loaded after its last use; negative: until the engine stops. LLAMA_KEEP_ALIVE
+        when set, for every model; unset, 5 minutes, and the default model (the one most requests want) stays."""
+        if self.config.keep_alive is not None:
+            return self.config.keep_alive
+        return -1.0 if name == self.default else DEFAULT_KEEP_ALIVE_S
+
+    def used(self, names, now: float) -> None:
+        """The loaded models among `names` are in use at `now` (a request for them runs or waits; a Load asked
+        for one; it has just loaded)."""
+        for name in names:
+            if name in self.checkpoints:
+                self._last_used[name] = now
+
+    def idle(self, in_use: set[str], now: float) -> list[tuple[str, float]]:
+        """The loaded models not in use (`in_use`: those a request runs or waits for) for their keep-alive
+        by `now`, with the seconds since their last use."""
+        self.used(in_use, now)
+        idle = []
+        for name in self.checkpoints:
+            since = now - self._last_used.setdefault(name, now)
+            if name not in in_use and 0 <= self.keep_alive(name) <= since:
+                idle.append((name, since))
+        return idle
+
+    def unload(self, name: str) -> None:
+        """Forget a loaded model (and its draft model, info and token table): once nothing else holds it (the
+        engine drops its kept caches first), its memory is free. Not while it loads: it is not loaded yet."""
+        for held in (self.checkpoints, self.infos, self._token_tables, self.drafts, self._last_used):
+            held.pop(name, None)
+        self.changes += 1
 
     def token_bytes(self, name: str) -> list[bytes]:
         """Every token's bytes of a loaded model, for logprobs (read as it loaded; else now, or the

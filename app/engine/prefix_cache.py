@@ -78,6 +78,11 @@ class PrefixCache:
         return [(scope, cache) for scope, cache in reversed(self._kept.values())
                 if cache.exact + cache.chunk <= cache.length]
 
+    def drop_model(self, model: str) -> None:
+        """Drop the kept caches of a model (scopes are (model, user)): it is unloaded."""
+        for key in [k for k, (owner, _) in self._kept.items() if owner[0] == model]:
+            del self._kept[key]
+
     def clear(self, scope: Hashable | None = None) -> None:
         for key in [k for k, (owner, _) in self._kept.items() if scope in (None, owner)]:
             del self._kept[key]

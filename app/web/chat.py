@@ -116,6 +116,7 @@ NEAR_FULL_NOTE = ("*This chat fills {used} of the model's context, and the next 
                   "will be left out soon, and the model will no longer see them.*")
 BUSY_NOTE = ("The server is busy: as many replies are running and waiting as it takes. Please send your "
              "message again in a moment.")
+LOADED, NOT_LOADED = "loaded", "not loaded — loads on first use"  # the model picker's line
 RESTARTING_NOTE = "The model is restarting after a failure; your message is answered as soon as it is back…"
 STOPPED_WAIT_S = 2.0  # how long a stopped reply may take to hand back its last tokens and stats
 SESSION_STATE = {"request": None, "actions": [], "regenerated": 0}  # a resumed chat starts with these
@@ -187,12 +188,22 @@ async def resume_chat(thread: dict):
 
 @cl.set_chat_profiles
 async def chat_profiles(user=None, language=None):
-    """The models to choose from: each one's size, format and dtype, and where it is. Chosen, it loads."""
+    """The models to choose from: each one's size, format and dtype, where it is, and whether it is loaded
+    now (asked at each page load). Chosen, it loads; an idle one is unloaded after LLAMA_KEEP_ALIVE."""
     await BACKEND.start()
     return [cl.ChatProfile(name=name, default=name == BACKEND.default,
                            markdown_description=f"{describe(name)}  \n`{path}`"
-                                                + (" (default)" if name == BACKEND.default else ""))
+                                                + (" (default)" if name == BACKEND.default else "")
+                                                + memory_state(name))
             for name, path in BACKEND.profiles.items()]
+
+
+def memory_state(name: str) -> str:
+    """A line saying whether the model is loaded now; none where the backend cannot tell (a remote server)."""
+    loaded = BACKEND.in_memory(name)
+    if loaded is None:
+        return ""
+    return f"  \n{LOADED if loaded else NOT_LOADED}"
 
 
 def describe(name: str) -> str:

@@ -83,10 +83,35 @@ def greedy(tiny):
 
 # ---- replies ------------------------------------------------------------------------------------
 
-def test_models_are_the_services_profiles(client):
+def test_models_are_the_services_profiles(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert client.models.retrieve("tiny").id == "tiny"
+    # OpenAI's shape, and whether the model is loaded now (the default model stays, LLAMA_KEEP_ALIVE unset)
+    [card] = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
+    assert set(card) == {"id", "object", "created", "owned_by", "loaded"} and card["loaded"] is True
+
+
+def test_models_say_which_are_loaded_where_the_backend_knows():
+    from fastapi.testclient import TestClient
+
+    from app.api.routes import create_app
+
+    class Backend:
+        profiles, default, ready, observers = {"a": "/nowhere/a", "b": "/nowhere/b"}, "a", True, []
+
+        def __init__(self, loaded):
+            self.loaded = loaded
+
+        def in_memory(self, name):
+            return self.loaded(name)
+
+    http = TestClient(create_app(Backend(lambda name: name == "a")))
+    assert [(m["id"], m["loaded"]) for m in http.get("/v1/models").json()["data"]] == [("a", True), ("b", False)]
+    card = http.get("/v1/models/b").json()
+    assert set(card) == {"id", "object", "created", "owned_by", "loaded"} and card["loaded"] is False
+    http = TestClient(create_app(Backend(lambda name: None)))  # a remote server's: not known, not said
+    assert all("loaded" not in m for m in http.get("/v1/models").json()["data"])
 
 
 def test_a_reply_is_the_engines_greedy_reply_with_usage(client, greedy):

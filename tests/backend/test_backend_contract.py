@@ -41,7 +41,8 @@ def test_each_backend_has_each_member_as_declared(backend, name):
 
 def test_the_contract_names_what_the_web_side_uses():
     assert {"profiles", "default", "ready", "stats", "observers", "places_taken", "restarts", "start", "load",
-            "is_loaded", "context_limit", "reply_defaults", "stream", "complete", "cancel", "close"} <= set(MEMBERS)
+            "is_loaded", "in_memory", "context_limit", "reply_defaults", "stream", "complete", "cancel",
+            "close"} <= set(MEMBERS)
 
 
 @pytest.mark.parametrize(("where", "remote"), [("http://gpu:8000/v1", True), ("weights/SmolLM2-135M-Instruct", False),

@@ -14,7 +14,7 @@ from support.checkpoints import write_tiny_checkpoint
 
 from app.backend.engine_client import EngineClient, EngineError, ServerBusy
 from app.backend.conversation import Conversation
-from app.messages import Done, EngineConfig, Failed, ReplySettings, Text
+from app.messages import Done, EngineConfig, Failed, Loading, ReplySettings, Text
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -202,3 +202,26 @@ def test_a_reply_is_off_the_books_before_its_end_is_delivered(client, monkeypatc
 
     events = run(scenario())
     assert isinstance(events[-1], Done) and seen == [False] and client.active == 0
+
+
+def test_an_unloaded_model_is_known_as_such_and_its_next_request_loads_it_again(tiny):
+    """LLAMA_KEEP_ALIVE=2s: the engine unloads the idle model and says so (ModelUnloaded); the client then
+    knows it is not loaded, keeps its info (the settings panel, /health), and a reply loads it again."""
+    client = EngineClient(EngineConfig(checkpoint=str(tiny), dtype="fp32", threads=1, keep_alive=2.0))
+    try:
+        async def scenario():
+            await client.load()
+            assert client.is_loaded() and client.in_memory("tiny") is True
+            deadline = time.monotonic() + 60
+            while client.is_loaded() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not client.is_loaded() and client.in_memory("tiny") is False
+            assert client.ready and client.context_limit() == 8192  # known still: it loads again on demand
+            events = await client.stream(chat("Hi"), ReplySettings(max_new_tokens=4)).events()
+            return events
+
+        events = run(scenario())
+        assert isinstance(events[0], Loading) and events[0].model == "tiny"
+        assert isinstance(events[-1], Done) and events[-1].stats.new_tokens == 4
+    finally:
+        client.close()

@@ -13,6 +13,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from support.chat_tab import ChatTab, sign_in
@@ -92,6 +93,10 @@ def test_the_backends_models_are_the_profiles(remote, backend):
     assert isinstance(remote, RemoteClient)
     assert list(remote.profiles) == ["tiny"] and remote.default == "tiny"
     assert remote.url == f"{backend.url}/v1"
+    # that server says its model is loaded; this client does not pass on what it read once, at start
+    models = httpx.get(f"{backend.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
+    assert [(m["id"], m["loaded"]) for m in models] == [("tiny", True)]
+    assert remote.in_memory("tiny") is None and remote.is_loaded("tiny")
     assert api_base("http://host:8000/") == "http://host:8000/v1"
     assert api_base("https://host/openai/v1") == "https://host/openai/v1"
 

@@ -19,12 +19,12 @@ _ids = itertools.count()
 class EngineHarness:
     """An Engine whose events land in `events`; `run()` steps it until it has nothing left to do. As the
     engine's loop does, it computes kept caches again while nothing else runs (Engine.refine), unless
-    refine=False."""
+    refine=False. clock: the seconds that keep-alive counts."""
 
-    def __init__(self, checkpoint: Path, loader=None, refine: bool = True, **config):
+    def __init__(self, checkpoint: Path, loader=None, refine: bool = True, clock=time.monotonic, **config):
         self.events: list = []
         self.refine = refine
-        self.engine = Engine(EngineConfig(checkpoint=str(checkpoint), **config), self.events.append, loader)
+        self.engine = Engine(EngineConfig(checkpoint=str(checkpoint), **config), self.events.append, loader, clock)
         self.engine.start()
         self.run()
 

@@ -68,13 +68,15 @@ def test_chat_start_offers_settings_with_the_checkpoints_defaults(main):
 
 
 def test_profiles_are_the_checkpoints_in_the_weights_folder_and_starters_exist(main):
+    run(main.BACKEND.load())  # the default model, loading since the start
     profiles = run(main.chat_profiles(None))
     assert [(p.name, p.default) for p in profiles] == [("tiny", True), ("broken", False)]
     # each told by its size, format and dtype, read from the folder without loading it
     tiny = profiles[0].markdown_description
-    assert re.match(r"\d+M parameters · \d+ MB · safetensors · fp32  \n`/.*/tiny` \(default\)$", tiny), tiny
+    assert re.match(r"\d+M parameters · \d+ MB · safetensors · fp32  \n`/.*/tiny` \(default\)  \nloaded$", tiny), tiny
     assert profiles[1].markdown_description.startswith("not readable: ") and "safetensors header" in \
         profiles[1].markdown_description
+    assert profiles[1].markdown_description.endswith("  \nnot loaded — loads on first use")
     starters = run(main.starters(None))
     assert "What is the capital of France?" in [s.message for s in starters]
 
@@ -565,6 +567,31 @@ def test_a_model_loading_for_the_first_time_is_told_with_its_load_time(tmp_path)
     [loaded] = [c.args[0] for c in chat.emitter.update_step.await_args_list if c.args[0]["id"] == note["id"]]
     seconds = float(re.fullmatch(r"Loaded \*\*tiny\*\* in (\d+\.\d) s\.", loaded["output"]).group(1))
     assert 0 < seconds < 90
+
+
+def test_a_model_unloaded_when_idle_says_so_in_the_picker_and_its_next_message_loads_it_with_the_note(tmp_path):
+    write_tiny_checkpoint(tmp_path / "tiny")
+    with imported_app(checkpoint=tmp_path / "tiny", weights_dir=tmp_path, threads=1, history="off", max_new_tokens=4,
+                      keep_alive="0") as main:  # unloaded as soon as nothing uses it, the default model too
+        chat = Chat(main)
+
+        async def scenario():
+            await chat.start()
+            deadline = time.monotonic() + 60
+            while main.BACKEND.is_loaded("tiny") and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            [profile] = await main.chat_profiles(None)
+            asked = len(chat.sent())
+            await chat.send("Hi")
+            return profile, chat.sent()[asked:]
+
+        profile, sent = run(scenario())
+    assert profile.markdown_description.endswith("(default)  \nnot loaded — loads on first use")
+    note, answer = sent[:2]
+    assert re.fullmatch(r"Loading \*\*tiny\*\* \(\d+M parameters · \d+ MB · safetensors · fp32\)…", note["output"])
+    assert note["id"] in chat.removed()  # gone once the answer began
+    assert answer["metadata"]["kind"] == "reply" and answer["output"] and not chat.errors()
+    assert chat.stats()[-1].startswith("4 tokens")
 
 
 def test_chat_end_cancels_a_reply_nobody_reads(main):

@@ -92,7 +92,7 @@ ChunkIndex = Annotated[int, Meta(ge=-1, le=MAX_FILE_CHARS)]
 
 class Attachment(msgspec.Struct, frozen=True, omit_defaults=True):
     """A file sent with a user message, read into text at the edge (app.files.read). The engine decides,
-    the first time, how much of it goes into the prompt (app.engine.files); the web side keeps that
+    the first time, how much of it goes into the prompt (app.files.prompt); the web side keeps that
     decision (chosen) and sends it back, so the message renders to the same tokens every turn."""
 
     name: Name  # the file's name as uploaded (shown, and named in the prompt)

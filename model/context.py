@@ -7,3 +7,8 @@ not import the model to raise or catch it.
 
 class PromptTooLong(ValueError):
     """The prompt does not fit the context limit."""
+
+
+def prompt_budget(limit: int, max_new_tokens: int) -> int:
+    """The tokens a prompt may take: the context, less room for the reply (at most half of it)."""
+    return limit - min(max_new_tokens, limit // 2)

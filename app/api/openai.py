@@ -113,6 +113,22 @@ class TextPart(Struct, tag_field="type", tag="text"):
 Content = str | list[TextPart]
 
 
+class FileData(Struct, omit_defaults=True):
+    """OpenAI's file input: file_data is the file's bytes in base64 (or a data: URL); file_id (a file uploaded
+    to OpenAI's files API) is read only to be refused by name."""
+
+    file_data: str | None = None
+    filename: str | None = None
+    file_id: str | None = None
+
+
+class FilePart(Struct, tag_field="type", tag="file"):
+    file: FileData
+
+
+UserContent = str | list[TextPart | FilePart]  # a user's message may carry files (app.api.parse reads them)
+
+
 class SystemMessage(Struct, tag_field="role", tag="system"):
     content: Content
 
@@ -122,7 +138,7 @@ class DeveloperMessage(SystemMessage, tag="developer"):
 
 
 class UserMessage(Struct, tag_field="role", tag="user"):
-    content: Content
+    content: UserContent
 
 
 # The tool structs are passed on as the client wrote them (msgspec.to_builtins): a field left out stays out.

@@ -10,10 +10,19 @@ OpenAI does not know either is a 400 too ("Unrecognized request argument"), as O
 that, `app.bounds.json_problem` finds what no JSON in a request may hold (a string that is not
 Unicode, a number that is not finite or is past 64 bits, nesting past 64 levels), wherever it is.
 Errors are `ApiError`s in OpenAI's shape.
+
+A user message's content parts of type "file" (OpenAI's shape: {"type": "file", "file": {"file_data":
+"data:application/pdf;base64,...", "filename": "x.pdf"}}; bare base64 is taken too) are decoded and read
+into text here (app.files.read), each a 400 naming the message, the part and the file when it cannot be:
+bad base64, too large, a kind not taken, bytes that are not what the name says. A file_id (OpenAI's files
+API, which this server does not have) is refused by name. The engine decides how much of each goes into the
+prompt (app.files.prompt), the same way for the same message on every request.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from dataclasses import dataclass, field
@@ -23,9 +32,10 @@ import msgspec
 
 from model.tools import read_tool_calls, read_tool_choice, read_tools
 
-from app.bounds import MAX_JSON_CHARS, json_problem
+from app.bounds import MAX_FILE_BYTES, MAX_FILES, MAX_JSON_CHARS, json_problem
 from app.backend.conversation import Conversation
-from app.messages import ReplySettings
+from app.files.read import FileRefused, read_file
+from app.messages import Attachment, ReplySettings
 from app.api.openai import (
     HARMLESS,
     REFUSED,
@@ -35,11 +45,13 @@ from app.api.openai import (
     ChatBody,
     CompletionBody,
     Content,
+    FilePart,
     JsonObjectFormat,
     JsonSchemaFormat,
     Message,
     SystemMessage,
     ToolMessage,
+    UserContent,
 )
 
 
@@ -230,7 +242,7 @@ def _conversation(messages: list[Message], model: str) -> Conversation:
                 _check_calls(calls, where)
             conversation.add("assistant", content, tool_calls=calls)
         else:
-            conversation.add("user", content)
+            conversation.add("user", content, files=_files(message.content, where))
     if not conversation.messages or conversation.messages[-1].role not in ("user", "tool"):
         raise ApiError(400, "The last message (after any system messages) must be the user's, or a tool's result: it "
                             "is the one answered.", param="messages")
@@ -252,8 +264,59 @@ def _check_calls(calls: list[dict], where: str) -> None:
                            param=param, code="invalid_value")
 
 
-def _text(content: Content | None) -> str:
-    """A message's content: a string, or text parts joined."""
+def _text(content: Content | UserContent | None) -> str:
+    """A message's content: a string, or its text parts joined."""
     if content is None:
         return ""
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+    return content if isinstance(content, str) else "".join(p.text for p in content if not isinstance(p, FilePart))
+
+
+# Where a file part has no filename, its kind from the data URL's media type (else it is refused: the kind decides).
+NAME_FOR_TYPE = {"application/pdf": "file.pdf", "text/plain": "file.txt", "text/markdown": "file.md",
+                 "text/csv": "file.csv", "application/json": "file.json"}
+DATA_URL = re.compile(r"data:(?P<type>[^;,]*)(?:;[^;,]*)*?(?P<base64>;base64)?,", re.IGNORECASE)
+
+
+def _files(content: UserContent, where: str) -> list[Attachment] | None:
+    """A user message's file parts, read (app.files.read); ApiError names the part and says what is wrong."""
+    if isinstance(content, str):
+        return None
+    parts = [(j, part) for j, part in enumerate(content) if isinstance(part, FilePart)]
+    if len(parts) > MAX_FILES:
+        raise ApiError(400, f"{where} has {len(parts)} files; at most {MAX_FILES} are taken in one message.",
+                       param=f"{where}.content", code="invalid_value")
+    return [_file(part, f"{where}.content[{j}]") for j, part in parts] or None
+
+
+def _file(part: FilePart, where: str) -> Attachment:
+    param = f"{where}.file"
+    if part.file.file_id is not None:
+        raise ApiError(400, f"'{param}.file_id': file_id is not supported: send file_data (the file's bytes in "
+                            "base64, or as a data: URL) with its filename.", param=f"{param}.file_id",
+                       code="unsupported_parameter")
+    if not part.file.file_data:
+        raise ApiError(400, f"'{param}.file_data' is required: the file's bytes in base64, or as a data: URL.",
+                       param=f"{param}.file_data", code="missing_required_parameter")
+    payload, media_type = part.file.file_data, ""
+    if url := DATA_URL.match(payload):
+        if not url["base64"]:
+            raise ApiError(400, f"'{param}.file_data' is a data: URL without ';base64': send the bytes in base64.",
+                           param=f"{param}.file_data", code="invalid_value")
+        payload, media_type = payload[url.end():], url["type"].strip().lower()
+    name = part.file.filename or NAME_FOR_TYPE.get(media_type)
+    if not name:
+        raise ApiError(400, f"'{param}.filename' is required (its extension tells the file's kind: .txt, .md, "
+                            ".py, .csv, .json, .pdf, ...).", param=f"{param}.filename",
+                       code="missing_required_parameter")
+    if len(payload) // 4 * 3 > MAX_FILE_BYTES + 2:  # (before decoding it: base64 holds 3 bytes in 4 characters)
+        raise ApiError(400, f"{where} ({name}): the file is larger than {MAX_FILE_BYTES // 2**20} MB, the most a "
+                            "file may be.", param=f"{param}.file_data", code="invalid_value")
+    try:
+        data = base64.b64decode("".join(payload.split()), validate=True)  # (line breaks, as some encoders write)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{where} ({name}): file_data is not valid base64.", param=f"{param}.file_data",
+                       code="invalid_value") from None
+    try:
+        return read_file(name, data)
+    except FileRefused as e:
+        raise ApiError(400, f"{where}: {e}", param=param, code="invalid_value") from None

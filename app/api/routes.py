@@ -15,7 +15,8 @@ the same engine, in the same batches, as the chats. `python -m app.api --port 80
 alone. Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
 parameter (named in `param`) or a prompt too long for the context (code context_length_exceeded), 401
 for a missing or wrong key when LLAMA_API_KEY is set, 404 for an unknown model, 413 for a body larger
-than LLAMA_MAX_BODY_MB, 415 for a body that is not application/json, 429 (with Retry-After) when the
+than LLAMA_MAX_BODY_MB (files in it as base64 included: 4 MB holds a 3 MB file, 28 MB a 20 MB one), 415
+for a body that is not application/json, 429 (with Retry-After) when the
 server's queue is full, 503 (with Retry-After) when the model process stopped or is restarting. A
 client that goes away cancels its request. Sampling values left out are the model's defaults, as in the UI. Every parameter of OpenAI's is either done or refused with a 400
 that names it (app.api.parse; the shapes read and written are in app.api.openai). Both servers refuse requests from other web sites and host names
@@ -146,7 +147,8 @@ async def json_body(http_request: HttpRequest, max_mb: int = DEFAULT_MAX_BODY_MB
     if kind != "application/json":
         raise ApiError(415, f"Expected a body of Content-Type application/json, found {kind or 'none'}.",
                        code="unsupported_media_type")
-    too_large = ApiError(413, f"The request body is larger than {max_mb} MB (LLAMA_MAX_BODY_MB).",
+    too_large = ApiError(413, f"The request body is larger than {max_mb} MB (LLAMA_MAX_BODY_MB). A file sent in it "
+                              f"takes 4/3 of its size as base64: files of up to {max_mb * 3 / 4:g} MB or so fit.",
                          code="request_too_large")
     limit, declared = max_mb * 2**20, http_request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -211,7 +213,9 @@ def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int
 
     @router.post("/v1/chat/completions")
     async def chat_completions(http_request: HttpRequest) -> Response:
-        chat = parse_chat(await json_body(http_request, max_body_mb), backend.profiles, backend.default)
+        body = await json_body(http_request, max_body_mb)
+        # on a thread: reading a file part (a PDF's pages) may take a while, and the loop serves every stream
+        chat = await asyncio.to_thread(parse_chat, body, backend.profiles, backend.default)
         return await answer(http_request, chat, lambda: backend.stream(
             chat.conversation, chat.settings, **chat.options(), user=http_request.state.user))
 

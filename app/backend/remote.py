@@ -6,6 +6,12 @@ HTTP API then front a serving cluster (vLLM, llama.cpp's server, another copy of
 `POST {LLAMA_BACKEND_URL}/chat/completions`; its server-sent events become the same events a local
 reply gives (Text, then Done or Failed). Stop closes the HTTP stream, which a well-behaved server
 takes as a cancel. The server queues or batches requests itself, so nothing waits here.
+
+A message's files go as text, in its content, in the blocks the engine writes (app.files.prompt), not as
+OpenAI "file" parts, which few servers take (vLLM and llama.cpp's do not). Which chunks of a long file go
+is decided here as the engine decides it, with tokens estimated from characters (there is no tokenizer
+here) against LLAMA_MAX_CONTEXT, and reported the same way (Done.context.files), so the web side keeps the
+decision and the message is sent the same on later turns.
 """
 
 from __future__ import annotations
@@ -23,7 +29,21 @@ from model.config import DEFAULT_MAX_CONTEXT
 from model.options import DEFAULT_MAX_NEW_TOKENS
 
 from app.backend.conversation import Conversation
-from app.messages import Context, Done, EngineStats, Event, Failed, ModelInfo, ReplySettings, Stats, Text, TokenLogprob
+from app.files.prompt import choose_files, files_share, render, without_files
+from app.messages import (
+    ChatMessage,
+    Context,
+    Done,
+    EngineStats,
+    Event,
+    Failed,
+    FileUse,
+    ModelInfo,
+    ReplySettings,
+    Stats,
+    Text,
+    TokenLogprob,
+)
 from app.backend.reply import STREAM_INTERVAL, Reply
 from app.api.openai import (
     Call,
@@ -45,8 +65,24 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request i
 # Used for the settings panel when neither LLAMA_* nor the server says otherwise (Llama 3's defaults).
 FALLBACK = ReplySettings(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=0.6, top_k=0, top_p=0.9, min_p=0.0,
                          repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+CHARS_PER_TOKEN = 3  # the estimate of a file's tokens: about 4 characters make a token of English; 3 leaves room
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # between two pieces of a reply, waiting in the server's queue included
+
+
+def files_as_text(messages: list[ChatMessage], limit: int,
+                  max_new_tokens: int) -> tuple[list[ChatMessage], list[FileUse]]:
+    """The messages with their files decided (app.files.prompt.choose_files) by estimated tokens, and how the
+    last user message's files went in."""
+    def estimate(text: str) -> int:
+        return len(text) // CHARS_PER_TOKEN + 1
+
+    system = [m for m in messages if m.role == "system"]
+
+    def room_for(message: ChatMessage) -> int:
+        return files_share(limit, max_new_tokens) - sum(estimate(render(m)) for m in system + [without_files(message)])
+
+    return choose_files(messages, room_for, estimate)
 
 
 def api_base(url: str) -> str:
@@ -127,11 +163,13 @@ class RemoteClient:
         if not conversation.messages:
             raise ValueError("the conversation has no message to reply to")
         reply = self._reply(conversation, settings, n)
-        messages = [{"role": m.role, "content": m.content,
+        chat, files = files_as_text(conversation.chat_messages(), self.max_context,
+                                    reply.settings.over(FALLBACK).max_new_tokens)
+        messages = [{"role": m.role, "content": render(m),
                      **{k: v for k in ("tool_calls", "tool_call_id") if (v := getattr(m, k))}}
-                    for m in conversation.chat_messages()]
+                    for m in chat]
         request = {"messages": messages, **chat_options(**options)}
-        return self._start(reply, "chat/completions", request)
+        return self._start(reply, "chat/completions", request, files)
 
     def complete(self, prompt: str, model: str | None = None, settings: ReplySettings | None = None,
                  n: int = 1, logprobs: int | None = None, user: str = "") -> Reply:
@@ -146,8 +184,9 @@ class RemoteClient:
         return Reply(conversation, (settings or ReplySettings()).over(self.defaults), model, self._cancel,
                      self.stream_interval, n)
 
-    def _start(self, reply: Reply, path: str, request: dict) -> Reply:
-        self._running[reply] = asyncio.get_running_loop().create_task(self._run(reply, path, request))
+    def _start(self, reply: Reply, path: str, request: dict, files: list[FileUse] | None = None) -> Reply:
+        """files: how the last message's files went in (its Done's context says so)."""
+        self._running[reply] = asyncio.get_running_loop().create_task(self._run(reply, path, request, files or []))
         return reply
 
     def cancel(self, request_id: str) -> bool:
@@ -209,7 +248,7 @@ class RemoteClient:
             body["ignore_eos"] = True
         return {k: v for k, v in body.items() if v is not None}
 
-    async def _run(self, reply: Reply, path: str, request: dict) -> None:
+    async def _run(self, reply: Reply, path: str, request: dict, files: list[FileUse]) -> None:
         pieces: dict[int, list[str]] = {i: [] for i in range(reply.n)}
         finish: dict[int, str | None] = {i: None for i in range(reply.n)}
         calls: dict[int, dict[int, dict]] = {i: {} for i in range(reply.n)}  # reply -> call index -> call
@@ -227,7 +266,7 @@ class RemoteClient:
             for i in range(reply.n):
                 self._deliver(reply, Done(reply.id, "".join(pieces[i]), reason_of(i), stats(i), index=i,
                                           tool_calls=[calls[i][k] for k in sorted(calls[i])],
-                                          context=Context(self.max_context)))  # (it leaves nothing out)
+                                          context=Context(self.max_context, files=files)))  # (it leaves nothing out)
 
         url = f"{self.url}/{path}"
         try:

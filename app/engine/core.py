@@ -59,7 +59,7 @@ from app.messages import (
 from app.engine.models import Loader, Models
 from app.engine.outbox import Outbox
 from app.engine.prefix_cache import PrefixCache
-from app.engine.prompt import fit_prompt, prompt_budget
+from app.engine.prompt import choose_prompt_files, fit_prompt, prompt_budget
 from app.engine.scheduler import Scheduler
 from app.engine.sequence import Sequence, State
 
@@ -283,11 +283,13 @@ class Engine:
                 if request.tools and not checkpoint.chat_format.supports_tools:
                     raise ValueError(f"the model {request.model} has no tool calling (its chat template is given "
                                      "no tools; Llama 3 checkpoints are)")
-                prompt, left_out = fit_prompt(checkpoint.chat_format, request.messages, request.left_out,
-                                              info.context_limit, settings.max_new_tokens, request.trim,
-                                              tools=request.tools, tool_choice=request.tool_choice)
+                tool_options = dict(tools=request.tools, tool_choice=request.tool_choice)
+                messages, files = choose_prompt_files(checkpoint.chat_format, request.messages, info.context_limit,
+                                                      settings.max_new_tokens, **tool_options)
+                prompt, left_out = fit_prompt(checkpoint.chat_format, messages, request.left_out,
+                                              info.context_limit, settings.max_new_tokens, request.trim, **tool_options)
                 context = Context(info.context_limit, prompt_budget(info.context_limit, settings.max_new_tokens),
-                                  left_out)
+                                  left_out, files)
         except PromptTooLong as e:
             self._fail(request_id, str(e), "prompt_too_long")
             return

@@ -1,28 +1,42 @@
 """A chat's messages -> the prompt's token ids, leaving out the oldest messages that no longer fit.
 
 Runs in the engine, which has the tokenizer and knows each model's context limit; it reports what it
-did with the reply (app.messages.Context), so the web side never counts tokens.
+did with the reply (app.messages.Context), so the web side never counts tokens. A message's files
+(app.files.prompt) are decided first (`choose_prompt_files`: whole, or which chunks), then rendered into
+its content here, and count against the budget like any text.
 """
 
 from __future__ import annotations
 
-from model.context import PromptTooLong
+from model.context import PromptTooLong, prompt_budget
 
-from app.messages import ChatMessage
+from app.files.prompt import choose_files, files_share, render, without_files
+from app.messages import ChatMessage, FileUse
 
 MIN_REPLY_TOKENS = 64  # a prompt must leave room for at least this many (or max_new_tokens) tokens
 
 
 def dialog(messages: list[ChatMessage]) -> list[dict]:
-    """As the chat formats take them (OpenAI's shape); a reply keeps the ids it was generated as."""
-    return [{"role": m.role, "content": m.content,
+    """As the chat formats take them (OpenAI's shape); a reply keeps the ids it was generated as, a message
+    with files has them in its content (as their `chosen` says: choose_prompt_files decides it)."""
+    return [{"role": m.role, "content": render(m),
              **{name: value for name in ("ids", "tool_calls", "tool_call_id") if (value := getattr(m, name)) is not None}}
             for m in messages]
 
 
-def prompt_budget(limit: int, max_new_tokens: int) -> int:
-    """The tokens a prompt may take: the context, less room for the reply (at most half of it)."""
-    return limit - min(max_new_tokens, limit // 2)
+def choose_prompt_files(chat_format, messages: list[ChatMessage], limit: int, max_new_tokens: int,
+                        **tool_options) -> tuple[list[ChatMessage], list[FileUse]]:
+    """The messages with their files decided (app.files.prompt.choose_files), and how the last user message's
+    files went in (Context.files). A message's files may take files_share of the prompt's budget, less what
+    the system prompt and the message's own text take: the rest is left for the chat around it."""
+    n_system = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+    share = files_share(limit, max_new_tokens)
+
+    def room_for(message: ChatMessage) -> int:
+        alone = dialog(messages[:n_system] + [without_files(message)])
+        return share - len(chat_format.encode_dialog(alone, **tool_options))
+
+    return choose_files(messages, room_for, lambda text: len(chat_format.tokenizer.encode(text)))
 
 
 def fit_prompt(chat_format, messages: list[ChatMessage], left_out: int, limit: int, max_new_tokens: int,

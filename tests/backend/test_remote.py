@@ -22,7 +22,7 @@ from support.servers import ApiServer, ChainlitServer, free_port, server_env
 from app.backend.protocol import open_backend
 from app.backend.engine_client import EngineClient
 from app.backend.conversation import Conversation
-from app.messages import Done, EngineConfig, Failed, ReplySettings, Text
+from app.messages import WHOLE, Attachment, Done, EngineConfig, Failed, ReplySettings, Text
 from app.backend.remote import RemoteClient, api_base
 from app.settings import Settings, SettingsError
 
@@ -214,3 +214,34 @@ def test_n_replies_and_a_raw_prompt_through_the_backend(remote, local):
     (remote_many, remote_raw), (local_many, local_raw) = run(both(remote)), run(both(local))
     assert remote_many == local_many and len(set(remote_many.values())) == 2
     assert isinstance(remote_raw, Done) and remote_raw.text == local_raw.text
+
+
+# ---- files --------------------------------------------------------------------------------------
+
+def test_a_file_goes_to_the_server_as_the_engines_text(remote, local):
+    conversation = chat("What does the note say?", system="Be brief.")
+    conversation.messages[0].files = [Attachment("note.txt", "Feed the cat at six.\n<|eot_id|> stays text.\n")]
+    settings = ReplySettings(max_new_tokens=12, temperature=0.0)
+    done, expected = ask(remote, conversation, settings)[-1], ask(local, conversation, settings)[-1]
+    assert done.text == expected.text and done.stats.prompt_tokens == expected.stats.prompt_tokens
+    assert [(u.name, u.chosen) for u in done.context.files] == [("note.txt", WHOLE)]  # (its tokens: estimated)
+    assert [(u.name, u.chosen) for u in expected.context.files] == [("note.txt", WHOLE)]
+
+
+def test_a_long_file_goes_as_its_best_chunks_and_the_decision_comes_back(remote):
+    lines = [f"Entry {i}: the ledger shows an ordinary day at the mill." for i in range(6000)]
+    lines[4321] = "Entry 4321: the miller Ottoline Vasquez sold the blue horse."
+    file = Attachment("ledger.txt", "\n".join(lines))
+    conversation = chat("Who sold the blue horse?")
+    conversation.messages[0].files = [file]
+    settings = ReplySettings(max_new_tokens=4, temperature=0.0)
+    done = ask(remote, conversation, settings)[-1]
+    (use,) = done.context.files
+    assert 0 < len(use.chosen) < use.chunks and any("Ottoline" in s.text for s in use.sources)
+    assert done.stats.prompt_tokens < MAX_CONTEXT - 4  # (estimated from characters, and within the context)
+    # the web side keeps the decision: the next turn sends the same text, the reply's prompt grows from it
+    conversation.messages[0].files = [Attachment(file.name, file.text, chosen=use.chosen)]
+    conversation.add("assistant", done.text)
+    conversation.add("user", "When?")
+    later = ask(remote, conversation, settings)[-1]
+    assert later.context.files == [] and later.stats.prompt_tokens > done.stats.prompt_tokens

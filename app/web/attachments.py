@@ -109,13 +109,17 @@ def note(uses: list[FileUse]) -> tuple[str, list[cl.Text]]:
             lines.append(f"*{use.name}: not read, no room was left in the model's context*")
         else:
             names = [f"{source.file}, {source.where}" for source in use.sources]
-            taken = f"{len(use.chosen)} of its {use.chunks} parts" if use.chunks else f"{len(use.chosen)} parts"
-            lines.append(f"*{use.name}: {use.tokens:,} tokens, {taken}, those nearest the question:* "
-                         + " · ".join(names))
+            taken = (f"all of it, in {plural(len(use.chosen), 'part')}" if len(use.chosen) == use.chunks
+                     else f"{len(use.chosen)} of its {use.chunks} parts, those nearest the question")
+            lines.append(f"*{use.name}: {use.tokens:,} tokens, {taken}:* " + " · ".join(names))
             language = None if Path(use.name).suffix.lower() in PROSE else Path(use.name).suffix[1:].lower() or None
             sources += [cl.Text(name=name, content=source.text, display="side", language=language)
                         for name, source in zip(names, use.sources)]
     return "  \n".join(lines), sources
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 # ---- stored with the chat -----------------------------------------------------------------------

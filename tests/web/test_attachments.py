@@ -110,16 +110,20 @@ def test_the_line_under_a_reply_tells_each_file_s_tokens_and_links_its_sources()
     uses = [FileUse(name="notes.md", tokens=1234, chosen=WHOLE),
             FileUse(name="report.pdf", tokens=2345, chosen=[2, 6], chunks=9,
                     sources=[Source("report.pdf", "pages 3-4", "Revenue grew."), Source("report.pdf", "page 7", "Costs.")]),
-            FileUse(name="main.py", tokens=80, chosen=[0], chunks=3, sources=[Source("main.py", "lines 1-40", "def f(): ...")])]
+            FileUse(name="main.py", tokens=80, chosen=[0], chunks=3, sources=[Source("main.py", "lines 1-40", "def f(): ...")]),
+            FileUse(name="a.txt", tokens=9, chosen=[0], chunks=1, sources=[Source("a.txt", "lines 1-2", "Hi.")]),
+            FileUse(name="empty.csv", tokens=0, chosen=[], chunks=4)]
     text, sources = in_chat(lambda: attachments.note(uses))
     assert text.split("  \n") == [
         "*notes.md: 1,234 tokens, the whole file*",
         "*report.pdf: 2,345 tokens, 2 of its 9 parts, those nearest the question:* report.pdf, pages 3-4 · "
         "report.pdf, page 7",
-        "*main.py: 80 tokens, 1 of its 3 parts, those nearest the question:* main.py, lines 1-40"]
+        "*main.py: 80 tokens, 1 of its 3 parts, those nearest the question:* main.py, lines 1-40",
+        "*a.txt: 9 tokens, all of it, in 1 part:* a.txt, lines 1-2",  # (with other files that did not fit whole)
+        "*empty.csv: not read, no room was left in the model's context*"]
     assert [(s.name, s.content, s.display, s.language) for s in sources] == [
         ("report.pdf, pages 3-4", "Revenue grew.", "side", None), ("report.pdf, page 7", "Costs.", "side", None),
-        ("main.py, lines 1-40", "def f(): ...", "side", "py")]
+        ("main.py, lines 1-40", "def f(): ...", "side", "py"), ("a.txt, lines 1-2", "Hi.", "side", None)]
     assert all(s.name in text for s in sources)  # the page links a side element where its name is written
     assert in_chat(lambda: attachments.note([])) == ("", [])
 

@@ -95,7 +95,7 @@ def page(server):
             page = browser.new_page(viewport={"width": 1100, "height": 800}, accept_downloads=True)
             page.set_default_timeout(60_000)
             page.goto(server.url)
-            page.wait_for_selector("#chat-input")
+            page.wait_for_selector("#chat-settings-open-modal")  # the chat has started: uploads have a session
             yield page
         finally:
             browser.close()
@@ -150,11 +150,14 @@ def test_files_are_attached_asked_about_and_their_sources_opened(page, server, f
     sources = page.locator(STATS).last.locator("a", has_text="report.pdf, page")
     assert sources.count() >= 1
     shot(page, "02-answered")
-    # the part about the launch is among them; opened, it shows beside the chat
-    names = sources.all_inner_texts()
+    # the part about the launch is among them; opened, it shows beside the chat, alone
+    names = sources.all_text_contents()  # (as written: the page shows links in capitals)
     assert "report.pdf, page 7" in names, names
     sources.filter(has_text="report.pdf, page 7").first.click()
-    page.wait_for_function(f"() => document.body.innerText.includes({LAUNCH[:40]!r})")
+    page.wait_for_function("() => document.querySelector('#side-view-title')?.innerText === 'report.pdf, page 7'"
+                           " && !document.querySelector('#side-view-content').innerText.includes('Page 1:')")
+    side = page.inner_text("#side-view-content")
+    assert side.startswith("report.pdf, page 7") and LAUNCH in side, side[:300]
     shot(page, "03-source")
     assert "Traceback" not in server.log()
 
@@ -174,7 +177,7 @@ def test_a_file_too_big_and_a_renamed_binary_are_refused_with_a_message(page, se
     error.wait_for()
     text = error.inner_text()
     assert "Your message was not sent to the model" in text and "scan.pdf" in text and "not a PDF" in text, text
-    page.wait_for_selector("#chat-submit:enabled")
+    page.wait_for_selector("#stop-button", state="detached")
     shot(page, "05-refused")
     assert "Traceback" not in server.log()
 

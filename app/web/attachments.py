@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import chainlit as cl
@@ -108,14 +109,32 @@ def note(uses: list[FileUse]) -> tuple[str, list[cl.Text]]:
         elif not use.chosen:
             lines.append(f"*{use.name}: not read, no room was left in the model's context*")
         else:
-            names = [f"{source.file}, {source.where}" for source in use.sources]
+            names = source_names(use)
             taken = (f"all of it, in {plural(len(use.chosen), 'part')}" if len(use.chosen) == use.chunks
                      else f"{len(use.chosen)} of its {use.chunks} parts, those nearest the question")
             lines.append(f"*{use.name}: {use.tokens:,} tokens, {taken}:* " + " · ".join(names))
-            language = None if Path(use.name).suffix.lower() in PROSE else Path(use.name).suffix[1:].lower() or None
-            sources += [cl.Text(name=name, content=source.text, display="side", language=language)
+            sources += [cl.Text(name=name, content=shown_source(name, use.name, source.text), display="side")
                         for name, source in zip(names, use.sources)]
     return "  \n".join(lines), sources
+
+
+def shown_source(name: str, file: str, text: str) -> str:
+    """A source as the side panel shows it: its name on top (Chainlit opens every source of the chat there at
+    once after a reply, under the last one's title), then the text as the model read it: Markdown for prose,
+    a code block for code and data."""
+    extension = Path(file).suffix.lower()
+    if extension in PROSE:
+        return f"**{name}**\n\n{text}"
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", text)), default=0))
+    return f"**{name}**\n\n{fence}{extension[1:]}\n{text}\n{fence}"
+
+
+def source_names(use: FileUse) -> list[str]:
+    """Each source's name: "report.pdf, pages 3-4"; where two parts are on the same page (or lines), with
+    their number: "report.pdf, page 1, part 1 of 26". (The page opens a side element by its name.)"""
+    wheres = [source.where for source in use.sources]
+    return [f"{use.name}, {where}" + (f", part {k + 1} of {use.chunks}" if wheres.count(where) > 1 else "")
+            for k, where in zip(use.chosen, wheres)]
 
 
 def plural(n: int, noun: str) -> str:

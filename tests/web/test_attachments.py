@@ -112,7 +112,10 @@ def test_the_line_under_a_reply_tells_each_file_s_tokens_and_links_its_sources()
                     sources=[Source("report.pdf", "pages 3-4", "Revenue grew."), Source("report.pdf", "page 7", "Costs.")]),
             FileUse(name="main.py", tokens=80, chosen=[0], chunks=3, sources=[Source("main.py", "lines 1-40", "def f(): ...")]),
             FileUse(name="a.txt", tokens=9, chosen=[0], chunks=1, sources=[Source("a.txt", "lines 1-2", "Hi.")]),
-            FileUse(name="empty.csv", tokens=0, chosen=[], chunks=4)]
+            FileUse(name="empty.csv", tokens=0, chosen=[], chunks=4),
+            FileUse(name="long.pdf", tokens=700, chosen=[0, 1, 5], chunks=26, sources=[
+                Source("long.pdf", "page 1", "One."), Source("long.pdf", "page 1", "Two."),
+                Source("long.pdf", "page 3", "Three.")])]
     text, sources = in_chat(lambda: attachments.note(uses))
     assert text.split("  \n") == [
         "*notes.md: 1,234 tokens, the whole file*",
@@ -120,15 +123,27 @@ def test_the_line_under_a_reply_tells_each_file_s_tokens_and_links_its_sources()
         "report.pdf, page 7",
         "*main.py: 80 tokens, 1 of its 3 parts, those nearest the question:* main.py, lines 1-40",
         "*a.txt: 9 tokens, all of it, in 1 part:* a.txt, lines 1-2",  # (with other files that did not fit whole)
-        "*empty.csv: not read, no room was left in the model's context*"]
-    assert [(s.name, s.content, s.display, s.language) for s in sources] == [
-        ("report.pdf, pages 3-4", "Revenue grew.", "side", None), ("report.pdf, page 7", "Costs.", "side", None),
-        ("main.py, lines 1-40", "def f(): ...", "side", "py"), ("a.txt, lines 1-2", "Hi.", "side", None)]
+        "*empty.csv: not read, no room was left in the model's context*",
+        # two parts of one page: each name says which (the page opens a source by its name)
+        "*long.pdf: 700 tokens, 3 of its 26 parts, those nearest the question:* long.pdf, page 1, part 1 of 26 · "
+        "long.pdf, page 1, part 2 of 26 · long.pdf, page 3"]
+    assert [s.name for s in sources] == ["report.pdf, pages 3-4", "report.pdf, page 7", "main.py, lines 1-40",
+                                         "a.txt, lines 1-2", "long.pdf, page 1, part 1 of 26",
+                                         "long.pdf, page 1, part 2 of 26", "long.pdf, page 3"]
+    assert all(s.display == "side" for s in sources)
+    # each headed by its name (the page may show them all at once); prose as Markdown, code in a code block
+    assert sources[0].content == "**report.pdf, pages 3-4**\n\nRevenue grew."
+    assert sources[2].content == "**main.py, lines 1-40**\n\n```py\ndef f(): ...\n```"
     assert all(s.name in text for s in sources)  # the page links a side element where its name is written
     assert in_chat(lambda: attachments.note([])) == ("", [])
 
 
 # ---- stored with the chat -----------------------------------------------------------------------
+
+def test_a_code_block_around_a_source_outlasts_the_fences_in_it():
+    text = "Use:\n```\nx = 1\n```\nand ````` in prose."
+    assert attachments.shown_source("a.py, part 1 of 2", "a.py", text) == f"**a.py, part 1 of 2**\n\n``````py\n{text}\n``````"
+
 
 def test_the_store_keeps_files_and_texts_private_and_deletes_them_with_their_element(tmp_path):
     store = FileStore.beside(tmp_path / "data" / "history.db")

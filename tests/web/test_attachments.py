@@ -211,11 +211,23 @@ def test_a_stored_file_is_served_to_the_owner_of_its_chat_only(stored_chat):
     assert client.get(url).status_code == 404
 
 
-def test_deleting_a_step_deletes_its_elements_files(stored_chat):
+def test_deleting_a_step_or_a_chat_deletes_its_elements_files(stored_chat):
     layer, store, ada, eve, element = stored_chat
+    store.write_text(element.id, README)
     assert (store.folder / element.id / "file").is_file()
-    in_chat(lambda: layer.delete_step("s1"))
+    in_chat(lambda: layer.delete_step("s1"))  # (a regenerated answer's line, the messages after an edited one)
     assert not (store.folder / element.id).exists()
+
+    async def another():
+        again = cl.File(name="b.md", content=b"b", thread_id="t1", for_id="s2")
+        await layer.create_element(again)
+        store.write_text(again.id, "b")
+        assert (store.folder / again.id / "text").is_file()
+        await layer.delete_thread("t1")
+        return again
+
+    again = in_chat(another)
+    assert not (store.folder / again.id).exists()
 
 
 def user_step(id: str, output: str, files: list[dict] | None = None) -> dict:

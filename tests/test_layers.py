@@ -16,6 +16,7 @@ import pytest
 from support.checkpoints import write_tiny_checkpoint
 from support.servers import ROOT, server_env
 
+import app.files
 import model
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,6 +33,8 @@ ENGINE = ["app.engine.core", "app.engine.models", "app.engine.sequence", "app.en
           "model.structured", "model.convert.prepare_default"]  # (the last two: imported when first needed)
 TORCH_FREE = ["model.config", "model.checkpoint_files", "model.summary", "model.context", "model.unicode",
               "model.tools", "app.messages", "app.engine.prompt"]
+# Files in a message: read by the web process and the API, chunked, ranked and rendered by the engine too.
+FILES = ["app.files.read", "app.files.chunks", "app.files.prompt"]
 
 PROBE = """
 import importlib, json, sys
@@ -99,3 +102,13 @@ def test_what_the_web_side_shares_with_the_engine_imports_no_torch(name):
     brought = probe([name])
     assert name in brought[name]
     assert_none_of({"torch", "tiktoken", "tokenizers"}, brought)
+
+
+def test_the_files_package_imports_no_torch_no_tokenizer_and_no_web_framework():
+    modules = [m.name for m in pkgutil.walk_packages(app.files.__path__, "app.files.")]
+    assert set(FILES) <= set(modules)
+    # what reading and ranking bring in when they run (pypdf, bm25s), not only at import
+    brought = probe(modules, then="from app.files.read import read_file; from app.files.chunks import chunks, rank; "
+                                  "a = read_file('a.txt', b'one two three'); rank(chunks(a), 'two')")
+    assert "bm25s" in brought["(then)"]  # (what it does import is seen)
+    assert_none_of({"torch", "tiktoken", "tokenizers", "app.engine", "app.web", "app.api"} | WEB_FRAMEWORKS, brought)

@@ -68,7 +68,8 @@ def test_a_file_without_a_name_is_named_by_its_media_type():
     chat = parse_chat(body(file_part(PDF, None)), PROFILES, "tiny")
     assert chat.conversation.messages[0].files[0].name == "file.pdf"
     error = refused(body(file_part(PDF, None, None)))
-    assert error.param == "messages[1].content[1].file.filename" and "its extension tells the file's kind" in error.message
+    assert error.param == "messages[1].content[1].file.filename"
+    assert "its extension tells the file's kind" in error.message
 
 
 def test_a_message_of_text_alone_has_no_files():

@@ -85,7 +85,8 @@ def test_a_long_file_goes_in_as_the_best_chunks_within_the_budget(chat_format):
     assert [s.where for s in use.sources] == [parts[k].where for k in use.chosen]
     assert [s.text for s in use.sources] == [parts[k].text for k in use.chosen]
     content = render(messages[-1])
-    assert content.startswith(f'<file name="almanac.txt" excerpts="{len(use.chosen)} of {len(parts)}">\n<excerpt where="')
+    head = f'<file name="almanac.txt" excerpts="{len(use.chosen)} of {len(parts)}">\n<excerpt where="'
+    assert content.startswith(head)
     assert content.endswith(f"</excerpt>\n</file>\n\n{QUESTION}") and FACT in content
     # within the files' share of the budget (the system prompt and the question taken off it)
     share = int(prompt_budget(LIMIT, REPLY) * FILES_SHARE)

@@ -1,4 +1,5 @@
-"""Reading an uploaded file into text (app/files/read.py): what is taken, as what text, and what is refused, saying why."""
+"""Reading an uploaded file into text (app/files/read.py): what is taken, as what text, and what is refused,
+saying why."""
 
 from __future__ import annotations
 

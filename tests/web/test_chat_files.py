@@ -113,6 +113,26 @@ def test_a_long_file_goes_in_as_the_parts_nearest_the_question_each_a_source_to_
     assert all(s["forId"] == stats_step["id"] for s in sources)
 
 
+def test_a_regenerated_answer_reads_the_same_parts_and_says_so_again(main, sent):
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await main.update_settings({"temperature": 1.0, "seed": "5"})
+        await chat.send("Which orchard had a record harvest of kiwis?", files={"farm.txt": LONG.encode()})
+        [regenerate] = chat.actions("regenerate")
+        await main.regenerate(regenerate)
+
+    run(scenario())
+    first, again = sent
+    chosen = chat.conversation().messages[0].files[0].chosen
+    assert first[-1].files[0].chosen is None and again[-1].files[0].chosen == chosen  # decided once
+    old_line, new_line = stats(chat)
+    assert old_line.split("\n\n")[1] == new_line.split("\n\n")[1]  # the same parts, the same tokens
+    names = [s["name"] for s in source_elements(chat)]
+    assert names[:len(chosen)] == names[len(chosen):] and len(names) == 2 * len(chosen)
+
+
 def test_a_message_with_a_file_that_cannot_be_read_is_not_sent(main, sent):
     chat = Chat(main)
 

@@ -44,7 +44,8 @@ def report_pdf() -> bytes:
     pages = []
     for number, topic in enumerate(TOPICS, 1):
         lines = [f"Page {number}: {topic}."]
-        lines += [f"Line {i} of the {topic} section repeats what the {topic} team wrote this quarter." for i in range(40)]
+        lines += [f"Line {i} of the {topic} section repeats what the {topic} team wrote this quarter."
+                  for i in range(40)]
         if number == 7:
             lines[1:1] = [LAUNCH] * 3
         pages.append(lines)

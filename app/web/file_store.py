@@ -56,9 +56,8 @@ class FileStore(BaseStorageClient):
         return self.folder / element_id
 
     def path(self, object_key: str) -> Path:
-        """Where an object's bytes are: Chainlit names it "<user id>/<element id>/<name>"."""
-        parts = object_key.split("/", 2)
-        return self.element_folder(parts[1] if len(parts) == 3 else "") / DATA
+        """Where an object's bytes are."""
+        return self.element_folder(_parts(object_key)[0]) / DATA
 
     # ---- Chainlit's storage client ----
 
@@ -73,7 +72,7 @@ class FileStore(BaseStorageClient):
         return True
 
     async def get_read_url(self, object_key: str) -> str:
-        _, element_id, name = object_key.split("/", 2)
+        element_id, name = _parts(object_key)
         return f"{ROUTE}/{element_id}/{quote(name, safe='')}"
 
     async def close(self) -> None:
@@ -119,3 +118,10 @@ class FileStore(BaseStorageClient):
                                          "Content-Security-Policy": "sandbox; default-src 'none'"})
 
         return APIRoute(ROUTE + "/{element_id}/{name:path}", stored_file, methods=["GET"])
+
+
+def _parts(object_key: str) -> tuple[str, str]:
+    """The element id and name in an object's key: Chainlit names it "<user id>/<element id>/<name>" (without
+    "/<name>" when the element has none)."""
+    parts = object_key.split("/", 2)
+    return (parts[1] if len(parts) > 1 else ""), (parts[2] if len(parts) > 2 else "file")

@@ -86,7 +86,8 @@ def test_files_that_cannot_be_read_are_each_named_with_the_reason(tmp_path):
     with pytest.raises(attachments.Refused) as refused:
         in_chat(lambda: attachments.read([
             cl.File(name="fine.md", content=README), cl.File(name="report.pdf", path=str(tmp_path / "up")),
-            cl.File(name="empty.txt", path=str(tmp_path / "empty")), cl.File(name="gone.txt", path=str(tmp_path / "missing"))]))
+            cl.File(name="empty.txt", path=str(tmp_path / "empty")),
+            cl.File(name="gone.txt", path=str(tmp_path / "missing"))]))
     assert [p.name for p in refused.value.problems] == ["report.pdf", "empty.txt", "gone.txt"]
     note = str(refused.value)
     assert note.startswith("Your message was not sent to the model: these files cannot be read.")
@@ -109,8 +110,10 @@ def test_the_engine_s_choice_is_kept_for_later_turns():
 def test_the_line_under_a_reply_tells_each_file_s_tokens_and_links_its_sources():
     uses = [FileUse(name="notes.md", tokens=1234, chosen=WHOLE),
             FileUse(name="report.pdf", tokens=2345, chosen=[2, 6], chunks=9,
-                    sources=[Source("report.pdf", "pages 3-4", "Revenue grew."), Source("report.pdf", "page 7", "Costs.")]),
-            FileUse(name="main.py", tokens=80, chosen=[0], chunks=3, sources=[Source("main.py", "lines 1-40", "def f(): ...")]),
+                    sources=[Source("report.pdf", "pages 3-4", "Revenue grew."),
+                             Source("report.pdf", "page 7", "Costs.")]),
+            FileUse(name="main.py", tokens=80, chosen=[0], chunks=3,
+                    sources=[Source("main.py", "lines 1-40", "def f(): ...")]),
             FileUse(name="a.txt", tokens=9, chosen=[0], chunks=1, sources=[Source("a.txt", "lines 1-2", "Hi.")]),
             FileUse(name="empty.csv", tokens=0, chosen=[], chunks=4),
             FileUse(name="long.pdf", tokens=700, chosen=[0, 1, 5], chunks=26, sources=[
@@ -142,7 +145,8 @@ def test_the_line_under_a_reply_tells_each_file_s_tokens_and_links_its_sources()
 
 def test_a_code_block_around_a_source_outlasts_the_fences_in_it():
     text = "Use:\n```\nx = 1\n```\nand ````` in prose."
-    assert attachments.shown_source("a.py, part 1 of 2", "a.py", text) == f"**a.py, part 1 of 2**\n\n``````py\n{text}\n``````"
+    shown = attachments.shown_source("a.py, part 1 of 2", "a.py", text)
+    assert shown == f"**a.py, part 1 of 2**\n\n``````py\n{text}\n``````"
 
 
 def test_the_store_keeps_files_and_texts_private_and_deletes_them_with_their_element(tmp_path):
@@ -161,8 +165,10 @@ def test_the_store_keeps_files_and_texts_private_and_deletes_them_with_their_ele
     assert store.read_text("3f2a-e1") == "the text" and store.read_text("other") is None
     for path in [store.folder, store.folder / "3f2a-e1", *(store.folder / "3f2a-e1").iterdir()]:
         assert stat.S_IMODE(path.stat().st_mode) == (0o700 if path.is_dir() else 0o600), path
-    with pytest.raises(ValueError, match="not an element's id"):
-        store.path("user-1/../../etc/passwd")
+    assert asyncio.run(store.get_read_url("user-1/3f2a-e1")) == "/history-files/3f2a-e1/file"  # (a nameless element)
+    for bad in ["user-1/../../etc/passwd", "user-1/..", "3f2a-e1", "u/a.b/c"]:
+        with pytest.raises(ValueError, match="not an element's id"):
+            store.path(bad)
     asyncio.run(store.delete_file(key))
     assert not (store.folder / "3f2a-e1").exists()
 

@@ -166,16 +166,20 @@ async def keep(message: cl.Message, files: list[Attachment], store: FileStore) -
 
 
 def stored_files(step: dict, store: FileStore | None) -> list[Attachment] | None:
-    """The files of a stored user message, as they went to the model; those whose text is gone are left out."""
+    """The files of a stored user message, as they went to the model; those whose text is gone (or whose record
+    is not one) are left out."""
     records = metadata_of(step.get("metadata")).get(FILES)
-    if not records or store is None:
+    if not isinstance(records, list) or store is None:
         return None
     files = []
     for entry in records:
-        text = store.read_text(str(entry.get("element", "")))
-        if text is not None:
-            files.append(Attachment(name=entry["name"], text=text, size=entry.get("size") or 0,
-                                    pages=entry.get("pages") or 0, chosen=entry.get("chosen")))
+        if not isinstance(entry, dict) or (text := store.read_text(str(entry.get("element", "")))) is None:
+            continue
+        fields = {key: entry[key] for key in ("name", "size", "pages", "chosen") if entry.get(key) is not None}
+        try:
+            files.append(msgspec.convert({**fields, "text": text}, Attachment))
+        except msgspec.ValidationError:
+            continue
     return files or None
 
 

@@ -260,7 +260,7 @@ def test_a_resumed_chat_gives_its_files_back_as_they_went_to_the_model(tmp_path)
         reply_step("Sent without words."),
         user_step("s3", "", [{"element": "e3", "name": "gone.md", "size": 5, "pages": 0, "chosen": None}]),
         reply_step("A message whose only file is gone is left out, with its reply."),
-        user_step("s4", "And then?"),
+        user_step("s4", "And then?", [{"element": "e1", "size": 3}, "not a record"]),  # (no name: no file)
     ]
     conversation = history.conversation_from_steps(steps, model="tiny", system_prompt=None,
                                                    files=lambda step: attachments.stored_files(step, store))

@@ -1,5 +1,6 @@
 """A chat as the web side keeps it: its messages (each reply with the token ids it was generated
-as), its system prompt and model, and how many old messages no longer fit the model's context.
+as, each user message with the files sent with it), its system prompt and model, and how many old
+messages no longer fit the model's context.
 
 The keys and values of a chat live in the engine's prefix cache, found again by the chat's token
 ids, so nothing here holds model state: a Conversation is cheap to keep, copy and store.
@@ -22,7 +23,7 @@ class Message:
     ids: list[int] | None = None  # a reply of the model's: the token ids it was generated as
     tool_calls: list[dict] | None = None  # an assistant's tool calls (the API)
     tool_call_id: str | None = None  # a tool result: the call it answers
-    files: list[Attachment] | None = None  # a user message's files (their chosen set once the engine decided)
+    files: list[Attachment] | None = None  # a user message's files: their text, and the chunks the engine chose
 
 
 @dataclass(eq=False)
@@ -40,6 +41,10 @@ class Conversation:
 
     def index(self, message_id: str) -> int | None:
         return next((i for i, m in enumerate(self.messages) if m.id is not None and m.id == message_id), None)
+
+    def message(self, message_id: str) -> Message | None:
+        i = self.index(message_id)
+        return None if i is None else self.messages[i]
 
     def truncate(self, message_id: str) -> bool:
         """Forget the message with this id and every later one (the user edited it); False if unknown."""

@@ -3,7 +3,8 @@
 Thin Chainlit handlers over a backend (`app.backend.protocol`): the engine process that owns the models and
 computes every reply, or a remote server. What a session keeps in cl.user_session:
 
-    conversation     app.backend.conversation.Conversation: messages (replies with their token ids), system prompt
+    conversation     app.backend.conversation.Conversation: messages (replies with their token ids, user messages
+                     with their files), system prompt
     reply_settings   app.messages.ReplySettings from the settings panel
     preset           the system-prompt preset the panel shows (app.web.presets); choosing another fills the prompt
     request          the app.backend.reply.Reply being answered, for the Stop button
@@ -12,9 +13,10 @@ computes every reply, or a remote server. What a session keeps in cl.user_sessio
     actions          the Regenerate and Export buttons, under the last answer only
     regenerated      how many times the last answer was sampled again (a set seed moves on by one each time)
 
-With history on (the default), chats are stored in SQLite through Chainlit's data layer
-(app.web.history) and a chat resumed from the sidebar continues with the model remembering it. The
-OpenAI-compatible API (app.api) is served on the same server, by the same engine.
+Files attached to a message (app.web.attachments) go to the model with it. With history on (the default),
+chats are stored in SQLite through Chainlit's data layer (app.web.history), their files beside it
+(app.web.file_store), and a chat resumed from the sidebar continues with the model remembering it, files
+included. The OpenAI-compatible API (app.api) is served on the same server, by the same engine.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ from chainlit.input_widget import Select, Slider, TextInput
 from chainlit.server import app as chainlit_app
 
 from app.api import routes as api, guard
-from app.web import export, history, http_server, sessions, users
+from app.web import attachments, export, history, http_server, sessions, users
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote, open_backend
 from app.bounds import reply_seed
 from app.backend.conversation import Conversation, Message
 from app.web.display import ShownStream, shown
+from app.web.file_store import FileStore
 from app.messages import Done, Failed, Loading, Queued, ReplySettings, Restarting, Text
 from app.web.presets import CUSTOM, preset_of, read_presets
 from app.web.private_files import private_folder
@@ -58,28 +61,32 @@ BACKEND: Backend
 SIGNING_IN: bool
 SIGN_IN: users.SignIn | None
 SIGNED_IN: sessions.Valid
+FILE_STORE: FileStore | None  # the files of stored chats (history on)
 
 
 def start() -> None:
     """Read the settings, open the backend (the engine process starts loading the default model), and put
     the guard, sign-in and the API in front of Chainlit's routes. `app/main.py` calls it once, before
     the server serves; a setting that cannot be used stops the start (exit status 2)."""
-    global SETTINGS, PRESETS, ALLOWED, BACKEND, SIGNING_IN, SIGN_IN, SIGNED_IN
+    global SETTINGS, PRESETS, ALLOWED, BACKEND, SIGNING_IN, SIGN_IN, SIGNED_IN, FILE_STORE
     try:
         SETTINGS = Settings.from_env()
         PRESETS = read_presets(SETTINGS.presets)
         ALLOWED = guard.Allowed.from_settings(SETTINGS, chainlit_config.run.host, chainlit_config.run.port,
                                               "https" if chainlit_config.run.ssl_cert else "http")
         BACKEND = open_backend(SETTINGS)
+        FILE_STORE = None
         if SETTINGS.history:
             history.prepare(SETTINGS)
+            FILE_STORE = FileStore.beside(SETTINGS.history_db)
         SIGNING_IN = SETTINGS.history or SETTINGS.auth == "password"  # Chainlit signs users in: with a form, or as local
         if SIGNING_IN:  # its tokens need a secret
             os.environ["CHAINLIT_AUTH_SECRET"] = history.auth_secret(SETTINGS.history_db.parent)
         SIGN_IN = (users.SignIn.from_settings(SETTINGS, key=os.environ["CHAINLIT_AUTH_SECRET"].encode())
                    if SETTINGS.auth == "password" else None)
         SIGNED_IN = sessions.still_signed_in(SIGN_IN.passwords if SIGN_IN else None)
-        private_folder(FILES_DIRECTORY)  # Chainlit keeps there the files it sends, an exported chat among them
+        private_folder(FILES_DIRECTORY)  # Chainlit keeps there the files it sends and those uploaded
+        chainlit_config.features.spontaneous_file_upload = attachments.upload_feature()
         http_server.configure_chainlit(SETTINGS)  # slow clients cut off; X-Forwarded-For only from trusted proxies
     except SettingsError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -92,11 +99,13 @@ def start() -> None:
             chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
     api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb)
     chainlit_app.router.routes.insert(0, api.health_route(BACKEND))  # before Chainlit's own
+    if FILE_STORE is not None:
+        chainlit_app.router.routes.insert(0, FILE_STORE.route())
     # Chat history and sign-in, as the settings ask
     if SETTINGS.history:
         @cl.data_layer
         def history_database():
-            return history.data_layer(SETTINGS)
+            return history.data_layer(SETTINGS, FILE_STORE)
 
     if SIGN_IN:
         @cl.password_auth_callback
@@ -168,7 +177,7 @@ async def resume_chat(thread: dict):
                      else SETTINGS.system_prompt)
     conversation = history.conversation_from_steps(
         thread.get("steps") or [], model=profile if profile in BACKEND.profiles else BACKEND.default,
-        system_prompt=system_prompt)
+        system_prompt=system_prompt, files=lambda step: attachments.stored_files(step, FILE_STORE))
     cl.user_session.set("conversation", conversation)
     for key, value in SESSION_STATE.items():  # what Chainlit restored of these is the stored chat's text of them
         cl.user_session.set(key, value)
@@ -282,13 +291,27 @@ async def on_message(message: cl.Message):
     if message.command == EXPORT_COMMAND or message.content.strip().lower() == "/export":
         await send_export(conversation)
         return
+    edited = conversation.message(message.id)
     conversation.truncate(message.id)  # an edited message: answer again from there
-    if not message.content.strip():
+    try:
+        files = await attachments.read(message.elements) if message.elements else None
+    except attachments.Refused as refused:
+        await cl.ErrorMessage(content=str(refused)).send()
+        return
+    if files is None and edited is not None and edited.files:  # an edit of a resumed chat's message
+        files = [msgspec.structs.replace(file, chosen=None) for file in edited.files]  # another question
+    if not message.content.strip() and not files:
         await cl.Message(content="Please type a message.").send()
         return
-    conversation.add("user", message.content, id=message.id)
+    if files and FILE_STORE is not None:
+        await attachments.keep(message, files, FILE_STORE)
+    asked = conversation.add("user", message.content, id=message.id, files=files)
     cl.user_session.set("regenerated", 0)
-    await reply(conversation)
+    try:
+        await reply(conversation)
+    finally:
+        if files and FILE_STORE is not None and asked.files != files:  # the engine chose what to read of them
+            await attachments.keep(message, asked.files, FILE_STORE)
 
 
 @cl.action_callback("regenerate")
@@ -468,6 +491,9 @@ async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> 
         await answer.send()
     conversation.add("assistant", done.text, id=answer.id, ids=done.token_ids)
     context = done.context
+    asked = next((m for m in reversed(conversation.messages) if m.role == "user"), None)
+    if asked is not None and asked.files and context.files:  # later turns send them as they went now
+        asked.files = attachments.with_chosen(asked.files, context.files)
     trimmed = context.left_out > conversation.left_out  # this reply's prompt left out more than the last one's
     conversation.left_out = max(conversation.left_out, context.left_out)  # later prompts start there: cache reused
     for action in cl.user_session.get("actions") or []:  # only the last answer has them
@@ -482,7 +508,9 @@ async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> 
         line += f" · {context_in_use(done.context_used, context.limit)}"
     if context.left_out:
         line += f" · {context.left_out} earlier message{'s' if context.left_out != 1 else ''} left out"
-    await below(cl.Message(content=f"*{line}*", author="stats", actions=actions))
+    files, sources = attachments.note(context.files)
+    await below(cl.Message(content=f"*{line}*" + (f"\n\n{files}" if files else ""), author="stats",
+                           actions=actions, elements=sources))
     if trimmed:
         if not cl.user_session.get("told_trimmed"):
             cl.user_session.set("told_trimmed", True)

@@ -5,7 +5,8 @@
 
 In the chat itself, the Export button under the last answer (or the Export command) sends the same
 two files. The JSON is `[{"role": "system" | "user" | "assistant", "content": "..."}]`, the system
-prompt first when the chat has one.
+prompt first when the chat has one. Files sent with a message are named in the Markdown, under it; their
+text is in neither.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from app.backend.conversation import Conversation
+from app.web.attachments import stored_files
+from app.web.file_store import FileStore
 from app.web.history import conversation_from_steps
 from app.web.private_files import open_private
 from app.settings import Settings, SettingsError
@@ -43,6 +46,9 @@ def markdown(conversation: Conversation, title: str, exported: datetime | None =
         lines += ["## System prompt", "", conversation.system_prompt, ""]
     for message in conversation.messages:
         lines += [f"## {message.role.capitalize()}", "", message.content or "*(no answer)*", ""]
+        if message.files:
+            lines += ["*Files: " + " · ".join(file.name + (f" ({file.pages} pages)" if file.pages else "")
+                                              for file in message.files) + "*", ""]
     return "\n".join(lines)
 
 
@@ -100,8 +106,10 @@ def read_chat(db: Path, chat_id: str) -> tuple[StoredChat, Conversation]:
             (id,))]
     session = _json(metadata)
     panel = session.get("chat_settings") or {}
+    store = FileStore.beside(db)
     conversation = conversation_from_steps(steps, model=session.get("chat_profile"),
-                                           system_prompt=(panel.get("system_prompt") or "").strip() or None)
+                                           system_prompt=(panel.get("system_prompt") or "").strip() or None,
+                                           files=lambda step: stored_files(step, store))
     while conversation.messages and conversation.messages[-1].role == "assistant" \
             and not conversation.messages[-1].content:  # asked, never answered
         conversation.messages.pop()

@@ -7,8 +7,9 @@ Chainlit 2.12 really writes (its documented schema lacks some). Chainlit only li
 the chats of a signed-in user, so history also means sign-in: by default one local user with no
 login form (header authentication that accepts every request), or a password login for a shared
 machine (app.web.users checks the passwords). Chainlit's JSON web tokens need a secret: CHAINLIT_AUTH_SECRET, else one generated once
-and kept in `.auth_secret` beside the database. The database's folder and files, the secret included,
-are readable by the app's account only (app.web.private_files).
+and kept in `.auth_secret` beside the database. The files of the chats (attached, and the sources shown
+under replies) are kept beside it too, by app.web.file_store. The database's folder and files, the secret
+and the chats' files included, are readable by the app's account only (app.web.private_files).
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ import logging
 import os
 import secrets
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
 
 from app.backend.conversation import Conversation
+from app.messages import Attachment
+from app.web.attachments import metadata_of
 from app.web.display import plain
+from app.web.file_store import FileStore
 from app.web.private_files import FILE_MODE, open_private, private_file, private_folder
 from app.settings import Settings, SettingsError
 
@@ -84,15 +88,25 @@ def create_schema(path: Path) -> None:
 
 
 class SQLiteDataLayer(SQLAlchemyDataLayer):
-    """Chainlit's SQLAlchemy data layer on a SQLite file.
+    """Chainlit's SQLAlchemy data layer on a SQLite file, elements' bytes in a FileStore.
 
     SQLite cannot bind lists or dicts (a step's tags or modes, a thread's tags): they are stored as
     JSON text. Failed statements, which Chainlit only logs, are logged as errors naming the statement.
     """
 
-    def __init__(self, path: Path):
-        super().__init__(conninfo=f"sqlite+aiosqlite:///{path}", storage_provider=None)
+    def __init__(self, path: Path, store: FileStore | None = None):
+        super().__init__(conninfo=f"sqlite+aiosqlite:///{path}", storage_provider=store)
         self.path = path
+
+    async def delete_step(self, step_id: str):
+        """Chainlit deletes a step's elements from the database only: their files go too (a regenerated
+        answer's sources, the messages after an edited one)."""
+        if self.storage_provider is not None:
+            elements = await self.execute_sql('SELECT "objectKey" FROM elements WHERE "forId" = :id', {"id": step_id})
+            for element in elements if isinstance(elements, list) else []:
+                if element["objectKey"]:
+                    await self.storage_provider.delete_file(object_key=element["objectKey"])
+        await super().delete_step(step_id)
 
     async def execute_sql(self, query: str, parameters: dict):
         parameters = {k: json.dumps(v) if isinstance(v, list | dict) else v for k, v in parameters.items()}
@@ -111,22 +125,13 @@ def prepare(settings: Settings) -> None:
                             f"this account only: {e}") from None
 
 
-def data_layer(settings: Settings) -> SQLiteDataLayer:
+def data_layer(settings: Settings, store: FileStore | None = None) -> SQLiteDataLayer:
+    """The history database's data layer; its elements' bytes go to store (by default, the one beside it)."""
     create_schema(settings.history_db)  # again: the file may have been deleted since the start
-    layer = _quietly(lambda: SQLiteDataLayer(settings.history_db))
-    log.info("chat history in %s", settings.history_db)
+    store = store or FileStore.beside(settings.history_db)
+    layer = SQLiteDataLayer(settings.history_db, store)
+    log.info("chat history in %s, its files in %s", settings.history_db, store.folder)
     return layer
-
-
-def _quietly(make):
-    """Build without Chainlit's warning that files are not stored (file uploads are off)."""
-    chainlit_log = logging.getLogger("chainlit")
-    level = chainlit_log.level
-    chainlit_log.setLevel(logging.ERROR)
-    try:
-        return make()
-    finally:
-        chainlit_log.setLevel(level)
 
 
 # ---- sign-in ------------------------------------------------------------------------------------
@@ -152,8 +157,10 @@ def auth_secret(folder: Path) -> str:
 
 # ---- resuming a chat ----------------------------------------------------------------------------
 
-def conversation_from_steps(steps: Iterable[dict], *, model: str | None, system_prompt: str | None) -> Conversation:
-    """The Conversation a chat had, rebuilt from its stored steps (in order).
+def conversation_from_steps(steps: Iterable[dict], *, model: str | None, system_prompt: str | None,
+                            files: Callable[[dict], list[Attachment] | None] = lambda step: None) -> Conversation:
+    """The Conversation a chat had, rebuilt from its stored steps (in order); files(step): a user
+    message's files (app.web.attachments.stored_files).
 
     Only the user's messages and the model's replies (steps marked as replies) count; notes, errors,
     statistics lines and replies cut off by a failure do not. As in a live chat, a message that failed
@@ -168,8 +175,9 @@ def conversation_from_steps(steps: Iterable[dict], *, model: str | None, system_
             if asked is not None:
                 conversation.add("assistant", "")
             asked = None
-            if (step.get("output") or "").strip():
-                asked = conversation.add("user", step["output"], id=step.get("id"))
+            sent = files(step)
+            if (step.get("output") or "").strip() or sent:
+                asked = conversation.add("user", step.get("output") or "", id=step.get("id"), files=sent)
         elif step.get("type") == "assistant_message":
             if is_reply(step) and asked is not None:
                 conversation.add("assistant", plain(step.get("output") or ""), id=step.get("id"))
@@ -183,10 +191,4 @@ def conversation_from_steps(steps: Iterable[dict], *, model: str | None, system_
 
 
 def is_reply(step: dict) -> bool:
-    metadata = step.get("metadata") or {}
-    if isinstance(metadata, str):
-        try:
-            metadata = json.loads(metadata)
-        except json.JSONDecodeError:
-            return False
-    return isinstance(metadata, dict) and metadata.get("kind") == REPLY
+    return metadata_of(step.get("metadata")).get("kind") == REPLY

@@ -7,7 +7,9 @@ tests call the handlers, and read what they sent from the emitter's awaited call
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import uuid
+from pathlib import Path
 from unittest.mock import AsyncMock, MagicMock
 
 
@@ -44,6 +46,7 @@ class Chat:
 
     def __init__(self, main, profile: str | None = None):
         self.main, self.session, self.emitter = main, Session(profile), mock_emitter()
+        self._uploads: Path | None = None
 
     def enter(self):
         from chainlit.context import ChainlitContext, context_var
@@ -53,13 +56,25 @@ class Chat:
         self.enter()
         await self.main.start_chat()
 
-    async def send(self, text: str, id: str | None = None):
-        """The user sends (or, with the id of an earlier message, edits) a message."""
+    async def send(self, text: str, id: str | None = None, files: dict[str, bytes] | None = None):
+        """The user sends (or, with the id of an earlier message, edits) a message, with files (name -> bytes)
+        as Chainlit hands uploads over: an element each, with the path of the uploaded file."""
         import chainlit as cl
         self.enter()
-        message = cl.Message(content=text, type="user_message", id=id)
+        elements = []
+        for name, data in (files or {}).items():
+            path = self.uploads() / f"{uuid.uuid4()}"
+            path.write_bytes(data)
+            elements.append(cl.File(name=name, path=str(path), mime="application/octet-stream"))
+        message = cl.Message(content=text, type="user_message", id=id, elements=elements)
         await self.main.on_message(message)
         return message
+
+    def uploads(self) -> Path:
+        """The folder of this tab's uploads (Chainlit's is the session's folder in .files/)."""
+        if self._uploads is None:
+            self._uploads = Path(tempfile.mkdtemp(prefix="uploads-"))
+        return self._uploads
 
     async def long_reply(self, text: str = "Write a long story", pieces: int = 2) -> asyncio.Task:
         """Send text with settings for a long sampled reply; return the on_message task once `pieces`

@@ -10,6 +10,7 @@ from datetime import datetime
 
 from app.web import export
 from app.backend.conversation import Conversation
+from app.messages import Attachment
 from app.web.history import REPLY, create_schema
 
 THREAD = "3f2a9c1e-0000-4000-8000-000000000001"
@@ -39,6 +40,16 @@ def test_markdown_has_a_heading_per_message():
     assert text == ("# Sums\n\n*Model tiny · exported 2026-01-02 03:04 UTC*\n\n## System prompt\n\nYou are terse.\n\n"
                     "## User\n\nWhat is 2 + 2?\n\n## Assistant\n\n4, as in\n\n```python\nprint(2 + 2)\n```\n\n"
                     "## User\n\nAnd $5 + $10?\n\n## Assistant\n\n$15.\n")
+
+
+def test_markdown_names_a_message_s_files():
+    chat = Conversation()
+    chat.add("user", "Compare them.", files=[Attachment(name="notes.md", text="a"),
+                                             Attachment(name="report.pdf", text="b\fc", pages=2)])
+    chat.add("assistant", "They differ.")
+    text = export.markdown(chat, "Files", exported=datetime(2026, 1, 2, 3, 4))
+    assert "## User\n\nCompare them.\n\n*Files: notes.md · report.pdf (2 pages)*\n\n## Assistant" in text
+    assert export.openai_messages(chat)[0] == {"role": "user", "content": "Compare them."}
 
 
 def test_file_names_come_from_the_first_message():

@@ -34,7 +34,7 @@ from model.tools import read_tool_calls, read_tool_choice, read_tools
 
 from app.bounds import MAX_FILE_BYTES, MAX_FILES, MAX_JSON_CHARS, json_problem
 from app.backend.conversation import Conversation
-from app.files.read import FileRefused, read_file
+from app.files.read import FileRefused, check_together, read_file
 from app.messages import Attachment, ReplySettings
 from app.api.openai import (
     HARMLESS,
@@ -285,7 +285,12 @@ def _files(content: UserContent, where: str) -> list[Attachment] | None:
     if len(parts) > MAX_FILES:
         raise ApiError(400, f"{where} has {len(parts)} files; at most {MAX_FILES} are taken in one message.",
                        param=f"{where}.content", code="invalid_value")
-    return [_file(part, f"{where}.content[{j}]") for j, part in parts] or None
+    files = [_file(part, f"{where}.content[{j}]") for j, part in parts]
+    try:
+        check_together(files)
+    except FileRefused as e:
+        raise ApiError(400, f"{where}: {e}", param=f"{where}.content", code="invalid_value") from None
+    return files or None
 
 
 def _file(part: FilePart, where: str) -> Attachment:

@@ -20,7 +20,7 @@ from app.bounds import MAX_FILE_BYTES, MAX_FILE_CHARS, MAX_NAME_LENGTH, MAX_PDF_
 from app.messages import Attachment
 
 __all__ = ["ACCEPTED_EXTENSIONS", "ACCEPTED_MIME", "MAX_FILE_BYTES", "MAX_FILE_CHARS", "MAX_PDF_PAGES",
-           "FileRefused", "clean_name", "read_file"]
+           "FileRefused", "clean_name", "read_file", "check_together"]
 
 PAGE_BREAK = "\f"
 
@@ -82,6 +82,16 @@ def read_file(name: str, data: bytes) -> Attachment:
     if len(text) > MAX_FILE_CHARS:
         raise FileRefused(name, f"its text is {len(text):,} characters long; at most {MAX_FILE_CHARS:,} are taken.")
     return Attachment(name=name, text=text, size=len(data), pages=pages)
+
+
+def check_together(files: list[Attachment]) -> None:
+    """One message's files together hold at most MAX_FILE_CHARS characters of text: the engine ranks a message's
+    chunks on its step loop (about 0.1 s a million characters), and a chat sends its files on every turn."""
+    total = sum(len(f.text) for f in files)
+    if total > MAX_FILE_CHARS:
+        raise FileRefused(", ".join(f.name for f in files),
+                          f"together their text is {total:,} characters long; one message's files may hold at most "
+                          f"{MAX_FILE_CHARS:,}. Send fewer of them, or shorter ones.")
 
 
 def clean_name(name: str) -> str:

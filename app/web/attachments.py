@@ -26,7 +26,7 @@ import msgspec
 from chainlit.config import SpontaneousFileUploadFeature
 
 from app.bounds import MAX_FILE_BYTES, MAX_FILES
-from app.files.read import ACCEPTED_EXTENSIONS, ACCEPTED_MIME, FileRefused, clean_name, read_file
+from app.files.read import ACCEPTED_EXTENSIONS, ACCEPTED_MIME, FileRefused, check_together, clean_name, read_file
 from app.messages import WHOLE, Attachment, FileUse
 from app.web.file_store import FileStore
 
@@ -73,6 +73,10 @@ async def read(elements: list) -> list[Attachment]:
             problems.append(e)
     if problems:
         raise Refused(problems)
+    try:
+        check_together(files)
+    except FileRefused as e:
+        raise Refused([e]) from None
     return files
 
 

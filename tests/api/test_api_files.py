@@ -18,7 +18,7 @@ from support.servers import ApiServer, server_env
 from app.api.openai import ApiError
 from app.api.parse import parse_chat
 from app.api.routes import create_app
-from app.bounds import MAX_FILE_BYTES, MAX_FILES
+from app.bounds import MAX_FILE_BYTES, MAX_FILE_CHARS, MAX_FILES
 from app.messages import Attachment, Done, Stats, Text
 
 pytestmark = pytest.mark.timeout(240)
@@ -111,6 +111,13 @@ def test_a_file_too_large_is_refused_before_it_is_decoded():
 def test_too_many_files_in_one_message_are_refused():
     error = refused(body(*[file_part(b"x", f"{i}.txt", "text/plain") for i in range(MAX_FILES + 1)]))
     assert f"at most {MAX_FILES} are taken in one message" in error.message and error.param == "messages[1].content"
+
+
+def test_files_whose_text_together_is_too_long_are_refused():
+    half = ("word " * (MAX_FILE_CHARS // 10 + 1)).encode()
+    error = refused(body(file_part(half, "a.txt", "text/plain"), file_part(half, "b.txt", "text/plain")))
+    assert error.message.startswith("messages[1]: a.txt, b.txt: together their text is") and \
+        error.param == "messages[1].content"
 
 
 def test_a_file_in_a_system_or_assistant_message_is_refused():

@@ -20,7 +20,7 @@ from starlette.datastructures import Headers
 from support.handlers import Chat
 from support.pdfs import make_pdf
 
-from app.bounds import MAX_FILE_BYTES, MAX_FILES
+from app.bounds import MAX_FILE_BYTES, MAX_FILE_CHARS, MAX_FILES
 from app.messages import WHOLE, Attachment, FileUse, Source
 from app.settings import Settings
 from app.web import attachments, history
@@ -98,6 +98,14 @@ def test_files_that_cannot_be_read_are_each_named_with_the_reason(tmp_path):
 def test_more_files_than_a_message_carries_are_refused():
     with pytest.raises(attachments.Refused, match=f"at most {MAX_FILES} files can be sent with one message"):
         in_chat(lambda: attachments.read([cl.File(name=f"{i}.txt", content="x") for i in range(MAX_FILES + 1)]))
+
+
+def test_files_whose_text_together_is_too_long_for_one_message_are_refused():
+    half = "word " * (MAX_FILE_CHARS // 10 + 1)  # each file alone is taken: two of them are not
+    with pytest.raises(attachments.Refused, match="together their text is .* characters long") as refused:
+        in_chat(lambda: attachments.read([cl.File(name="a.txt", content=half), cl.File(name="b.txt", content=half)]))
+    assert refused.value.problems[0].name == "a.txt, b.txt"
+    assert len(in_chat(lambda: attachments.read([cl.File(name="a.txt", content=half)]))) == 1
 
 
 def test_the_engine_s_choice_is_kept_for_later_turns():

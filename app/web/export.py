@@ -22,7 +22,7 @@ from pathlib import Path
 
 from app.backend.conversation import Conversation
 from app.web.history import conversation_from_steps
-from app.web.private_files import open_private
+from app.private_files import open_private
 from app.settings import Settings, SettingsError
 
 TITLE_CHARS = 60  # a chat's title in the file name, at most

@@ -8,7 +8,7 @@ the chats of a signed-in user, so history also means sign-in: by default one loc
 login form (header authentication that accepts every request), or a password login for a shared
 machine (app.web.users checks the passwords). Chainlit's JSON web tokens need a secret: CHAINLIT_AUTH_SECRET, else one generated once
 and kept in `.auth_secret` beside the database. The database's folder and files, the secret included,
-are readable by the app's account only (app.web.private_files).
+are readable by the app's account only (app.private_files).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
 
 from app.backend.conversation import Conversation
 from app.web.display import plain
-from app.web.private_files import FILE_MODE, open_private, private_file, private_folder
+from app.private_files import FILE_MODE, open_private, private_file, private_folder
 from app.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)

@@ -58,7 +58,7 @@ from app.bounds import (
     TopLogprobs,
     TopP,
 )
-from app.settings import DEFAULT_KV_CACHE_MB, DEFAULT_MAX_BATCH
+from app.settings import DEFAULT_KV_CACHE_MB, DEFAULT_KV_DISK_MB, DEFAULT_MAX_BATCH
 
 FINISH_REASONS = {"stop": "stop token", "length": "length limit (Max new tokens, in the settings)",
                   "cancelled": "stopped by user"}
@@ -129,6 +129,8 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     defaults: ReplySettings = ReplySettings()  # the server's defaults (LLAMA_TEMPERATURE, ...)
     max_batch: int = DEFAULT_MAX_BATCH  # sequences decoded together; more wait
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB  # kept and running KV caches together
+    kv_disk_dir: str | None = None  # where kept KV caches are written for after a restart; None: <cache_dir>/kv
+    kv_disk_mb: int = DEFAULT_KV_DISK_MB  # those files together; 0: none are written or read
     threads: int | None = None
     speculate: str = ModelOptions.speculate  # "auto": decode steps check guessed tokens; "off"
     draft: str | None = None  # the checkpoint that drafts the guesses of the default model (else prompt lookup)

@@ -1,5 +1,6 @@
 """Each process imports only what it runs: the web process (the chat app, the API) no torch and no
-tokenizer, the engine process no web framework (nor app/web, app/api), `model/` neither the app nor a web framework.
+tokenizer, the engine process no web framework (nor app/web, app/api), `model/` neither the app nor a
+web framework.
 
 Every check imports in a fresh interpreter (what this test process has loaded does not count) and
 names, for each module it imports, what that import brought in, so a failure says who is to blame.

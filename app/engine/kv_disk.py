@@ -124,8 +124,8 @@ def model_identity(checkpoint: Checkpoint) -> Identity:
     for name, tensor in checkpoint.model.state_dict().items():
         tensors.update(f"{name} {tensor.dtype} {tuple(tensor.shape)};".encode())
     fields = {"files": stats, "tensors": tensors.hexdigest(), "compute": str(checkpoint.dtype),
-              "device": str(checkpoint.device), "kernel": [kernels.decode_path(), kernels.configured().deterministic], "cpu": cpu_tag(),
-              "torch": torch.__version__, "threads": torch.get_num_threads()}
+              "device": str(checkpoint.device), "kernel": [kernels.decode_path(), kernels.configured().deterministic],
+              "cpu": cpu_tag(), "torch": torch.__version__, "threads": torch.get_num_threads()}
     digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=16).hexdigest()
     return Identity(digest, fields)
 
@@ -159,7 +159,8 @@ def read_entry(path: Path) -> tuple[Entry, dict]:
         except (ValueError, KeyError, TypeError) as e:
             raise BadFile(f"its header is not what was written: {type(e).__name__}: {e}") from None
     if not (isinstance(entry.model, str) and isinstance(entry.user, str) and isinstance(fields, dict)
-            and type(entry.chunk) is int and entry.chunk > 0 and isinstance(entry.ids, list) and all(type(i) is int for i in entry.ids)
+            and type(entry.chunk) is int and entry.chunk > 0
+            and isinstance(entry.ids, list) and all(type(i) is int for i in entry.ids)
             and entry.dtype in DTYPES and len(entry.shape) == 4
             and all(type(n) is int and n > 0 for n in entry.shape) and entry.shape[2] == len(entry.ids)):
         raise BadFile("its header does not describe a KV cache")
@@ -227,7 +228,8 @@ class KVDisk:
         except (BadFile, OSError, ValueError, RuntimeError) as e:
             self._forget(entry, f"{e}")
             return None
-        log.info("KV cache: %d positions read from %s in %.3f s", reused, entry.path.name, time.perf_counter() - started)
+        log.info("KV cache: %d positions read from %s in %.3f s", reused, entry.path.name,
+                 time.perf_counter() - started)
         return cache, reused
 
     def save(self, checkpoint: Checkpoint, user: str, cache: KVCache) -> None:
@@ -267,8 +269,8 @@ class KVDisk:
         gone, one that is not ours, not whole, or whose model changed). Files of other names stay."""
         for path in sorted(self.folder.iterdir()):
             if path.suffix == ".tmp" and path.stem.rsplit(".", 1)[0].endswith(SUFFIX):
-                pid = path.stem.rsplit(".", 1)[1]
-                if not (pid.isdigit() and _running(int(pid))):
+                pid = path.stem.rsplit(".", 1)[1]  # of the process writing it (this one writes nothing yet)
+                if not (pid.isdigit() and int(pid) != os.getpid() and _running(int(pid))):
                     self._remove(path, "left half written")
                 continue
             if path.suffix != SUFFIX or not path.is_file():
@@ -301,7 +303,8 @@ class KVDisk:
         return best, reused
 
     def _holds(self, model: str, user: str, chunk: int, ids: list[int]) -> bool:
-        """Whether a file, or a cache waiting to be written, holds these ids (or more after them). Under the lock."""
+        """Whether a file, or a cache waiting to be written, holds these ids (or more after them). Under the
+        lock."""
         held = [(e.model, e.user, e.chunk, e.ids) for e in self._index.values()]
         held += [(job.model.digest, job.user, job.chunk, job.ids) for job in self._jobs]
         n = len(ids)
@@ -369,7 +372,8 @@ class KVDisk:
         layers, heads, n, head_dim = job.keys.shape
         dtype = next(name for name, d in DTYPES.items() if d == job.keys.dtype)
         header = json.dumps({"model": job.model.digest, "identity": job.model.fields, "user": job.user,
-                             "chunk": job.chunk, "ids": job.ids, "dtype": dtype, "shape": [layers, heads, n, head_dim]}).encode()
+                             "chunk": job.chunk, "ids": job.ids, "dtype": dtype,
+                             "shape": [layers, heads, n, head_dim]}).encode()
         header += b" " * (-(PREAMBLE.size + len(header)) % ALIGN)  # JSON ignores trailing spaces
         size = PREAMBLE.size + len(header) + 2 * job.keys.numel() * job.keys.element_size() + CRC.size
         if size > self.max_bytes:

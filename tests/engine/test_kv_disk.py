@@ -152,14 +152,16 @@ def test_files_not_whole_or_not_ours_are_removed_at_start_and_others_left_alone(
     (folder / "long-header.kv").write_bytes(PREAMBLE.pack(MAGIC, VERSION, 2**31) + bytes(100))
     (folder / "next-version.kv").write_bytes(PREAMBLE.pack(MAGIC, VERSION + 1, 0) + data[PREAMBLE.size:])
     (folder / f"{good.name}.4194305.tmp").write_bytes(data[:100])  # a pid above Linux's largest: gone
-    (folder / f"{good.name}.{os.getpid()}.tmp").write_bytes(data[:100])  # a running process's: being written
+    (folder / f"{good.name}.{os.getpid()}.tmp").write_bytes(data[:100])  # this pid's, before it wrote: gone too
+    (folder / f"{good.name}.{os.getppid()}.tmp").write_bytes(data[:100])  # a running process's: being written
     (folder / "notes.txt").write_text("not a cache")
 
     with caplog.at_level(logging.WARNING, logger="app.engine"):
         restarted = harness(tiny, checkpoint, folder)
-    assert sorted(p.name for p in folder.iterdir()) == sorted([good.name, f"{good.name}.{os.getpid()}.tmp", "notes.txt"])
+    assert sorted(p.name for p in folder.iterdir()) == sorted([good.name, f"{good.name}.{os.getppid()}.tmp",
+                                                               "notes.txt"])
     removed = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
-    assert len(removed) == 7, removed
+    assert len(removed) == 8, removed
     assert any("truncated.kv removed" in m and "where its header says" in m for m in removed)
     assert any("lying.kv removed" in m and "where its header says" in m for m in removed)
     assert any("long-header.kv removed" in m and "runs past its end" in m for m in removed)

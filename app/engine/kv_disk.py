@@ -191,7 +191,6 @@ class KVDisk:
         self._writer: threading.Thread | None = None
         self._identities: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Llama -> Identity | None
         self.written_bytes = 0
-        self.handover_seconds = 0.0  # the step loop's time in save(), all calls together
         self._read_index()
 
     # -- the step loop's side
@@ -235,7 +234,6 @@ class KVDisk:
     def save(self, checkpoint: Checkpoint, user: str, cache: KVCache) -> None:
         """Hand the cache's exact positions to the writer thread (views: no copy), unless a file, written
         or to be, holds them already."""
-        started = time.perf_counter()
         n = cache.exact
         model = self.identity(checkpoint) if n >= cache.chunk else None
         if model is None:
@@ -247,7 +245,6 @@ class KVDisk:
                 if self._writer is None:
                     self._writer = threading.Thread(target=self._write_all, name="kv disk", daemon=True)
                     self._writer.start()
-        self.handover_seconds += time.perf_counter() - started
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every cache handed over is written; False if `timeout` came first."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -103,6 +104,7 @@ def run_shape(name: str, folder: Path, checkpoint, tokens: int) -> dict:
     again = last(restarted.ask(r := request(talk, settings, model=folder.name))[r.id])
     cold = last(engine(kv_disk_mb=0, kv_cache_mb=0).ask(r := request(talk, settings, model=folder.name))[r.id])
     assert again.token_ids == cold.token_ids, "the reply after a restart differs from a fresh engine's"
+    shutil.rmtree(disk, ignore_errors=True)
     result = {
         "model": name, "prompt_tokens": cold.stats.prompt_tokens,
         "cold_ttft_s": cold.stats.time_to_first_token, "restart_ttft_s": again.stats.time_to_first_token,

@@ -59,7 +59,7 @@ from app.bounds import (
     TopLogprobs,
     TopP,
 )
-from app.settings import DEFAULT_KV_CACHE_MB, DEFAULT_MAX_BATCH
+from app.settings import DEFAULT_KV_CACHE_MB, DEFAULT_KV_DISK_MB, DEFAULT_MAX_BATCH
 
 FINISH_REASONS = {"stop": "stop token", "length": "length limit (Max new tokens, in the settings)",
                   "cancelled": "stopped by user"}
@@ -133,6 +133,8 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     # Seconds a model stays loaded after its last request ended (negative: until the engine stops); None
     # (LLAMA_KEEP_ALIVE unset): DEFAULT_KEEP_ALIVE_S, and the default model stays
     keep_alive: float | None = None
+    kv_disk_dir: str | None = None  # where kept KV caches are written for after a restart; None: <cache_dir>/kv
+    kv_disk_mb: int = DEFAULT_KV_DISK_MB  # those files together; 0: none are written or read
     threads: int | None = None
     speculate: str = ModelOptions.speculate  # "auto": decode steps check guessed tokens; "off"
     draft: str | None = None  # the checkpoint that drafts the guesses of the default model (else prompt lookup)

@@ -20,9 +20,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.options import PROJECT_ROOT, Environment, ModelOptions, SettingsError, read_model_options
+from model.options import DEFAULT_CACHE_DIR, PROJECT_ROOT, Environment, ModelOptions, SettingsError, read_model_options
 
 DEFAULT_KV_CACHE_MB = 1024  # KV caches kept between turns, all conversations together
+DEFAULT_KV_DISK_MB = 4096  # KV caches kept on disk for after a restart (app/engine/kv_disk.py); 0: none
 DEFAULT_MAX_BATCH = 8  # replies computed together
 DEFAULT_KEEP_ALIVE_S = 300.0  # a model idle this long is unloaded (the default model stays, unless LLAMA_KEEP_ALIVE is set)
 DEFAULT_MAX_WAITING = 32  # replies waiting for a place in the batch; past it the server says it is busy
@@ -41,6 +42,8 @@ class Settings(ModelOptions):
     presets: Path = DEFAULT_PRESETS  # a folder of named system prompts, NAME.md each
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB  # KV caches kept between turns, all conversations together
     keep_alive: float | None = None  # seconds a model stays loaded when unused (negative: always); None: unset
+    kv_disk_dir: Path = DEFAULT_CACHE_DIR / "kv"  # <cache_dir>/kv unless LLAMA_KV_DISK_DIR says otherwise
+    kv_disk_mb: int = DEFAULT_KV_DISK_MB
     max_batch: int = DEFAULT_MAX_BATCH
     max_waiting: int = DEFAULT_MAX_WAITING
     max_body_mb: int = DEFAULT_MAX_BODY_MB
@@ -64,11 +67,14 @@ class Settings(ModelOptions):
         env = _AppEnvironment(environ)
         auth, password, users_file = (env.choice("LLAMA_AUTH", AUTH_MODES), env.text("LLAMA_PASSWORD"),
                                       env.path("LLAMA_USERS"))
+        options = read_model_options(env)
         settings = cls(
-            **read_model_options(env),
+            **options,
             presets=env.path("LLAMA_PRESETS", DEFAULT_PRESETS),
             kv_cache_mb=env.integer("LLAMA_KV_CACHE_MB", low=0, default=DEFAULT_KV_CACHE_MB),
             keep_alive=env.duration("LLAMA_KEEP_ALIVE"),
+            kv_disk_dir=env.path("LLAMA_KV_DISK_DIR", options["cache_dir"] / "kv"),
+            kv_disk_mb=env.integer("LLAMA_KV_DISK_MB", low=0, default=DEFAULT_KV_DISK_MB),
             max_batch=env.integer("LLAMA_MAX_BATCH", low=1, default=DEFAULT_MAX_BATCH),
             max_waiting=env.integer("LLAMA_MAX_WAITING", low=0, default=DEFAULT_MAX_WAITING),
             max_body_mb=env.integer("LLAMA_MAX_BODY_MB", low=1, default=DEFAULT_MAX_BODY_MB),

@@ -120,18 +120,7 @@ class KVCache:
 
     def common_prefix(self, tokens: list[int]) -> int:
         """How many leading ids of `tokens` already have their keys/values here."""
-        # Binary search over list-slice equality: each comparison runs in C, about log2(n) of them.
-        low, high = 0, min(self.length, len(tokens))
-        if self.tokens[:high] == tokens[:high]:
-            return high
-        high -= 1  # tokens[:low] match, tokens[:high + 1] do not
-        while low < high:
-            middle = (low + high + 1) // 2
-            if self.tokens[:middle] == tokens[:middle]:
-                low = middle
-            else:
-                high = middle - 1
-        return low
+        return common_prefix(self.tokens, tokens)
 
     def copy_prefix(self, n: int, max_len: int) -> KVCache:
         """A new cache of max_len positions holding this one's first n positions."""
@@ -142,3 +131,19 @@ class KVCache:
         new.tokens = self.tokens[:n]
         new.exact = min(self.exact, n)
         return new
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids a and b share."""
+    # Binary search over list-slice equality: each comparison runs in C, about log2(n) of them.
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    high -= 1  # a[:low] and b[:low] match, a[:high + 1] and b[:high + 1] do not
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low

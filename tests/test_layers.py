@@ -1,5 +1,6 @@
 """Each process imports only what it runs: the web process (the chat app, the API) no torch and no
-tokenizer, the engine process no web framework, `model/` neither the app nor a web framework.
+tokenizer, the engine process no web framework (nor app/web, app/api), `model/` neither the app nor a
+web framework.
 
 Every check imports in a fresh interpreter (what this test process has loaded does not count) and
 names, for each module it imports, what that import brought in, so a failure says who is to blame.
@@ -29,7 +30,7 @@ ENGINE_ONLY = {"torch", "tiktoken", "tokenizers", "llguidance", "app.engine", "m
 # uvicorn) and the history export; each model's description, read at run time.
 WEB = ["app.main", "app.api.routes", "app.web.export", "uvicorn"]
 ENGINE = ["app.engine.core", "app.engine.models", "app.engine.sequence", "app.engine.scheduler",
-          "app.engine.prefix_cache", "app.engine.outbox", "app.engine.prompt",
+          "app.engine.prefix_cache", "app.engine.kv_disk", "app.engine.outbox", "app.engine.prompt",
           "model.structured", "model.convert.prepare_default"]  # (the last two: imported when first needed)
 TORCH_FREE = ["model.config", "model.checkpoint_files", "model.summary", "model.context", "model.unicode",
               "model.tools", "app.messages", "app.engine.prompt"]
@@ -87,7 +88,8 @@ def test_the_web_process_imports_no_torch_no_tokenizer_and_nothing_of_the_engine
 def test_the_engine_process_imports_no_web_framework():
     brought = probe(ENGINE)
     assert "torch" in brought["app.engine.core"]  # (what it does import is seen)
-    assert_none_of(WEB_FRAMEWORKS, brought)
+    assert "app.private_files" in brought["app.engine.core"]  # (the KV caches on disk: owner-only files)
+    assert_none_of(WEB_FRAMEWORKS | {"app.web", "app.api"}, brought)
 
 
 def test_no_module_of_model_imports_the_app_or_a_web_framework():

@@ -60,7 +60,7 @@ def test_every_setting_is_documented():
             for name in re.findall(r'"(LLAMA_[A-Z_0-9]+)"', (root / reader).read_text())}
     table = set(re.findall(r"^\| `(LLAMA_[A-Z_0-9]+)`", (root / "chainlit.md").read_text(), re.MULTILINE))
     example = set(re.findall(r"^(LLAMA_[A-Z_0-9]+)=", (root / ".env.example").read_text(), re.MULTILINE))
-    assert len(read) == 42 and read == table == example
+    assert len(read) == 44 and read == table == example
 
 
 def test_kv_cache_budget_setting():
@@ -69,6 +69,21 @@ def test_kv_cache_budget_setting():
     assert Settings.from_env({"LLAMA_KV_CACHE_MB": " 300 "}).kv_cache_mb == 300
     with pytest.raises(SettingsError, match="LLAMA_KV_CACHE_MB=-1: expected a whole number of at least 0"):
         Settings.from_env({"LLAMA_KV_CACHE_MB": "-1"})
+
+
+def test_kv_disk_settings():
+    settings = Settings.from_env({})
+    assert settings.kv_disk_mb == 4096 and settings.kv_disk_dir == settings.cache_dir / "kv"
+    assert Settings.from_env({"LLAMA_CACHE_DIR": "/srv/cache"}).kv_disk_dir == Path("/srv/cache/kv")
+    settings = Settings.from_env({"LLAMA_KV_DISK_DIR": "/srv/kv", "LLAMA_KV_DISK_MB": "0"})
+    assert (settings.kv_disk_dir, settings.kv_disk_mb) == (Path("/srv/kv"), 0)  # 0: no caches on disk
+    with pytest.raises(SettingsError, match="LLAMA_KV_DISK_MB=lots: expected a whole number of at least 0"):
+        Settings.from_env({"LLAMA_KV_DISK_MB": "lots"})
+    from app.backend.protocol import engine_config
+    from app.messages import EngineConfig
+    config = engine_config(Settings.from_env({"LLAMA_CACHE_DIR": "/srv/cache"}))
+    assert (config.kv_disk_dir, config.kv_disk_mb) == ("/srv/cache/kv", 4096)
+    assert EngineConfig(checkpoint="x").kv_disk_mb == Settings().kv_disk_mb  # one default
 
 
 def test_llama_quantize_setting():

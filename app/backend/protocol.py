@@ -84,7 +84,7 @@ def engine_config(settings: Settings) -> EngineConfig:
                                top_k=settings.top_k, top_p=settings.top_p, min_p=settings.min_p,
                                repetition_penalty=settings.repetition_penalty),
         max_batch=settings.max_batch, kv_cache_mb=settings.kv_cache_mb, keep_alive=settings.keep_alive,
-        threads=settings.threads,
+        threads=settings.threads, kv_disk_dir=str(settings.kv_disk_dir), kv_disk_mb=settings.kv_disk_mb,
         speculate=settings.speculate, draft=str(settings.draft) if settings.draft else None,
         kernels=settings.kernels, kernel_march=settings.kernel_march, deterministic=settings.deterministic,
         cache_dir=str(settings.cache_dir),

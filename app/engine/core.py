@@ -10,7 +10,9 @@ first token as soon as it is sampled, further text pieces at most every 50 ms: a
 Models load on a thread of their own (app/engine/models.py), so streams keep running while another
 model loads; requests for it wait, and start (or fail) once it is there. A model unused for its
 keep-alive (LLAMA_KEEP_ALIVE) is unloaded at the end of a step, its memory given back
-(`release_memory`); its next request loads it again.
+(`release_memory`); its next request loads it again. Finished replies' KV caches are
+kept for requests that start the same way (app/engine/prefix_cache.py), and on disk for those after a
+restart (app/engine/kv_disk.py).
 
 `Engine` is the loop's state and step without the sockets, so tests can drive it directly.
 
@@ -31,6 +33,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import torch
@@ -61,6 +64,7 @@ from app.messages import (
     Text,
     ToEngine,
 )
+from app.engine.kv_disk import KVDisk
 from app.engine.models import Loader, Models
 from app.engine.outbox import Outbox
 from app.engine.prefix_cache import PrefixCache
@@ -92,8 +96,27 @@ class Engine:
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self.scheduler = Scheduler(config.max_batch, PREFILL_CHUNK)
         self.prefix_cache = PrefixCache(config.kv_cache_mb * 2**20)
+        self.kv_disk = self._open_kv_disk(config)
         self._positions: dict[str, int] = {}
         self._stats = EngineStats()
+
+    @staticmethod
+    def _open_kv_disk(config: EngineConfig) -> KVDisk | None:
+        """The KV caches kept on disk (LLAMA_KV_DISK_DIR, LLAMA_KV_DISK_MB); None when off, or where the
+        folder cannot be made (the engine runs without)."""
+        if not config.kv_disk_mb:
+            return None
+        folder = Path(config.kv_disk_dir) if config.kv_disk_dir else Path(config.cache_dir) / "kv"
+        try:
+            return KVDisk(folder, config.kv_disk_mb * 2**20)
+        except OSError as e:
+            log.warning("KV caches are not kept on disk: %s", e)
+            return None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Before the process ends: finish writing the KV caches handed over (a bounded while)."""
+        if self.kv_disk is not None and not self.kv_disk.flush(timeout):
+            log.warning("KV caches not all written to disk within %.0f s", timeout)
 
     # -- messages
 
@@ -177,6 +200,8 @@ class Engine:
                 self.prefix_cache.drop(cache)
                 return
             cache.exact = start + len(ids)
+            if self.kv_disk is not None and cache.inexact_chunk() is None:  # all it holds is exact now
+                self.kv_disk.save(checkpoint, scope[1], cache)
             return
 
     # -- one step
@@ -362,7 +387,11 @@ class Engine:
             return KVCache(checkpoint.config, max_len, device=checkpoint.device, dtype=checkpoint.dtype)
 
         self.prefix_cache.trim(self._bytes_in_use())
-        sequence.take_cache(*self.prefix_cache.take(sequence.scope, sequence.prompt, sequence.max_len, new_cache))
+        scope, prompt = sequence.scope, sequence.prompt
+        from_disk = None if self.kv_disk is None else self.kv_disk.take(
+            checkpoint, sequence.request.user, prompt, sequence.max_len, new_cache,
+            more_than=self.prefix_cache.reusable(scope, prompt))
+        sequence.take_cache(*(from_disk or self.prefix_cache.take(scope, prompt, sequence.max_len, new_cache)))
 
     def _finish(self, sequence: Sequence) -> None:
         """Send the sequence's Done and keep its cache for requests that start the same way."""
@@ -372,6 +401,8 @@ class Engine:
         self.emit(done)
         if sequence.cache is not None:
             self.prefix_cache.put(sequence.scope, sequence.cache, self._bytes_in_use(without=sequence))
+            if self.kv_disk is not None and (checkpoint := self.models.checkpoints.get(sequence.model)) is not None:
+                self.kv_disk.save(checkpoint, sequence.request.user, sequence.cache)
         self._forget(sequence)
         s = done.stats
         log.info("reply: prompt %d tokens (%d from the cache), %d new tokens, first token %.2f s, %.1f tokens/s, "
@@ -539,6 +570,7 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
             flush(idle=not engine.busy)
         log.info("the web process %d is gone; stopping", parent)
     finally:
+        engine.close()
         inbox.close(linger=0)
         sender.close(linger=0)
         context.term()

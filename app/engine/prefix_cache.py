@@ -12,7 +12,8 @@ with the same system prompt), the reused part is copied into a new cache and the
 others. While nothing else runs, the engine computes a kept cache's reply again, a whole chunk at a
 time, as a prefill would (`inexact`), so that the conversation's next request reuses that too. The
 kept caches and those of running requests together stay within a memory budget; past it, the caches
-used longest ago are dropped first.
+used longest ago are dropped first. Their exact positions are also kept on disk (app/engine/kv_disk.py),
+for requests after a restart.
 
 Written by hand: a few dozen lines over our KVCache; a paged-attention library would bring block
 tables our CPU attention does not use.
@@ -37,6 +38,10 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+    def reusable(self, scope: Hashable, ids: list[int]) -> int:
+        """How many leading positions `take` would give a prompt of `ids`."""
+        return max((cache.reusable(ids) for owner, cache in self._kept.values() if owner == scope), default=0)
 
     def take(self, scope: Hashable, ids: list[int], max_len: int,
              new_cache: Callable[[int], KVCache]) -> tuple[KVCache, int]:

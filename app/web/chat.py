@@ -47,7 +47,7 @@ from app.web.display import ShownStream, shown
 from app.web.file_store import FileStore
 from app.messages import Done, Failed, Loading, Queued, ReplySettings, Restarting, Text
 from app.web.presets import CUSTOM, preset_of, read_presets
-from app.web.private_files import private_folder
+from app.private_files import private_folder
 from app.settings import Settings, SettingsError
 from model.checkpoint_files import CheckpointError
 from model.summary import summarize

@@ -25,7 +25,7 @@ from app.backend.conversation import Conversation
 from app.web.attachments import stored_files
 from app.web.file_store import FileStore
 from app.web.history import conversation_from_steps
-from app.web.private_files import open_private
+from app.private_files import open_private
 from app.settings import Settings, SettingsError
 
 TITLE_CHARS = 60  # a chat's title in the file name, at most

@@ -3,7 +3,7 @@ text read from each, and the sources shown under replies.
 
 Chainlit's SQLAlchemy data layer keeps an element's bytes only through a storage client, and lists each
 element with the address that client gives. This one writes into a folder of its own (the database's
-name + "-files", e.g. data/history-files/), readable by the app's account only (app.web.private_files),
+name + "-files", e.g. data/history-files/), readable by the app's account only (app.private_files),
 one folder per element:
 
     <folder>/<element id>/file    the bytes, as uploaded or sent
@@ -32,7 +32,7 @@ from fastapi import Depends, HTTPException
 from fastapi.responses import FileResponse
 from fastapi.routing import APIRoute
 
-from app.web.private_files import open_private, private_folder
+from app.private_files import open_private, private_folder
 
 ROUTE = "/history-files"
 DATA, TEXT = "file", "text"

@@ -9,7 +9,7 @@ login form (header authentication that accepts every request), or a password log
 machine (app.web.users checks the passwords). Chainlit's JSON web tokens need a secret: CHAINLIT_AUTH_SECRET, else one generated once
 and kept in `.auth_secret` beside the database. The files of the chats (attached, and the sources shown
 under replies) are kept beside it too, by app.web.file_store. The database's folder and files, the secret
-and the chats' files included, are readable by the app's account only (app.web.private_files).
+and the chats' files included, are readable by the app's account only (app.private_files).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from app.backend.conversation import Conversation
 from app.messages import Attachment
 from app.web.attachments import metadata_of
 from app.web.display import plain
+from app.private_files import FILE_MODE, open_private, private_file, private_folder
 from app.web.file_store import FileStore
-from app.web.private_files import FILE_MODE, open_private, private_file, private_folder
 from app.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)

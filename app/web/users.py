@@ -49,7 +49,7 @@ from pathlib import Path
 from argon2 import PasswordHasher, extract_parameters
 from argon2.exceptions import InvalidHashError, VerificationError
 
-from app.web.private_files import open_private
+from app.private_files import open_private
 from app.settings import Settings, SettingsError, users_file
 
 log = logging.getLogger(__name__)

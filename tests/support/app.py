@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import tempfile
 from contextlib import contextmanager
 
 
@@ -15,6 +16,8 @@ def imported_app(**llama):
     env = {name: "" for name in os.environ  # e.g. from a developer's .env; the machine's cache folder stays
            if name.startswith("LLAMA_") and name != "LLAMA_CACHE_DIR"}
     env |= {f"LLAMA_{name.upper()}": str(value) for name, value in llama.items()}
+    if "kv_disk_dir" not in llama:  # not the KV caches of the developer's chats
+        env["LLAMA_KV_DISK_DIR"] = tempfile.mkdtemp(prefix="llama-kv-")
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     forget()

@@ -19,11 +19,13 @@ _ids = itertools.count()
 class EngineHarness:
     """An Engine whose events land in `events`; `run()` steps it until it has nothing left to do. As the
     engine's loop does, it computes kept caches again while nothing else runs (Engine.refine), unless
-    refine=False. clock: the seconds that keep-alive counts."""
+    refine=False. clock: the seconds that keep-alive counts. It keeps no KV caches on disk unless given
+    kv_disk_mb (and kv_disk_dir)."""
 
     def __init__(self, checkpoint: Path, loader=None, refine: bool = True, clock=time.monotonic, **config):
         self.events: list = []
         self.refine = refine
+        config.setdefault("kv_disk_mb", 0)
         self.engine = Engine(EngineConfig(checkpoint=str(checkpoint), **config), self.events.append, loader, clock)
         self.engine.start()
         self.run()

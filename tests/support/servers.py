@@ -35,6 +35,8 @@ def server_env(**llama) -> dict[str, str]:
     env.update({f"LLAMA_{k.upper()}": str(v) for k, v in llama.items()})
     if "history_db" not in llama:  # never the developer's own chats in data/history.db
         env["LLAMA_HISTORY_DB"] = str(Path(tempfile.mkdtemp(prefix="llama-history-")) / "history.db")
+    if "kv_disk_dir" not in llama:  # nor KV caches of the developer's (or of an earlier run's) chats
+        env["LLAMA_KV_DISK_DIR"] = tempfile.mkdtemp(prefix="llama-kv-")
     env["PYTHONUNBUFFERED"] = "1"
     env["CHAINLIT_ENV_FILE"] = os.devnull  # a developer's .env must not change what is tested
     return env

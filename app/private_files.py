@@ -1,6 +1,7 @@
 """Files that hold users' data (the history database, the sign-in secret, the users file, exported
-chats) are readable by the account that runs the app only: folders 0700, files 0600, whatever the
-umask, and also when they were made otherwise before.
+chats, the engine's KV caches on disk) are readable by the account that runs the app only: folders
+0700, files 0600, whatever the umask, and also when they were made otherwise before. No web framework
+here: the engine process writes such files too.
 
 SQLite creates its -wal, -shm and -journal files with the database file's mode, so a database created
 here (0600) keeps them private too.

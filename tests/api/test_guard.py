@@ -1,7 +1,8 @@
 """Web defaults: `chainlit run app/main.py` listens on 127.0.0.1 only; HTML in messages is shown as text,
 from the user and from the model alike (a scripted checkpoint makes the model write
-`<script>window.__pwned=1</script><b>bold</b>`); file uploads are off, in the configuration, in the page
-(no attach button) and on the server (its upload endpoint refuses).
+`<script>window.__pwned=1</script><b>bold</b>`); uploads take only the kinds of files the app reads (text,
+code, CSV, JSON, PDF), in the page (its attach button's accept list) and on the server (its upload endpoint
+refuses others, an executable named as such or sent as bytes).
 
 Other sites and host names (app.api.guard): a request from a page of another origin is refused with 403 on
 every route (the page, socket.io, sign-in, history, the API; the chat server and `python -m app.api`)
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import threading
 import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,7 +33,9 @@ from support.servers import ROOT, ApiServer, ChainlitServer, free_port, server_e
 from support.special_checkpoints import write_scripted_checkpoint
 
 from app.api import routes as api, guard
+from app.bounds import MAX_FILE_BYTES, MAX_FILES
 from app.settings import Settings, SettingsError
+from app.web import attachments
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,11 +46,14 @@ MESSAGES = '.step[data-step-type="{}"] .message-content'
 
 # ---- configuration ------------------------------------------------------------------------------
 
-def test_configuration_keeps_html_and_uploads_off():
+def test_configuration_keeps_html_off_and_uploads_to_the_files_the_app_reads():
     features = tomllib.loads((ROOT / ".chainlit" / "config.toml").read_text())["features"]
     assert features["unsafe_allow_html"] is False
-    assert features["spontaneous_file_upload"]["enabled"] is False
     assert features["mcp"]["enabled"] is False and features["mcp"]["user_servers"]["enabled"] is False
+    upload = attachments.upload_feature()  # what the app sets at start
+    assert upload.enabled and upload.max_size_mb == MAX_FILE_BYTES // 2**20 and upload.max_files == MAX_FILES
+    assert all(extensions for pattern, extensions in upload.accept.items() if "*" in pattern)  # no type takes all
+    assert ".exe" not in upload.accept["*/*"] and ".pdf" in upload.accept["*/*"]
 
 
 def test_configuration_allows_no_other_origin():
@@ -107,23 +114,25 @@ def test_server_listens_on_localhost_only(server):
     assert addresses == {"0100007F"}, f"listening on {addresses}, expected 127.0.0.1 only"
 
 
-def test_the_upload_endpoint_refuses_files(server):
-    async def upload():
+def test_the_upload_endpoint_takes_only_the_files_the_app_reads(server):
+    async def upload(*files):
         chat = await LiveChat(server.url).open()
         try:
             async with httpx.AsyncClient() as client:
-                return chat.session_id, await client.post(
+                return chat.session_id, [await client.post(
                     f"{server.url}/project/file", params={"session_id": chat.session_id},
-                    files={"file": ("notes.txt", b"hello", "text/plain")}, timeout=30)
+                    files={"file": file}, timeout=30) for file in files]
         finally:
             await chat.close()
 
-    session_id, response = asyncio.run(asyncio.wait_for(upload(), 60))
-    assert response.status_code == 400 and "not enabled" in response.text, response.text
-    stored = ROOT / ".files" / session_id
-    assert not stored.exists() or not any(stored.iterdir())
-    if stored.exists():  # Chainlit makes the session's folder before it checks
-        stored.rmdir()
+    session_id, (exe, binary, notes) = asyncio.run(asyncio.wait_for(upload(
+        ("tool.exe", b"MZ\x90\x00", "application/x-msdownload"), ("tool.exe", b"MZ\x90\x00", "application/octet-stream"),
+        ("notes.txt", b"hello", "text/plain")), 60))
+    for refused in (exe, binary):
+        assert refused.status_code == 400 and "File type not allowed" in refused.text, refused.text
+    assert notes.status_code == 200, notes.text
+    stored = ROOT / ".files" / session_id  # Chainlit's uploads of the session, removed when it ends
+    shutil.rmtree(stored, ignore_errors=True)
 
 
 def test_model_output_with_html_reaches_the_page_as_text(server):
@@ -181,9 +190,11 @@ def test_page_shows_html_as_text_and_runs_none_of_it(page):
     assert page.evaluate("window.__pwned") is None
 
 
-def test_page_has_no_attach_button(page):
+def test_page_has_an_attach_button_for_the_files_the_app_reads(page):
     assert page.locator("#chat-input").count() == 1  # the composer is there
-    assert page.locator("#upload-button").count() == 0 and page.locator("#upload-button-input").count() == 0
+    assert page.locator("#upload-button").count() == 1
+    accept = page.locator("#upload-button-input").get_attribute("accept") or ""
+    assert ".pdf" in accept and ".exe" not in accept, accept
 
 
 # ---- other sites and host names: the rules, no server -------------------------------------------

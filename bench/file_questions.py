@@ -36,7 +36,7 @@ from app.files.read import read_file  # noqa: E402
 from app.messages import Attachment, ChatMessage  # noqa: E402
 from model.chat_format import load_chat_format  # noqa: E402
 from model.config import DEFAULT_MAX_CONTEXT  # noqa: E402
-from model.options import DEFAULT_MAX_NEW_TOKENS  # noqa: E402
+from model.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR  # noqa: E402
 from model.tokenizer import load_tokenizer  # noqa: E402
 
 DISTRICTS = ["Kestrel Point", "Gannet Rock", "Saltmarsh", "Brightwater", "Old Quay", "Heron Bay", "Mill Reach",
@@ -115,7 +115,7 @@ def cpu_name() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pages", type=int, default=48)
-    parser.add_argument("--checkpoint", default=str(ROOT / "weights" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--checkpoint", default=str(DEFAULT_WEIGHTS_DIR / DEFAULT_MODEL_NAME))
     parser.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT)
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     parser.add_argument("--elsewhere", action="store_true",

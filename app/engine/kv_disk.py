@@ -56,6 +56,7 @@ from model.checkpoint import Checkpoint
 from model.checkpoint_files import CheckpointError, find_checkpoint
 from model.cpu import cpu_tag
 from model.kv_cache import PREFILL_CHUNK, KVCache, common_prefix
+from model.options import DTYPES
 
 from app.private_files import open_private, private_folder
 
@@ -67,7 +68,7 @@ PREAMBLE = struct.Struct("<8sII")  # magic, version, the header's length
 CRC = struct.Struct("<I")  # the file's last 4 bytes: crc32 of all before them
 ALIGN = 64  # the header is padded so that the tensors start at a multiple of this
 SUFFIX = ".kv"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORED = set(DTYPES.values())  # torch's names of the dtypes a cache may hold, from the one table
 
 
 class BadFile(ValueError):
@@ -161,10 +162,10 @@ def read_entry(path: Path) -> tuple[Entry, dict]:
     if not (isinstance(entry.model, str) and isinstance(entry.user, str) and isinstance(fields, dict)
             and type(entry.chunk) is int and entry.chunk > 0
             and isinstance(entry.ids, list) and all(type(i) is int for i in entry.ids)
-            and entry.dtype in DTYPES and len(entry.shape) == 4
+            and isinstance(entry.dtype, str) and entry.dtype in STORED and len(entry.shape) == 4
             and all(type(n) is int and n > 0 for n in entry.shape) and entry.shape[2] == len(entry.ids)):
         raise BadFile("its header does not describe a KV cache")
-    expected = entry.offset + 2 * _numel(entry.shape) * DTYPES[entry.dtype].itemsize + CRC.size
+    expected = entry.offset + 2 * _numel(entry.shape) * getattr(torch, entry.dtype).itemsize + CRC.size
     if expected != size:
         raise BadFile(f"{size} bytes, where its header says {expected}")
     return entry, fields
@@ -367,7 +368,7 @@ class KVDisk:
     def _write(self, job: _Job) -> None:
         started = time.perf_counter()
         layers, heads, n, head_dim = job.keys.shape
-        dtype = next(name for name, d in DTYPES.items() if d == job.keys.dtype)
+        dtype = str(job.keys.dtype).removeprefix("torch.")
         header = json.dumps({"model": job.model.digest, "identity": job.model.fields, "user": job.user,
                              "chunk": job.chunk, "ids": job.ids, "dtype": dtype,
                              "shape": [layers, heads, n, head_dim]}).encode()
@@ -414,10 +415,10 @@ class KVDisk:
 def _copy_in(data: mmap.mmap, entry: Entry, cache: KVCache, n: int) -> None:
     layers, heads, positions, head_dim = entry.shape
     if cache.k.shape[0] != layers or cache.k.shape[2] != heads or cache.k.shape[4] != head_dim \
-            or cache.k.dtype != DTYPES[entry.dtype] or cache.max_len < n or cache.chunk != entry.chunk:
+            or cache.k.dtype != getattr(torch, entry.dtype) or cache.max_len < n or cache.chunk != entry.chunk:
         raise BadFile(f"its shape {entry.shape} ({entry.dtype}) does not fit the cache {tuple(cache.k.shape)} "
                       f"({cache.k.dtype})")
-    dtype, count = DTYPES[entry.dtype], _numel(entry.shape)
+    dtype, count = getattr(torch, entry.dtype), _numel(entry.shape)
     for i, into in enumerate((cache.k, cache.v)):
         stored = torch.frombuffer(data, dtype=dtype, count=count, offset=entry.offset + i * count * dtype.itemsize)
         into[:, 0, :, :n].copy_(stored.view(entry.shape)[:, :, :n])

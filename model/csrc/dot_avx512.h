@@ -149,6 +149,83 @@ inline __m512 reduce_rows(const __m512 (&v)[N]) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), sums);
 }
 
+// int8 w with int16 x as dot_q8, four groups at a time (kQ8Quad), one to each 128-bit chunk of a register: the
+// four groups' weights, widened once for all M rows, are moved chunk by chunk (a 4 x 4 transpose of 128-bit
+// chunks) so that chunk c of vector v holds weights 8v..8v+7 of group c. Then a row's four groups sum in one
+// register, and their scales apply in one conversion and one multiply-add instead of four: those were most of
+// a row's work with groups of 32 (the default model's Q8_0 head), 4 instructions for each vpmaddwd. vpdpwssd
+// where the CPU has AVX-512 VNNI. The groups after the last whole quad go one at a time, as in dot_q8.
+//
+// x as matvec.cpp's round_to_int16_quads lays it out, in units of a quad of one row, the rows of a unit side by
+// side (a row at a fixed offset: one pointer for all M rows): per quad, 4 group values in vectors of 32, chunk
+// c of vector v = values 8v..8v+7 of group c; then the values after the quads, a row after the other. Group:
+// a multiple of 32, known when compiled (G) or not (G = 0: `group`).
+constexpr int64_t kQ8Quad = 4;
+
+inline __m512i dot_i16(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+template <int M, int G>
+void dot_q8_quads(const int8_t* w, const int16_t* x, const float* scale, int64_t len, int64_t group, float* out) {
+  if constexpr (G > 0) group = G;
+  __m512 total[M];
+  FOR_EACH_ROW(m) total[m] = _mm512_setzero_ps();
+  const __m512i chunk_scales = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int64_t quad = kQ8Quad * group, quads = len / quad;
+  for (int64_t q = 0; q < quads; q++) {
+    const int8_t* wq = w + q * quad;
+    const int16_t* xq = x + q * M * quad;
+    for (int64_t k = 0; k < quad; k += 64) prefetch_ahead(wq + k);
+    __m512i acc[M];
+    FOR_EACH_ROW(m) acc[m] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < group; j += 32) {  // weights j..j+31 of each of the four groups
+      __m512i g[kQ8Quad];
+      for (int c = 0; c < kQ8Quad; c++)
+        g[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + c * group + j)));
+      const __m512i lo01 = _mm512_shuffle_i64x2(g[0], g[1], _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512i hi01 = _mm512_shuffle_i64x2(g[0], g[1], _MM_SHUFFLE(3, 2, 3, 2));
+      const __m512i lo23 = _mm512_shuffle_i64x2(g[2], g[3], _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512i hi23 = _mm512_shuffle_i64x2(g[2], g[3], _MM_SHUFFLE(3, 2, 3, 2));
+      const __m512i v[4] = {_mm512_shuffle_i64x2(lo01, lo23, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i64x2(lo01, lo23, _MM_SHUFFLE(3, 1, 3, 1)),
+                            _mm512_shuffle_i64x2(hi01, hi23, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i64x2(hi01, hi23, _MM_SHUFFLE(3, 1, 3, 1))};
+      FOR_EACH_ROW(m) {
+        const int16_t* xm = xq + m * quad + 4 * j;  // vectors 4 (j / 32) + t of the row's quad
+        for (int t = 0; t < 4; t++) acc[m] = dot_i16(acc[m], v[t], _mm512_loadu_si512(xm + 32 * t));
+      }
+    }
+    const __m512 s = _mm512_permutexvar_ps(chunk_scales, _mm512_castps128_ps512(_mm_loadu_ps(scale + q * kQ8Quad)));
+    FOR_EACH_ROW(m) total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), s, total[m]);
+  }
+  const int64_t rest = len - quads * quad;  // whole groups, a row's after the other's
+  x += quads * M * quad;
+  for (int64_t k = quads * quad, g = quads * kQ8Quad; k < len; k += group, g++) {
+    prefetch_ahead(w + k);
+    __m512i acc[M];
+    FOR_EACH_ROW(m) acc[m] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < group; i += kQ8Step) {
+      const __m512i wi = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k + i)));
+      FOR_EACH_ROW(m) acc[m] = dot_i16(acc[m], wi, _mm512_loadu_si512(x + m * rest + i));
+    }
+    x += group;
+    const __m512 s = _mm512_set1_ps(scale[g]);
+    FOR_EACH_ROW(m) total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), s, total[m]);
+  }
+  if constexpr (M == 1) {
+    out[0] = _mm512_reduce_add_ps(total[0]);  // reduce_rows' order, in fewer instructions for one
+  } else {
+    alignas(64) float sums[16];  // each sum stored alone: the caller reads them one by one (dot_q4_x8)
+    _mm512_store_ps(sums, reduce_rows<M>(total));
+    FOR_EACH_ROW(m) out[m] = sums[m];
+  }
+}
+
 // int4 w with x rounded to int8 per block of 32 (its own scale each, as llama.cpp's Q8 activations). A block's
 // 16 bytes hold its weights 0-15 in the low nibbles and 16-31 in the high ones (portable::dot_q4).
 //

@@ -37,6 +37,7 @@
 namespace isa = avx512;
 namespace int16_q4 = portable;  // int4 with x in int16, where int8_x is off
 #define HAVE_Q4_INT8_X 1  // int4 weights take x rounded to int8 per block (avx512::dot_q4_x8)
+#define HAVE_Q8_QUADS 1  // int8 weights take four groups a register (avx512::dot_q8_quads)
 #if defined(__AVX512BF16__)
 #define HAVE_BF16_DOT 1
 constexpr const char* kPath = "AVX-512 BF16";
@@ -484,6 +485,34 @@ Int16Rows round_to_int16(const at::Tensor& x, int64_t rows, bool block_sums = fa
   return out;
 }
 
+#ifdef HAVE_Q8_QUADS
+// x rounded to int16 as round_to_int16 does, laid out for isa::dot_q8_quads: runs of four groups of `group`
+// values, a unit per row and run, the rows of a unit side by side; in a unit, 128-bit chunks (group c, vector
+// v) -> (v, c): chunk c of vector v = values 8v..8v+7 of group c. Then the values after the last whole run, a
+// row after the other. A piece of K from k0 (whole runs) starts at values + k0 * rows.
+Int16Rows round_to_int16_quads(const at::Tensor& x, int64_t rows, int64_t group) {
+  constexpr int64_t kChunk = 8;
+  thread_local std::vector<int16_t> value_buffer;
+  const Int16Rows natural = round_to_int16(x, rows);
+  const int64_t k_dim = x.size(-1), quad = isa::kQ8Quad * group, quads = k_dim / quad, rest = k_dim - quads * quad;
+  int16_t* values = aligned_zeros(value_buffer, rows * k_dim);
+  for (int64_t m = 0; m < rows; m++) {
+    const int16_t* row = natural.values + m * k_dim;
+    for (int64_t q = 0; q < quads; q++) {
+      int16_t* unit = values + (q * rows + m) * quad;
+      for (int64_t c = 0; c < isa::kQ8Quad; c++)
+        for (int64_t v = 0; v < group / kChunk; v++)
+          std::memcpy(unit + (v * isa::kQ8Quad + c) * kChunk, row + q * quad + c * group + v * kChunk,
+                      kChunk * sizeof(int16_t));
+    }
+    std::copy(row + quads * quad, row + k_dim, values + quads * quad * rows + m * rest);
+  }
+  Int16Rows out = natural;
+  out.values = values;
+  return out;
+}
+#endif
+
 #ifdef HAVE_Q4_INT8_X
 // x rounded to int8 per block of 32 for int4 weights where the build's kernel takes it (HAVE_Q4_INT8_X): each
 // block with its own scale, max |x| / 127 (at most half a step of it per element), and its sum of x as rounded
@@ -681,8 +710,30 @@ at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList sc
       amx::enabled())
     return matvec_int8_amx(x, ws, w, s, groups.front(), rows, out);
 #endif
-  const Int16Rows xq = round_to_int16(x, rows);
   at::Tensor y;
+#ifdef HAVE_Q8_QUADS
+  // One group for every matrix, whole steps of the loop: four groups a register (dot_q8_quads), in pieces of K of
+  // whole runs of four groups
+  const int64_t group = groups.front();
+  if (group % isa::kQ8Step == 0 && std::all_of(groups.begin(), groups.end(), [&](int64_t g) { return g == group; })) {
+    const Int16Rows xq = round_to_int16_quads(x, rows, group);
+    with_rows(rows, [&](auto m_rows) {
+      constexpr int M = decltype(m_rows)::value;
+      y = rows_to<M>(x, out, ws, 1, 2, isa::kQ8Quad * group, xq.scale,
+                     [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+        const int8_t* row = w[i] + r * k_dim + k0;
+        const int16_t* xp = xq.values + k0 * M;
+        const float* row_scale = s[i] + r * n_groups[i] + k0 / group;
+        // the groups of Q8_0 (32) and of quantize_int8 (64) known when compiled
+        if (group == 32) isa::dot_q8_quads<M, 32>(row, xp, row_scale, len, group, out);
+        else if (group == 64) isa::dot_q8_quads<M, 64>(row, xp, row_scale, len, group, out);
+        else isa::dot_q8_quads<M, 0>(row, xp, row_scale, len, group, out);
+      });
+    });
+    return y;
+  }
+#endif
+  const Int16Rows xq = round_to_int16(x, rows);
   with_rows(rows, [&](auto m_rows) {
     constexpr int M = decltype(m_rows)::value;
     y = rows_to<M>(x, out, ws, 1, 2, align, xq.scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {

@@ -214,21 +214,18 @@ at::Tensor rows_to(const at::Tensor& x, at::ScalarType out, at::TensorList ws, i
     for (int64_t n0 = begin; n0 < end; n0 += kBlockRows) {
       const int64_t n1 = std::min(end, n0 + kBlockRows);
       while (n0 >= first[block_matrix + 1]) block_matrix++;
-      // sums[n..n + count) += the piece's dot products of rows n..n + count. With pairs, the first piece's go
-      // straight to sums, read only after the block of rows: read back at once, out[] waited for the kernel's
-      // stores (a wide store read in narrower loads is not forwarded), a quarter of the int4 loop's time.
+      // sums[n..n + count) += the piece's dot products of rows n..n + count. A kernel that takes a count of rows
+      // puts the first piece's straight in sums, read only after the block of rows: read back at once, out[]
+      // waited for the kernel's stores (stores read in wider loads are not forwarded), a quarter of int4's time.
       auto add_piece = [&](size_t i, int64_t n, int64_t count, int64_t k0) {
-        if constexpr (R == 1) {
-          if constexpr (std::is_invocable_v<Dot&, size_t, int64_t, int64_t, int64_t, int64_t, float*>)
-            dot(i, n - first[i], count, k0, std::min(len, k_dim - k0), out[0]);
-          else
-            dot(i, n - first[i], k0, std::min(len, k_dim - k0), out[0]);
-          for (int m = 0; m < M; m++) sums[n - n0][m] = (k0 == 0 ? 0.f : sums[n - n0][m]) + out[0][m];
-        } else {
+        if constexpr (std::is_invocable_v<Dot&, size_t, int64_t, int64_t, int64_t, int64_t, float*>) {
           dot(i, n - first[i], count, k0, std::min(len, k_dim - k0), k0 == 0 ? sums[n - n0] : out[0]);
           if (k0 > 0)
             for (int64_t c = 0; c < count; c++)
               for (int m = 0; m < M; m++) sums[n - n0 + c][m] += out[c][m];
+        } else {
+          dot(i, n - first[i], k0, std::min(len, k_dim - k0), out[0]);
+          for (int m = 0; m < M; m++) sums[n - n0][m] = (k0 == 0 ? 0.f : sums[n - n0][m]) + out[0][m];
         }
       };
       // Up to R neighbouring rows of one matrix from n on.

@@ -8,7 +8,7 @@ beside another checkout's, in one process.
 --baseline: a checkout of another commit (a git worktree); its csrc/ is compiled with this tree's flags under
 another name, so both builds load side by side and take the same weights, cache and x. Each round times both,
 in turn (the order alternating), --iters calls each; a figure is the median over rounds of the thread's CPU
-time per call (other processes on the machine take wall time, not this). `--shape default`: the default model's
+time per call on 1 thread (other processes on the machine take wall time, not this), of wall time on more. `--shape default`: the default model's
 own weights as served (its Q4_1 blocks, its Q8_0 head). "a row more": (step of M rows - step of 1) / (M - 1),
 as a share of the 1-row step. Prints a table; writes bench/results/kernel_rows.json.
 """
@@ -97,6 +97,7 @@ def main() -> int:
           f"{args.threads} thread(s), -march={march}: " + ", ".join(f"{k} {b.path()}" for k, b in builds.items())
           + f"; context {args.context}; load average {load_before:.2f}", flush=True)
     names = list(builds)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter  # CPU time: the calling thread's alone
     results = []
     start, busy, ours = time.perf_counter(), cpu_busy_s(), own_cpu_s()
     with torch.inference_mode():
@@ -111,17 +112,18 @@ def main() -> int:
             times = {(name, part): [] for name in names for part in ("layers", "head")}
             for r in range(args.rounds + 1):  # round 0 warms up
                 for name in names if r % 2 else names[::-1]:
-                    t0 = time.thread_time()
+                    t0 = clock()
                     for _ in range(args.iters):
                         decode_layers(net, x, rope, [cache] * rows, positions, ops=builds[name])
-                    t1 = time.thread_time()
+                    t1 = clock()
                     for _ in range(args.iters):
                         head(builds[name], net, h)
-                    t2 = time.thread_time()
+                    t2 = clock()
                     if r:
                         times[(name, "layers")].append((t1 - t0) / args.iters)
                         times[(name, "head")].append((t2 - t1) / args.iters)
-            row = {"rows": rows} | {f"{name} {part} ms": 1e3 * statistics.median(v) for (name, part), v in times.items()}
+            row = {"rows": rows} | {f"{name} {part} ms": 1e3 * statistics.median(v)
+                                    for (name, part), v in times.items()}
             for name in names:
                 row[f"{name} step ms"] = row[f"{name} layers ms"] + row[f"{name} head ms"]
             results.append(row)
@@ -144,7 +146,8 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "kernel_rows.json"
     out.write_text(json.dumps({"machine": info, "shape": args.shape, "dtype": args.dtype, "quantize": args.quantize,
-                               "march": march, "threads": args.threads, "paths": {k: b.path() for k, b in builds.items()},
+                               "march": march, "threads": args.threads,
+                               "paths": {k: b.path() for k, b in builds.items()},
                                "load_average": [load_before, load_after], "rows": results}, indent=2))
     print(f"results: {out}")
     return 0

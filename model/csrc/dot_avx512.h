@@ -157,8 +157,8 @@ inline __m512 reduce_rows(const __m512 (&v)[N]) {
 // where the CPU has AVX-512 VNNI. The groups after the last whole quad go one at a time, as in dot_q8.
 //
 // x as matvec.cpp's round_to_int16_quads lays it out, in units of a quad of one row, the rows of a unit side by
-// side (a row at a fixed offset: one pointer for all M rows): per quad, 4 group values in vectors of 32, chunk
-// c of vector v = values 8v..8v+7 of group c; then the values after the quads, a row after the other. Group:
+// side (a row at a fixed offset: one pointer for all M rows): per quad, its 4 groups' values in vectors of 32,
+// chunk c of vector v = values 8v..8v+7 of group c; then the values after the quads, a row after the other. Group:
 // a multiple of 32, known when compiled (G) or not (G = 0: `group`).
 constexpr int64_t kQ8Quad = 4;
 constexpr int64_t kL1Bytes = 44 * 1024;  // of the 48 KB L1 data caches of Zen 4, Zen 5 and Sapphire Rapids
@@ -179,8 +179,8 @@ void dot_q8_quads(const int8_t* w, const int16_t* x, const float* scale, int64_t
   const __m512i chunk_scales = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t quad = kQ8Quad * group, quads = len / quad;
   // Between two reads of a line of x pass x itself, the piece of a weight row and the weights prefetched ahead:
-  // where that fills L1, weights asked for into L1 pushed x out (2 rows of K = 8192: 48 KB, 1.27x slower than
-  // into L2); where it does not (8 rows of K = 2048: 42 KB), into L2 was 1.25x slower.
+  // where that fills L1, weights asked for into L1 pushed x out (2 rows of K = 8192: 48 KB, 1.26x slower than
+  // into L2); where it does not (8 rows of K = 2048: 42 KB), into L2 was up to 1.3x slower.
   const bool x_fills_l1 = M * len * int64_t{sizeof(int16_t)} + len + kPrefetchBytes > kL1Bytes;
   for (int64_t q = 0; q < quads; q++) {
     const int8_t* wq = w + q * quad;
@@ -190,7 +190,7 @@ void dot_q8_quads(const int8_t* w, const int16_t* x, const float* scale, int64_t
       else prefetch_ahead(wq + k);
     }
     // A row's products go to C accumulators (each vpdpwssd waits for the one before it on its own): 8 chains
-    // in all where the rows allow (two rows in one chain each took 1.25x as long as the loop they replaced).
+    // in all where the rows allow, as in dot_q4_x8. Integer sums: exact in any order.
     constexpr int C = M >= 8 ? 1 : M >= 4 ? 2 : 4;
     __m512i acc[M][C];
     FOR_EACH_ROW(m) for (int c = 0; c < C; c++) acc[m][c] = _mm512_setzero_si512();

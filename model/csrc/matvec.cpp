@@ -187,8 +187,8 @@ at::ScalarType out_type(const at::Tensor& x, bool fp32_out) { return fp32_out ? 
 // y[m, n] = row_scale[m] * sum over pieces of out[m], where dot(i, r, k0, len, out) gives the dot
 // products of weights k0..k0+len of row r of matrix i (output n) with every row m of x; in
 // parallel over n, y in dtype `out` (fp32 or bf16), (N,) for x (K,) and (M, N) for x (M, K).
-// With R > 1, dot(i, r, count, k0, len, out) takes `count` <= R neighbouring rows of matrix i at once (out:
-// (count, M)); a row's sums must not depend on whether it came alone.
+// A dot(i, r, count, k0, len, out) takes `count` <= R neighbouring rows of matrix i at once (out: (count, M));
+// a row's sums must not depend on whether it came alone.
 template <int M, int R = 1, typename Dot>
 at::Tensor rows_to(const at::Tensor& x, at::ScalarType out, at::TensorList ws, int64_t bytes_per_weight,
                    int64_t x_bytes, int64_t align, const float* row_scale, Dot dot) {
@@ -550,7 +550,7 @@ Int8Blocks round_to_int8_blocks(const at::Tensor& x, int64_t rows) {
       }
       if (b < grouped) {  // group g, lane l: slot s (kLanes dwords) holds values 4s..4s+3 of the lane's block
         const int64_t g = b / kLanes, unit = g * rows + m;
-        int64_t lane = 0;
+        int64_t lane = 0;  // the lane that holds block b
         while (g * kLanes + isa::q4_lane_block(lane) != b) lane++;
         int8_t* first = values + unit * kLanes * kBlock + lane * 4;
         for (int64_t slot = 0; slot < kBlock / 4; slot++) std::memcpy(first + slot * kLanes * 4, q + slot * 4, 4);

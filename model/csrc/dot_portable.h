@@ -35,6 +35,13 @@ inline void prefetch_ahead(const void* p) {
 #endif
 }
 
+// The same into L2, for a loop whose rows of x take most of L1 (avx512::dot_q8_quads).
+inline void prefetch_ahead_l2(const void* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes, 0, 2);
+#endif
+}
+
 // int4 scales and offsets (fp16, one per 32 weights: an eighth of the weights' bytes) are streams of
 // their own, asked for as far ahead as the weights: without it each row of the int4 kernel began with a
 // wait for its scales and offsets from memory (22 -> 31-34 GB/s of int4 weights on 1B matrices).

@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -36,6 +37,7 @@
 namespace isa = avx512;
 namespace int16_q4 = portable;  // int4 with x in int16, where int8_x is off
 #define HAVE_Q4_INT8_X 1  // int4 weights take x rounded to int8 per block (avx512::dot_q4_x8)
+#define HAVE_Q8_QUADS 1  // int8 weights take four groups a register (avx512::dot_q8_quads)
 #if defined(__AVX512BF16__)
 #define HAVE_BF16_DOT 1
 constexpr const char* kPath = "AVX-512 BF16";
@@ -46,6 +48,7 @@ constexpr const char* kPath = "AVX-512";
 #include "dot_avx2.h"
 namespace isa = avx2;
 namespace int16_q4 = avx2;
+#define HAVE_Q4_INT8_X 1  // int4 weights take x rounded to int8 per block (avx2::dot_q4_x8)
 constexpr const char* kPath = "AVX2";
 #else
 namespace isa = portable;
@@ -184,7 +187,9 @@ at::ScalarType out_type(const at::Tensor& x, bool fp32_out) { return fp32_out ? 
 // y[m, n] = row_scale[m] * sum over pieces of out[m], where dot(i, r, k0, len, out) gives the dot
 // products of weights k0..k0+len of row r of matrix i (output n) with every row m of x; in
 // parallel over n, y in dtype `out` (fp32 or bf16), (N,) for x (K,) and (M, N) for x (M, K).
-template <int M, typename Dot>
+// A dot(i, r, count, k0, len, out) takes `count` <= R neighbouring rows of matrix i at once (out: (count, M));
+// a row's sums must not depend on whether it came alone.
+template <int M, int R = 1, typename Dot>
 at::Tensor rows_to(const at::Tensor& x, at::ScalarType out, at::TensorList ws, int64_t bytes_per_weight,
                    int64_t x_bytes, int64_t align, const float* row_scale, Dot dot) {
   std::vector<int64_t> first{0};  // first[i]: the output index of matrix i's row 0
@@ -204,27 +209,44 @@ at::Tensor rows_to(const at::Tensor& x, at::ScalarType out, at::TensorList ws, i
   const int64_t row_bytes = k_dim * bytes_per_weight;
   const int64_t task = (std::max<int64_t>(1, kTaskBytes / row_bytes) + kBlockRows - 1) / kBlockRows * kBlockRows;
   parallel_rows(n_total, task, threads_for(n_total * row_bytes), [&](int64_t begin, int64_t end) {
-    float out[M], sums[kBlockRows][M];
+    float out[R][M], sums[kBlockRows][M];
     size_t block_matrix = 0;
     for (int64_t n0 = begin; n0 < end; n0 += kBlockRows) {
       const int64_t n1 = std::min(end, n0 + kBlockRows);
       while (n0 >= first[block_matrix + 1]) block_matrix++;
-      auto add_piece = [&](size_t i, int64_t n, int64_t k0) {  // sums[n] += the piece's dot products
-        dot(i, n - first[i], k0, std::min(len, k_dim - k0), out);
-        for (int m = 0; m < M; m++) sums[n - n0][m] = (k0 == 0 ? 0.f : sums[n - n0][m]) + out[m];
+      // sums[n..n + count) += the piece's dot products of rows n..n + count. A kernel that takes a count of rows
+      // puts the first piece's straight in sums, read only after the block of rows: read back at once, out[]
+      // waited for the kernel's stores (stores read in wider loads are not forwarded), a quarter of int4's time.
+      auto add_piece = [&](size_t i, int64_t n, int64_t count, int64_t k0) {
+        if constexpr (std::is_invocable_v<Dot&, size_t, int64_t, int64_t, int64_t, int64_t, float*>) {
+          dot(i, n - first[i], count, k0, std::min(len, k_dim - k0), k0 == 0 ? sums[n - n0] : out[0]);
+          if (k0 > 0)
+            for (int64_t c = 0; c < count; c++)
+              for (int m = 0; m < M; m++) sums[n - n0 + c][m] += out[c][m];
+        } else {
+          dot(i, n - first[i], k0, std::min(len, k_dim - k0), out[0]);
+          for (int m = 0; m < M; m++) sums[n - n0][m] = (k0 == 0 ? 0.f : sums[n - n0][m]) + out[0][m];
+        }
+      };
+      // Up to R neighbouring rows of one matrix from n on.
+      auto rows_from = [&](size_t i, int64_t n) -> int64_t {
+        if constexpr (R == 1) return 1;
+        else return std::min<int64_t>({R, n1 - n, first[i + 1] - n});
       };
       size_t i = block_matrix;
       if (whole_rows) {  // a row at a time, in order: its weights stream on into the next row's
-        for (int64_t n = n0; n < n1; n++) {
+        for (int64_t n = n0, count; n < n1; n += count) {
           while (n >= first[i + 1]) i++;
-          for (int64_t k0 = 0; k0 < k_dim; k0 += len) add_piece(i, n, k0);
+          count = rows_from(i, n);
+          for (int64_t k0 = 0; k0 < k_dim; k0 += len) add_piece(i, n, count, k0);
         }
       } else {  // a piece of every row at a time, the piece of x staying in L1
         for (int64_t k0 = 0; k0 < k_dim; k0 += len) {
           i = block_matrix;
-          for (int64_t n = n0; n < n1; n++) {
+          for (int64_t n = n0, count; n < n1; n += count) {
             while (n >= first[i + 1]) i++;
-            add_piece(i, n, k0);
+            count = rows_from(i, n);
+            add_piece(i, n, count, k0);
           }
         }
       }
@@ -397,8 +419,8 @@ inline int32_t round_16(const float* x, float inv, int64_t n, int16_t* q) {
 
 #ifdef HAVE_Q4_INT8_X
 // Integer weights take x rounded to int8 blocks (the default): int4 per block of 32 (dot_q4_x8), int8
-// batches in AMX tiles per scale group; or, switched off, x rounded to int16 per row as the AVX2 and
-// portable builds do (int4 through the portable loops, int8 batches through the AVX-512 loop: slower, for
+// batches in AMX tiles per scale group; or, switched off, x rounded to int16 per row as the portable
+// build does (int4 through the int16 loops, int8 batches through the AVX-512 loop: slower, for
 // the tests that compare the fused decode step with the reference, where one x value rounded the other
 // way moves an output by 1/127 of the block's largest |x| in int8 and by 1/32767 of the row's in int16).
 std::atomic<bool> int8_x{true};
@@ -424,14 +446,24 @@ const float* float_row(const at::Tensor& x, int64_t m, std::vector<float>& buffe
   return buffer.data();
 }
 
+// n zeros of T at a 64-byte boundary in `buffer` (resized as needed): the kernels' 64-byte loads of x each
+// touch one cache line (a load across two took the int4 loop from 45 to 65 cycles a group of 8 rows).
+template <typename T>
+T* aligned_zeros(std::vector<T>& buffer, int64_t n) {
+  buffer.resize(n + 64 / sizeof(T));
+  T* first = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) / 64 * 64);
+  std::fill_n(first, n, T{0});
+  return first;
+}
+
 Int16Rows round_to_int16(const at::Tensor& x, int64_t rows, bool block_sums = false) {
   constexpr int64_t kBlock = portable::kQ4Block, kStep = 16;
-  thread_local std::vector<int16_t> values;
+  thread_local std::vector<int16_t> value_buffer;
   thread_local std::vector<float> sums, widened;
   const int64_t k_dim = x.size(-1), blocks = k_dim / kBlock;
   Int16Rows out{};
   out.stride = k_dim;
-  values.resize(rows * k_dim);
+  int16_t* values = aligned_zeros(value_buffer, rows * k_dim);
   if (block_sums) sums.assign(rows * blocks, 0.f);
   for (int64_t m = 0; m < rows; m++) {
     const float* row = float_row(x, m, widened);
@@ -441,62 +473,100 @@ Int16Rows round_to_int16(const at::Tensor& x, int64_t rows, bool block_sums = fa
     out.scale[m] = scale;
     const float inv = 1.f / scale;
     for (int64_t k0 = 0; k0 < k_dim; k0 += kStep) {
-      const int32_t sum = round_16(row + k0, inv, std::min(kStep, k_dim - k0), values.data() + m * k_dim + k0);
+      const int32_t sum = round_16(row + k0, inv, std::min(kStep, k_dim - k0), values + m * k_dim + k0);
       if (block_sums) sums[m * blocks + k0 / kBlock] += static_cast<float>(sum);
     }
   }
-  out.values = values.data();
+  out.values = values;
   out.block_sums = block_sums ? sums.data() : nullptr;
   return out;
 }
 
+#ifdef HAVE_Q8_QUADS
+// x rounded to int16 as round_to_int16 does, laid out for isa::dot_q8_quads: runs of four groups of `group`
+// values, a unit per row and run, the rows of a unit side by side; in a unit, 128-bit chunks (group c, vector
+// v) -> (v, c): chunk c of vector v = values 8v..8v+7 of group c. Then the values after the last whole run, a
+// row after the other. A piece of K from k0 (whole runs) starts at values + k0 * rows.
+Int16Rows round_to_int16_quads(const at::Tensor& x, int64_t rows, int64_t group) {
+  constexpr int64_t kChunk = 8;
+  thread_local std::vector<int16_t> value_buffer;
+  const Int16Rows natural = round_to_int16(x, rows);
+  const int64_t k_dim = x.size(-1), quad = isa::kQ8Quad * group, quads = k_dim / quad, rest = k_dim - quads * quad;
+  int16_t* values = aligned_zeros(value_buffer, rows * k_dim);
+  for (int64_t m = 0; m < rows; m++) {
+    const int16_t* row = natural.values + m * k_dim;
+    for (int64_t q = 0; q < quads; q++) {
+      int16_t* unit = values + (q * rows + m) * quad;
+      for (int64_t c = 0; c < isa::kQ8Quad; c++)
+        for (int64_t v = 0; v < group / kChunk; v++)
+          std::memcpy(unit + (v * isa::kQ8Quad + c) * kChunk, row + q * quad + c * group + v * kChunk,
+                      kChunk * sizeof(int16_t));
+    }
+    std::copy(row + quads * quad, row + k_dim, values + quads * quad * rows + m * rest);
+  }
+  Int16Rows out = natural;
+  out.values = values;
+  return out;
+}
+#endif
+
 #ifdef HAVE_Q4_INT8_X
 // x rounded to int8 per block of 32 for int4 weights where the build's kernel takes it (HAVE_Q4_INT8_X): each
-// block with its own scale, max |x| / 127 (at most half a step of it per element), in that kernel's
-// order (avx512::dot_q4_x8: per 128 values the first 16 of each of four blocks, then the second 16 of
-// each), rows padded with zero blocks to whole 128s; beside them each block's scale four times (16
-// floats per 128 values) and each block's sum of x as rounded (its scale times the sum of its int8s).
+// block with its own scale, max |x| / 127 (at most half a step of it per element), and its sum of x as rounded
+// (the scale times the sum of its int8s), laid out as that kernel reads them (isa::dot_q4_x8): units of a
+// group of kQ4Lanes blocks (or a step of kQ4StepBlocks after the groups) of one row, the rows of a unit side
+// by side. A piece of K from k0 (whole groups) starts at values + k0 * rows and at scales, sums + k0 / 32 * rows.
+// The buffers are the calling thread's.
 struct Int8Blocks {
-  const int8_t* values;  // (rows, stride)
-  const float* scales;  // (rows, stride / 8)
-  const float* sums;  // (rows, K / 32)
-  int64_t stride;
+  const int8_t* values;
+  const float* scales;
+  const float* sums;
 };
 
 Int8Blocks round_to_int8_blocks(const at::Tensor& x, int64_t rows) {
-  constexpr int64_t kBlock = portable::kQ4Block, kGroup = 4 * kBlock, kHalf = kBlock / 2;
-  thread_local std::vector<int8_t> values;
-  thread_local std::vector<float> scales, sums, widened;
-  const int64_t k_dim = x.size(-1), blocks = k_dim / kBlock;
-  const int64_t stride = (k_dim + kGroup - 1) / kGroup * kGroup, scales_stride = stride / kGroup * 16;
-  values.resize(rows * stride);
-  scales.resize(rows * scales_stride);
-  sums.resize(rows * blocks);
+  constexpr int64_t kBlock = portable::kQ4Block, kLanes = isa::kQ4Lanes, kStep = isa::kQ4StepBlocks;
+  thread_local std::vector<int8_t> value_buffer;
+  thread_local std::vector<float> scale_buffer, sum_buffer, widened;
+  const int64_t k_dim = x.size(-1), blocks = k_dim / kBlock, groups = blocks / kLanes, grouped = groups * kLanes;
+  const int64_t steps = (blocks - grouped + kStep - 1) / kStep;
+  // Pointers taken once: a thread_local's address is a call to __tls_get_addr in a shared library.
+  int8_t* values = aligned_zeros(value_buffer, (grouped + steps * kStep) * kBlock * rows);
+  float* scales = aligned_zeros(scale_buffer, (groups + steps) * kLanes * rows);
+  float* sums = aligned_zeros(sum_buffer, (groups + (steps > 0)) * kLanes * rows);
+  std::vector<float>& widened_row = widened;
   for (int64_t m = 0; m < rows; m++) {
-    const float* row = float_row(x, m, widened);
-    int8_t* q = values.data() + m * stride;
-    float* s = scales.data() + m * scales_stride;
-    std::fill(q + blocks / 4 * kGroup, q + stride, int8_t{0});  // a last partial 128: its missing blocks
-    std::fill(s + blocks / 4 * 16, s + scales_stride, 0.f);
+    const float* row = float_row(x, m, widened_row);
     for (int64_t b = 0; b < blocks; b++) {
       const float* xb = row + b * kBlock;
       float x_max = 0.f;
       for (int j = 0; j < kBlock; j++) x_max = std::max(x_max, std::abs(xb[j]));
       const float scale = x_max / 127.f, inv = x_max > 0.f ? 127.f / x_max : 0.f;
-      int8_t* first = q + b / 4 * kGroup + b % 4 * kHalf;  // and the second 16 at first + 64
+      int8_t q[kBlock];
       int32_t sum = 0;
-      for (int half = 0; half < 2; half++) {
-        for (int j = 0; j < kHalf; j++) {
-          const int32_t v = static_cast<int32_t>(std::nearbyint(xb[half * kHalf + j] * inv));
-          first[half * 64 + j] = static_cast<int8_t>(v);
-          sum += v;
-        }
+      for (int j = 0; j < kBlock; j++) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
+        q[j] = static_cast<int8_t>(v);
+        sum += v;
       }
-      std::fill_n(s + b / 4 * 16 + b % 4 * 4, 4, scale);
-      sums[m * blocks + b] = scale * static_cast<float>(sum);
+      if (b < grouped) {  // group g, lane l: slot s (kLanes dwords) holds values 4s..4s+3 of the lane's block
+        const int64_t g = b / kLanes, unit = g * rows + m;
+        int64_t lane = 0;  // the lane that holds block b
+        while (g * kLanes + isa::q4_lane_block(lane) != b) lane++;
+        int8_t* first = values + unit * kLanes * kBlock + lane * 4;
+        for (int64_t slot = 0; slot < kBlock / 4; slot++) std::memcpy(first + slot * kLanes * 4, q + slot * 4, 4);
+        scales[unit * kLanes + lane] = scale;
+        sums[unit * kLanes + b - g * kLanes] = scale * static_cast<float>(sum);
+      } else {  // step t: the first 16 values of its blocks, then the second 16; each block's scale 4 times
+        const int64_t unit = (b - grouped) / kStep * rows + m, t = (b - grouped) % kStep;
+        int8_t* first = values + grouped * kBlock * rows + unit * kStep * kBlock + t * kBlock / 2;
+        std::memcpy(first, q, kBlock / 2);
+        std::memcpy(first + kStep * kBlock / 2, q + kBlock / 2, kBlock / 2);
+        std::fill_n(scales + (groups * rows + unit) * kLanes + 4 * t, 4, scale);
+        sums[(groups * rows + m) * kLanes + b - grouped] = scale * static_cast<float>(sum);
+      }
     }
   }
-  return {values.data(), scales.data(), sums.data(), stride};
+  return {values, scales, sums};
 }
 #endif
 
@@ -637,8 +707,30 @@ at::Tensor matvec_int8(const at::Tensor& x, at::TensorList ws, at::TensorList sc
       amx::enabled())
     return matvec_int8_amx(x, ws, w, s, groups.front(), rows, out);
 #endif
-  const Int16Rows xq = round_to_int16(x, rows);
   at::Tensor y;
+#ifdef HAVE_Q8_QUADS
+  // One group for every matrix, whole steps of the loop: four groups a register (dot_q8_quads), in pieces of K of
+  // whole runs of four groups
+  const int64_t group = groups.front();
+  if (group % isa::kQ8Step == 0 && std::all_of(groups.begin(), groups.end(), [&](int64_t g) { return g == group; })) {
+    const Int16Rows xq = round_to_int16_quads(x, rows, group);
+    with_rows(rows, [&](auto m_rows) {
+      constexpr int M = decltype(m_rows)::value;
+      y = rows_to<M>(x, out, ws, 1, 2, isa::kQ8Quad * group, xq.scale,
+                     [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+        const int8_t* row = w[i] + r * k_dim + k0;
+        const int16_t* xp = xq.values + k0 * M;
+        const float* row_scale = s[i] + r * n_groups[i] + k0 / group;
+        // the groups of Q8_0 (32) and of quantize_int8 (64) known when compiled
+        if (group == 32) isa::dot_q8_quads<M, 32>(row, xp, row_scale, len, group, out);
+        else if (group == 64) isa::dot_q8_quads<M, 64>(row, xp, row_scale, len, group, out);
+        else isa::dot_q8_quads<M, 0>(row, xp, row_scale, len, group, out);
+      });
+    });
+    return y;
+  }
+#endif
+  const Int16Rows xq = round_to_int16(x, rows);
   with_rows(rows, [&](auto m_rows) {
     constexpr int M = decltype(m_rows)::value;
     y = rows_to<M>(x, out, ws, 1, 2, align, xq.scale, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
@@ -662,9 +754,9 @@ const uint16_t* block_values(const char* what, size_t i, const at::Tensor& t, in
 
 // int4 weights (model/quantize.py's layout): w uint8 (N, K / 2), scale and offset fp16 (N, K / 32) per
 // matrix, offset None for Q4_0's symmetric blocks. x is rounded to int8 per block of 32 where the build
-// has AVX-512 (round_to_int8_blocks, avx512::dot_q4_x8), else to int16 as for int8 weights (see
-// portable::dot_q4), and each block's integer dot product is scaled in fp32: the result is that of the
-// dequantized matrix times x so rounded.
+// has AVX-512 or AVX2 (round_to_int8_blocks, isa::dot_q4_x8), else (or with int8_x off) to int16 as for int8
+// weights (see portable::dot_q4), and each block's integer dot product is scaled in fp32: the result is
+// that of the dequantized matrix times x so rounded.
 at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList scales, llama::Offsets offsets,
                        bool fp32_out) {
   constexpr int64_t kBlock = portable::kQ4Block;
@@ -687,19 +779,25 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
 #ifdef HAVE_Q4_INT8_X
   if (int8_x) {
     const Int8Blocks xq = round_to_int8_blocks(x, rows);
-      with_rows(rows, [&](auto m_rows) {
+    with_rows(rows, [&](auto m_rows) {
       constexpr int M = decltype(m_rows)::value;
-      // x_bytes 2: a value's int8 and its share of the block scales (half a byte), rounded up
-      y = rows_to<M>(x, out, ws, 1, 2, isa::kQ4Group, kOnes, [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+      // x_bytes 2: a value's int8 and its share of the block scales and sums, rounded up; pieces of K in whole groups
+      constexpr int R = isa::kQ4WeightRows<M>;
+      y = rows_to<M, R>(x, out, ws, 1, 2, isa::kQ4Group, kOnes,
+                        [&](size_t i, int64_t r, int64_t count, int64_t k0, int64_t len, float* out) {
         const uint8_t* row = w[i] + r * (k_dim / 2) + k0 / 2;
         const int64_t first = r * blocks + k0 / kBlock;  // the piece's first block
-        const int8_t* xp = xq.values + k0;
-        const float* xs = xq.scales + k0 / 8;
-        const float* sums = xq.sums + k0 / kBlock;
-        const int64_t s_stride = xq.stride / 8;
+        const int8_t* xp = xq.values + k0 * M;
+        const float *xs = xq.scales + k0 / kBlock * M, *sums = xq.sums + k0 / kBlock * M;
         const uint16_t *scale = s[i] + first, *offset = o[i] ? o[i] + first : nullptr;
-        if (o[i]) isa::dot_q4_x8<M, true>(row, xp, xq.stride, xs, s_stride, sums, blocks, scale, offset, len, out);
-        else isa::dot_q4_x8<M, false>(row, xp, xq.stride, xs, s_stride, sums, blocks, scale, offset, len, out);
+        const int64_t w_stride = k_dim / 2;
+        auto take = [&](auto weight_rows) {  // count rows of matrix i, with or without offsets
+          constexpr int C = decltype(weight_rows)::value;
+          if (o[i]) isa::dot_q4_x8<M, C, true>(row, w_stride, xp, xs, sums, scale, offset, blocks, len, out);
+          else isa::dot_q4_x8<M, C, false>(row, w_stride, xp, xs, sums, scale, offset, blocks, len, out);
+        };
+        if (R > 1 && count == R) take(std::integral_constant<int, R>{});
+        else take(std::integral_constant<int, 1>{});
       });
     });
     return y;

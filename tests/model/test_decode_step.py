@@ -10,8 +10,8 @@ of sums (attention's, the norm's, the kernel's across builds): logits within 1e-
 (the largest |logit|, 10 to 30 on these models; what we see is about 1e-6 of it). With int8 weights
 the kernel rounds each row of x to int16 (steps of max|x| / 32767), and a last-bit difference in x
 can move a value by one such step: 3e-4 of the scale then (we see up to 2e-4), and the same tokens.
-int4 weights round x to int16 the same way here (tests/support/kernels.py: the AVX-512 builds' own
-int8 blocks of x, 258 times coarser steps, are switched off for these comparisons and tested on their
+int4 weights round x to int16 the same way here (tests/support/kernels.py: the AVX-512 and AVX2 builds'
+own int8 blocks of x, 258 times coarser steps, are switched off for these comparisons and tested on their
 own at the end); on the default model, where every matrix of all 30 layers does it, we allow 2e-3 of
 the scale (we see up to 8e-4) and ask for the same tokens. With bf16
 activations the fused op rounds to bf16 where the reference stores bf16 tensors, so most logits come
@@ -422,22 +422,24 @@ def test_the_default_model_with_bf16_activations_picks_the_reference_tokens_but_
 
 
 def test_the_default_model_in_int4_with_x_in_int8_blocks_picks_the_reference_tokens_where_clear(monkeypatch):
-    """The AVX-512 builds round x to int8 per block of 32 for int4 weights (as llama.cpp's Q8 activations):
+    """The AVX-512 and AVX2 builds round x to int8 per block of 32 for int4 weights (as llama.cpp's Q8 activations):
     one x value rounded the other way moves an output by 1/127 of its block's largest |x|, and the last-bit
     differences between the fused op's activations and the reference's flip such roundings in every layer.
-    Fed the reference's tokens, the two paths' logits differ by up to 7.4% of their scale (the largest
-    |logit| of the sequence) and 28 of 1260 greedy choices differ, all where the reference's best led the
-    next by under 1% of the scale. Asked: within 15%, and the same token wherever the lead is over 2%."""
+    Fed the reference's tokens, the two paths' logits differ by 0.6% of their scale (the largest |logit| of
+    the sequence) on average and by up to 6-13% (a step's largest difference: 2.4% in the median step), and
+    23-36 of 1260 greedy choices differ (two versions of the kernel, which sum in other orders), where the
+    reference's best led the next by under 1.2% of the scale but once by 2.4%. Asked: within 15%, and the
+    same token wherever the lead is over 3% (two thirds of the steps)."""
     with x_in_int8(True):
         if not has_int8_x(model.decode_step.kernels()):
-            pytest.skip("this CPU's kernel build rounds x to int16 for int4 (no AVX-512): the tests above")
+            pytest.skip("this CPU's kernel build rounds x to int16 for int4 (no AVX2): the tests above")
         _, _, logits = default_model_steps(monkeypatch, torch.float32, forced=True, quantize="int4")
     decided = agree = 0
     for ours, theirs in logits:
         scale = theirs.abs().max(-1, keepdim=True).values  # (b, 1)
         assert ((ours - theirs).abs() <= 0.15 * scale).all()
         top = theirs.topk(2, dim=-1).values  # (b, 2)
-        clear = (top[:, 0] - top[:, 1]) > 0.02 * scale[:, 0]
+        clear = (top[:, 0] - top[:, 1]) > 0.03 * scale[:, 0]
         same = ours.argmax(-1) == theirs.argmax(-1)
         assert same[clear].all(), "the fused op picked another token where the reference's choice was clear"
         decided += int(clear.sum())

@@ -222,7 +222,7 @@ def test_imported_without_dequantizing_it_is_int4_and_int8_with_the_same_logits(
             diff = (m(ids) - expected).abs().max().item()
         # up to FEW_ROWS tokens go to the kernels, where the int4 and int8 matrices round x to int16
         # here (1/65534 of its largest element, in every matrix: up to 0.05 of these logits of 20 to 30;
-        # the AVX-512 builds' int8 blocks of x for int4, on by default, are tested in test_kernels.py and
+        # the AVX-512 and AVX2 builds' int8 blocks of x for int4, on by default, are tested in test_kernels.py and
         # by the reply below); more tokens go to F.linear in fp32
         tolerance = 0.1 if ids.shape[1] <= FEW_ROWS else 1e-4
         assert diff <= tolerance, f"{ids.shape[1]} tokens: max abs logit difference {diff}"

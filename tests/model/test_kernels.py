@@ -14,7 +14,7 @@ Tolerances, per output y[m, n], against the exact result (float64) with E = sum_
 - int8 weights: the kernel rounds each row of x to int16 with one scale (max |x[m]| / 32767), an
   error of at most half a step per element, so at most sum_k |w[n, k]| max|x[m]| / 65534 in y.
 - int4 weights: the kernel rounds x to int16 as for int8 weights (the same extra error) or, in the
-  AVX-512 builds (by default; both are tested there), to int8 per block of 32 with the block's own
+  AVX-512 and AVX2 builds (by default; both are tested there), to int8 per block of 32 with the block's own
   scale (max |x| of the block / 127: at most sum over k of |w[n, k]| max|x[m, block of k]| / 254 in
   y), takes each block's integer dot product with the 4-bit q exactly and scales it in fp32, adding
   offset times the block's sum of x as rounded: against the exactly dequantized matrix, the fp32
@@ -256,6 +256,43 @@ def test_int4_weights(ops, m, n, k, x_dtype, symmetric):
         assert ours.shape == (m, n) and ours.dtype == x_dtype
         exact, tol = bound(wd, xr, x_dtype, extra=rounding(wd))
         check(ours, exact, tol + 4 * math.sqrt(k) * 2**-24 * int4_reference(packed, scale, offset, xr)[1])
+
+
+# K of the real models (576: a group of 16 blocks and 2 after it; 1536: 3 groups), odd numbers of blocks (544,
+# 96: none in a group) and rows of x read in pieces of K (8224 for several rows).
+ROW_SHAPES = [(7, 576), (6, 1536), (5, 544), (4, 96), (3, 8224)]
+
+
+@pytest.mark.parametrize("n,k", ROW_SHAPES)
+def test_a_rows_int4_product_is_the_same_alone_beside_other_rows_and_beside_any_weight_row(ops, n, k):
+    """Speculation checks guessed tokens as rows of one step and keeps them only where they equal what one row
+    alone gives, so row m of an M-row product must be the 1-row product to the bit, for every way this build
+    rounds x (csrc/matvec.cpp). The AVX-512 kernel also takes two weight rows at a time where the rows of x
+    allow: a weight row's outputs must not depend on its neighbour either (the matrix without its first row
+    pairs every row with its other neighbour)."""
+    w, x = data(n, k, MAX_KERNEL_ROWS, seed=n * k)
+    x = x * torch.linspace(0.1, 3, MAX_KERNEL_ROWS)[:, None]
+    packed, scale, offset = quantize_int4(w + 0.5)
+    for int8_x, _, _ in int4_x_roundings(ops, x):
+        for o in (offset, None):
+            with x_in_int8(int8_x, ops):
+                alone = torch.cat([ops.matvec_int4(x[m:m + 1], [packed], [scale], [o]) for m in range(MAX_KERNEL_ROWS)])
+                for rows in ROWS:
+                    assert torch.equal(ops.matvec_int4(x[:rows], [packed], [scale], [o]), alone[:rows]), (int8_x, rows)
+                others = ops.matvec_int4(x, [packed[1:]], [scale[1:]], [None if o is None else o[1:]])
+            assert torch.equal(others, alone[:, 1:]), int8_x
+
+
+@pytest.mark.parametrize("n,k", ROW_SHAPES)
+def test_a_rows_int8_product_is_the_same_alone_and_beside_other_rows_in_the_loops(ops, n, k):
+    """As for int4, in the loops (the AMX tiles round a batch's x otherwise, by design: LLAMA_DETERMINISTIC
+    keeps int8 batches out of them)."""
+    w, x = data(n, k, MAX_KERNEL_ROWS, seed=n + k)
+    q, scale = quantize_int8(w)
+    with amx_tiles(False, ops):
+        alone = torch.cat([ops.matvec_int8(x[m:m + 1], [q], [scale]) for m in range(MAX_KERNEL_ROWS)])
+        for rows in ROWS:
+            assert torch.equal(ops.matvec_int8(x[:rows], [q], [scale]), alone[:rows]), rows
 
 
 @pytest.mark.parametrize("m", [1, 5, MAX_KERNEL_ROWS])

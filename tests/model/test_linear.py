@@ -70,7 +70,7 @@ def test_up_to_eight_rows_go_to_the_kernel_in_any_leading_shape(spy, shape, kind
     assert spy.calls == [(rows, 576)]
     assert ours.shape == (*shape[:-1], 7)
     assert torch.equal(ours.reshape(rows, 7), direct(spy.ops, x.reshape(rows, 576), weight, scale, offset))
-    if kind == "int4" and has_int8_x(spy.ops):  # x rounded to int8 per block of 32 (AVX-512 builds)
+    if kind == "int4" and has_int8_x(spy.ops):  # x rounded to int8 per block of 32 (AVX-512, AVX2)
         x = x_in_int8_blocks(x.reshape(rows, 576))[0].float().reshape(shape)
     plain = F.linear(x, dequantize(weight, scale, offset))
     assert (ours - plain).norm() < 1e-4 * plain.norm()  # test_kernels.py bounds the error per output
@@ -317,8 +317,8 @@ def test_int4_model_is_the_float_model_with_its_dequantized_weights(folder):
 
 def test_int4_decode_picks_what_int4_prefill_ranks_first(folder):
     """Greedy decode through matvec_int4 against full forwards of the same int4 model (F.linear on
-    blocks of dequantized rows): fp32 activations and x in int16 (x in int8 blocks, the AVX-512 builds'
-    default, moves an output by up to 1/127 of a block's largest |x|: near-ties break either way), so the
+    blocks of dequantized rows): fp32 activations and x in int16 (x in int8 blocks, the AVX-512 and AVX2
+    builds' default, moves an output by up to 1/127 of a block's largest |x|: near-ties break either way), so the
     two agree token for token."""
     ckpt = load_checkpoint(folder, dtype=torch.float32, quantize="int4")
     prompt = prompt_ids(n=FEW_ROWS + 4)[0].tolist()  # prefilled by F.linear, as the full forwards

@@ -1,5 +1,5 @@
 """Switches of the kernel builds, set for a test: the process's kernel options (model.kernels.configure), how
-the int4 kernel rounds x (int8 blocks, the AVX-512 builds' default, or int16 rows), and whether bf16 batches
+the int4 kernel rounds x (int8 blocks, the AVX-512 and AVX2 builds' default, or int16 rows), and whether bf16 batches
 take the AMX tiles."""
 
 import dataclasses
@@ -28,7 +28,7 @@ def configured(**options):
 def x_in_int8(on: bool, *builds):
     """While inside, integer weights take x rounded to int8 blocks (on: int4 per block of 32, int8 batches
     in AMX tiles per scale group) or to int16 per row (off) in the kernel builds given (their ops) and in
-    the one linears() uses (csrc/matvec.cpp, set_int8_x; the AVX2 and portable builds always round to
+    the one linears() uses (csrc/matvec.cpp, set_int8_x; the portable build always rounds to
     int16). With int16, one x value rounded the other way moves an output by 1/32767 of the row's largest
     |x| instead of 1/127 of its block's: two paths whose activations differ in the last bits stay close to
     the last bits."""
@@ -59,7 +59,7 @@ def has_int8_x(ops) -> bool:
 
 
 def x_in_int8_blocks(x, block=32):
-    """x (m, k) as the kernel rounds it for int4 weights in the AVX-512 builds (blocks of 32) and for
+    """x (m, k) as the kernel rounds it for int4 weights in the AVX-512 and AVX2 builds (blocks of 32) and for
     int8 weights in AMX tiles (blocks of the weights' scale group) (float64), and per element the step
     by which it may round the other way: per block, q = round(x * (127 / max |x|)) in fp32 (halves to
     even) times the block's scale max |x| / 127; the compiler may compute 127 / max |x| as

@@ -93,6 +93,13 @@ def hf_folder(reference, tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A small random checkpoint's folder (support/checkpoints.py), one per test module."""
+    from support.checkpoints import write_tiny_checkpoint
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
+
+
 @pytest.fixture(scope="session")
 def device():
     """Where the tests that compute with a loaded model put it: $LLAMA_TEST_DEVICE (cpu, cuda, mps), the

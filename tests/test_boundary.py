@@ -16,7 +16,6 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.checkpoints import write_tiny_checkpoint
 from support.hostile import EDGES, HOSTILE, ROUTES, body_for, with_value
 
 from app.api.routes import create_app
@@ -32,11 +31,6 @@ TEXT = st.text(st.characters() | st.integers(0xD800, 0xDFFF).map(chr), max_size=
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | TEXT,
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4), max_leaves=12)
 VALUES = st.sampled_from(sorted(HOSTILE | EDGES)).map((HOSTILE | EDGES).get) | JSON  # the worst cases, and any JSON
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.browser import CHROMIUM, CHROMIUM_ARGS, browser_or_reason, skip_browser
+from support.browser import ANSWERS, CHROMIUM, CHROMIUM_ARGS, STATS, need_browser
 from support.servers import DEFAULT_MODEL, ROOT, ChainlitServer, server_env
 from support.special_checkpoints import default_model, write_scripted_checkpoint
 
@@ -27,8 +27,6 @@ from model.options import Environment
 SHOTS = ROOT / "test-output" / "e2e"
 SCREENSHOT = ROOT / "docs" / "screenshot.png"
 
-ANSWERS = '.step[data-step-type="assistant_message"]:not(:has(img[alt="Avatar for stats"])) .message-content'
-STATS = '.step:has(img[alt="Avatar for stats"]) .message-content'
 # what the second model ("scripted") answers to anything: money, math, and a dollar in code
 SCRIPTED_SAYS = "Tickets cost $5 and $10. Area: $\\pi r^2$.\n```\n$x$\n```"
 
@@ -37,11 +35,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    reason = browser_or_reason()
-    if reason and skip_browser():
-        pytest.skip(f"LLAMA_SKIP_BROWSER=1: {reason}")
-    if reason:
-        pytest.fail(f"{reason} (or set LLAMA_SKIP_BROWSER=1 to skip the browser test)", pytrace=False)
+    need_browser()
     default_model()
     # One torch thread: on 2 cores the browser and the test need the other one.
     folder = tmp_path_factory.mktemp("chainlit")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.browser import CHROMIUM, CHROMIUM_ARGS, browser_or_reason, skip_browser
+from support.browser import ANSWERS, CHROMIUM, CHROMIUM_ARGS, STATS, need_browser
 from support.pdfs import make_pdf
 from support.servers import DEFAULT_MODEL, ROOT, ChainlitServer, server_env
 from support.special_checkpoints import default_model
@@ -25,8 +25,6 @@ from support.special_checkpoints import default_model
 from app.bounds import MAX_FILE_BYTES
 
 SHOTS = ROOT / "test-output" / "e2e-files"
-ANSWERS = '.step[data-step-type="assistant_message"]:not(:has(img[alt="Avatar for stats"])) .message-content'
-STATS = '.step:has(img[alt="Avatar for stats"]) .message-content'
 ERRORS = '.step[data-step-type="assistant_message"] .message-content'
 USER_MESSAGES = '.step[data-step-type="user_message"]'
 UPLOAD = "#upload-button-input"  # the clip button's file input
@@ -54,11 +52,7 @@ def report_pdf() -> bytes:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    reason = browser_or_reason()
-    if reason and skip_browser():
-        pytest.skip(f"LLAMA_SKIP_BROWSER=1: {reason}")
-    if reason:
-        pytest.fail(f"{reason} (or set LLAMA_SKIP_BROWSER=1 to skip the browser test)", pytrace=False)
+    need_browser()
     default_model()
     folder = tmp_path_factory.mktemp("chainlit")
     env = server_env(checkpoint=DEFAULT_MODEL, temperature=0, repetition_penalty=1, dtype="fp32", threads=1,

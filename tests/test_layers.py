@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-from support.checkpoints import write_tiny_checkpoint
 from support.servers import ROOT, server_env
 
 import app.files
@@ -71,11 +70,6 @@ def assert_none_of(forbidden: set[str], brought: dict[str, list[str]]) -> None:
     found = {step: sorted({of(m) for m in modules if of(m)}) for step, modules in brought.items()}
     found = {step: modules for step, modules in found.items() if modules}
     assert not found, f"imported where they do not belong (importing -> what it brought in): {found}"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
 
 
 def test_the_web_process_imports_no_torch_no_tokenizer_and_nothing_of_the_engine(tiny, tmp_path):

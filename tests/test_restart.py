@@ -18,14 +18,12 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import msgspec
 import psutil
 import pytest
 import torch
-from support.checkpoints import write_tiny_checkpoint
 from support.engine import EngineHarness, last, request
 from support.servers import ApiServer, server_env
 
@@ -40,11 +38,6 @@ pytestmark = pytest.mark.timeout(300)
 
 GREEDY = ReplySettings(max_new_tokens=12, temperature=0.0)
 LONG = ReplySettings(max_new_tokens=3000, temperature=1.0)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
 
 
 def chat(text: str, **message) -> Conversation:

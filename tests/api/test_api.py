@@ -11,13 +11,11 @@ from __future__ import annotations
 import json
 import re
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-from support.checkpoints import write_tiny_checkpoint
 from support.servers import ChainlitServer, server_env
 
 from app.api.parse import parse_chat, parse_completion
@@ -31,11 +29,6 @@ KEY = "test-key-123"
 MAX_CONTEXT = 16384  # a reply this long takes the tiny model many seconds
 QUESTION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
 LONG_SYSTEM = "You are a helpful assistant who answers briefly and kindly. " * 40  # more than a prefill chunk
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
 
 
 @pytest.fixture(scope="module")

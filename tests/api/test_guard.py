@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 import websocket
-from support.browser import CHROMIUM, CHROMIUM_ARGS, browser_or_reason, skip_browser
+from support.browser import CHROMIUM, CHROMIUM_ARGS, need_browser
 from support.chat_tab import ChatTab, sign_in
 from support.live_chat import LiveChat
 from support.servers import ROOT, ApiServer, ChainlitServer, free_port, server_env
@@ -151,11 +151,7 @@ def test_model_output_with_html_reaches_the_page_as_text(server):
 
 @pytest.fixture(scope="module")
 def browser():
-    reason = browser_or_reason()
-    if reason and skip_browser():
-        pytest.skip(f"LLAMA_SKIP_BROWSER=1: {reason}")
-    if reason:
-        pytest.fail(f"{reason} (or set LLAMA_SKIP_BROWSER=1 to skip the browser test)", pytrace=False)
+    need_browser()
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:

@@ -7,21 +7,14 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
-from support.checkpoints import write_tiny_checkpoint
 
 from app.backend.engine_client import EngineClient, EngineError, ServerBusy
 from app.backend.conversation import Conversation
 from app.messages import Done, EngineConfig, Failed, Loading, ReplySettings, Text
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
 
 
 def run(coroutine, timeout: float = 120):

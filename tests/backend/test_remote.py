@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from support.chat_tab import ChatTab, sign_in
-from support.checkpoints import write_tiny_checkpoint
 from support.servers import ApiServer, ChainlitServer, free_port, server_env
 
 from app.backend.protocol import open_backend
@@ -32,11 +30,6 @@ pytestmark = pytest.mark.timeout(240)
 KEY = "backend-key"
 MAX_CONTEXT = 16384  # a reply this long takes the tiny model many seconds
 GONE = "the client went away; cancelled"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
 
 
 @pytest.fixture(scope="module")

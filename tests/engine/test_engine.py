@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 
 import msgspec
 import pytest
 import torch
-from support.checkpoints import write_tiny_checkpoint
 from support.engine import EngineHarness, last, reference, request
 
 from app.backend.conversation import Conversation
@@ -39,16 +37,6 @@ from model.options import DEFAULT_MODEL_NAME
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
 
 GREEDY = ReplySettings(max_new_tokens=24, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tiny, device):
-    return load_checkpoint(tiny, dtype=torch.float32, device=device)
 
 
 def harness(tiny, checkpoint, **config) -> EngineHarness:

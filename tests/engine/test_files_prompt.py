@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-from support.checkpoints import write_tiny_checkpoint
 from support.engine import EngineHarness, last, request
 
 from app.backend.conversation import Conversation
@@ -22,11 +21,6 @@ from model.generation import PREFILL_CHUNK
 LIMIT, REPLY = 2048, 256
 FACT = "The lighthouse keeper of Corvo Island is Bartholomew Finch, since 1987."
 QUESTION = "Who is the lighthouse keeper of Corvo Island?"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ greedy, with logprobs and stop strings; guesses only in the rows a batch leaves 
 from __future__ import annotations
 
 import pytest
-import torch
-from support.checkpoints import write_tiny_checkpoint
 from support.engine import EngineHarness, last, request
 from support.special_checkpoints import default_model, write_chatml_checkpoint
 
@@ -84,11 +82,6 @@ def test_guesses_go_only_in_the_rows_a_batch_leaves_free(engines, fixed_step_tim
     assert any(sequences == MAX_KERNEL_ROWS for _, sequences in steps)
     assert all(rows == sequences for rows, sequences in steps if sequences == MAX_KERNEL_ROWS)
     assert any(rows > sequences for rows, sequences in steps)  # and guesses where there was room
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
 
 
 def test_a_model_drafting_for_itself_has_every_guess_stand(tiny, fixed_step_times, monkeypatch):

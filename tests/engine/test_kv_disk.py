@@ -27,16 +27,6 @@ GREEDY = ReplySettings(max_new_tokens=24, temperature=0.0)
 LONG_SYSTEM = "You are a helpful assistant who answers briefly and kindly. " * 40  # more than a prefill chunk
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tiny, device):
-    return load_checkpoint(tiny, dtype=torch.float32, device=device)
-
-
 def harness(tiny, checkpoint, folder: Path | None, **config) -> EngineHarness:
     """An engine over the checkpoint; its KV caches kept on disk in `folder` (None: not on disk, no cache at all)."""
     disk = dict(kv_disk_dir=str(folder), kv_disk_mb=64) if folder else dict(kv_disk_mb=0, kv_cache_mb=0)

@@ -5,22 +5,15 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from support.checkpoints import write_tiny_checkpoint
 
 from app.engine.models import Models, find_profiles
 from app.messages import EngineConfig, ReplySettings
 from model.checkpoint import CheckpointError, load_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -49,11 +49,6 @@ def write_hostile_checkpoint(folder: Path, config_from: Path, marker: Path) -> P
     return folder
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
-
-
 def events(engine: EngineHarness, model: str | None = None) -> list:
     """Every event of a reply to "Hello" by the model (the default one if None)."""
     r = request("Hello", GREEDY, model=model or engine.engine.models.default)

@@ -13,7 +13,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from support.checkpoints import write_tiny_checkpoint
 from support.engine import EngineHarness, last, request
 
 from app.messages import Done, ReplySettings, Text
@@ -258,11 +257,6 @@ def test_one_stats_type_the_web_process_reads_without_torch():
 
 
 # ---- generate() and the engine: one policy ------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny):

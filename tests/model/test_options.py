@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import pytest
-from support.checkpoints import write_tiny_checkpoint
 from support.kernels import configured
 
 import model.checkpoint
@@ -30,11 +29,6 @@ from model.options import (
 
 ROOT = Path(__file__).resolve().parents[2]
 SWITCH_ERROR = "expected on or off (or 1/0, true/false, yes/no)"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
 
 
 # ---- the reader -------------------------------------------------------------------------------------------

@@ -85,6 +85,14 @@ def test_prompt_lookup_proposes_what_followed_the_longest_latest_match():
     assert PromptLookup(min_ngram=2).propose([1, 2, 1], 3) == []  # one token matching is not enough
 
 
+def test_prompt_lookup_guesses_little_after_a_match_of_one_token():
+    tokens = [4, 1, 5, 6, 7, 8, 9, 1]  # only "1" occurred before: 5 6 7 ... followed it
+    assert PromptLookup().propose(tokens, 6) == [5, 6]
+    assert PromptLookup(one_token=4).propose(tokens, 6) == [5, 6, 7, 8]
+    assert PromptLookup().propose(tokens, 1) == [5]
+    assert PromptLookup().propose([4, 1, 5, 6, 7, 8, 9, 4, 1], 6) == [5, 6, 7, 8, 9, 4]  # two tokens: all k
+
+
 def test_prompt_lookup_grown_a_token_at_a_time_proposes_as_one_built_at_once():
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 12, (400,), generator=g).tolist()

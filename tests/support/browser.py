@@ -8,6 +8,9 @@ from pathlib import Path
 from model.options import Environment
 
 CHROMIUM = Path("/usr/bin/chromium")
+# the chat page's assistant replies and the stats line under each (the stats message has its own avatar)
+ANSWERS = '.step[data-step-type="assistant_message"]:not(:has(img[alt="Avatar for stats"])) .message-content'
+STATS = '.step:has(img[alt="Avatar for stats"]) .message-content'
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
 
@@ -19,6 +22,18 @@ def browser_or_reason() -> str | None:
     if importlib.util.find_spec("playwright") is None:
         return "the playwright package is missing: `pip install -r requirements-test.txt`"
     return None
+
+
+def need_browser() -> None:
+    """Go on where the browser tests can run; else skip the test (LLAMA_SKIP_BROWSER=1) or fail it, naming
+    what is missing."""
+    import pytest
+
+    reason = browser_or_reason()
+    if reason and skip_browser():
+        pytest.skip(f"LLAMA_SKIP_BROWSER=1: {reason}")
+    if reason:
+        pytest.fail(f"{reason} (or set LLAMA_SKIP_BROWSER=1 to skip the browser tests)", pytrace=False)
 
 
 def skip_browser() -> bool:

@@ -8,7 +8,6 @@ import asyncio
 import inspect
 import json
 import stat
-from pathlib import Path
 from types import SimpleNamespace
 
 import chainlit as cl

@@ -27,7 +27,6 @@ import socketio
 import torch
 from chainlit.user import User
 from support.chat_tab import ChatTab, sign_in
-from support.checkpoints import write_tiny_checkpoint
 from support.servers import ChainlitServer, server_env
 
 from app.web import history
@@ -271,11 +270,6 @@ def stored_replies(db: Path, thread_id: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("weights") / "tiny")
-
-
-@pytest.fixture(scope="module")
 def first_chat(tiny, tmp_path_factory):
     """One chat with one question, by a server that is then stopped: (environment, thread id, cookies)."""
     folder = tmp_path_factory.mktemp("history")
@@ -372,12 +366,9 @@ def test_a_resumed_chat_continues_with_the_models_memory_of_it(first_chat, resta
 
 
 def test_the_sidebar_lists_the_chat_and_opens_it(first_chat, restarted):
-    from support.browser import CHROMIUM, CHROMIUM_ARGS, browser_or_reason, skip_browser
+    from support.browser import CHROMIUM, CHROMIUM_ARGS, need_browser
 
-    reason = browser_or_reason()
-    if reason and skip_browser():
-        pytest.skip(f"LLAMA_SKIP_BROWSER=1: {reason}")
-    assert reason is None, f"{reason} (or set LLAMA_SKIP_BROWSER=1 to skip the browser tests)"
+    need_browser()
     from playwright.sync_api import sync_playwright
 
     _, thread_id, _, _ = first_chat

@@ -41,7 +41,8 @@ import torch
 from .kv_cache import KVCache
 
 MAX_GUESSES = 7  # with the last token, the decode kernel's 8 rows
-MAX_NGRAM, MIN_NGRAM = 3, 2  # prompt lookup's longest and shortest n-gram (a single token matches too often)
+MAX_NGRAM, MIN_NGRAM = 3, 1  # prompt lookup's longest and shortest n-gram
+ONE_TOKEN_GUESSES = 2  # a match of a single token guesses at most this many tokens
 
 
 class Guesser(Protocol):
@@ -54,12 +55,18 @@ class Guesser(Protocol):
 class PromptLookup:
     """Guesses the tokens that followed the latest earlier occurrence of the last n tokens (n from
     MAX_NGRAM down to MIN_NGRAM). Keeps an index of every n-gram's latest continuation, updated as the
-    sequence grows (a few dict writes a token), so a lookup costs the same in a prompt of 8,000 tokens."""
+    sequence grows (a few dict writes a token), so a lookup costs the same in a prompt of 8,000 tokens.
+
+    Where only the last token matches, it often guesses the rest of a word cut in pieces or the comma
+    after it, and seldom a long run: such a match guesses at most `one_token` tokens, so that its misses
+    cost little and do not pull down the acceptance that longer matches earned (docs/benchmarks.md,
+    speculative decoding)."""
 
     cost_per_guess = 0.0  # dict reads
 
-    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
+    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM, one_token: int = ONE_TOKEN_GUESSES):
         self.sizes = range(max_ngram, min_ngram - 1, -1)
+        self.one_token = one_token
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
         self.seen: list[int] = []  # the tokens indexed: every n-gram that ends before the last one
 
@@ -68,7 +75,7 @@ class PromptLookup:
         for n in self.sizes:
             start = self.index.get(tuple(tokens[-n:])) if len(tokens) > n else None
             if start is not None:
-                return tokens[start:start + k]
+                return tokens[start:start + (k if n > 1 else min(k, self.one_token))]
         return []
 
     def _index(self, tokens: list[int]) -> None:

@@ -33,6 +33,10 @@
 #include <optional>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "dot_portable.h"  // prefetch_ahead
 #include "matvec.h"
 
@@ -92,9 +96,14 @@ inline f32x16 load16(const float* p) {
   return v;
 }
 inline f32x16 load16(const BFloat16* p) {  // bf16 is the top half of an fp32
+#if defined(__AVX512F__)
+  // GCC 12 widens a u16x16 to 32 bits in halves (5 instructions where AVX-512 has one)
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
   u16x16 h;
   std::memcpy(&h, p, sizeof h);
   const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+#endif
   f32x16 v;
   std::memcpy(&v, &w, sizeof v);
   return v;
@@ -138,32 +147,61 @@ void softmax_piece(float* p, int64_t n, float* top, float* sum) {
   *sum = total;
 }
 
-// head_dim is C pieces of 16 (Llama's 64 and 128: 4 and 8). Each key and each value is read once
-// for all the groups, in order, and asked for from memory 8 KB ahead as the weights are
-// (dot_portable.h). Written element by element (attend_any), the compiler kept the sums in memory
-// and reduced each dot product with a chain of scalar adds (docs/benchmarks.md). `scores` holds
-// groups * n floats.
-template <int C, typename T>
-void attend_vectors(const T* q, const T* k, const T* v, int64_t groups, int64_t n, float* scores, Partial out) {
+// out[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairs of vectors are folded into one, half
+// of each, and added, four times (15 additions of two shuffles for 16 sums, where one sum alone takes 4
+// additions and the moves between registers). Each lane's sum is added in the same order whatever its i.
+inline f32x16 sums16(const f32x16* v) {
+  f32x16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; i++)  // lanes 0-7: v[2i]'s sums of 2, 8-15: v[2i + 1]'s
+    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; i++)  // 4 lanes each of v[4i .. 4i + 3]
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; i++)  // 2 lanes each of v[8i .. 8i + 7]
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// head_dim is C pieces of 16 (Llama's 64 and 128: 4 and 8) and G query heads share the KV head (Llama
+// 3.2's 3 and 4), both known to the compiler, so the queries and the weighted sums stay in registers.
+// Each key and each value is read once for all the groups, in order, and asked for from memory 8 KB
+// ahead as the weights are (dot_portable.h). A key's dot product with a query is 16 lanes, summed with
+// 15 other keys' (sums16); the last keys fewer than 16 are summed beside zeros, the same way, so a
+// score does not depend on where its key falls. Written element by element (attend_any), the compiler
+// kept the sums in memory and reduced each dot product with a chain of scalar adds (docs/benchmarks.md).
+// `scores` holds G * n floats.
+template <int C, int G, typename T>
+void attend_vectors(const T* q, const T* k, const T* v, int64_t n, float* scores, Partial out) {
   constexpr int64_t head_dim = 16 * C;
   const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
-  f32x16 acc[kMaxGroups][C];  // the queries, then the weighted sums of values
-  for (int64_t g = 0; g < groups; g++)
+  f32x16 acc[G][C];  // the queries, then the weighted sums of values
+  for (int g = 0; g < G; g++)
     for (int c = 0; c < C; c++) acc[g][c] = load16(q + g * head_dim + 16 * c) * scale;
-  for (int64_t j = 0; j < n; j++) {
-    const T* key = k + j * head_dim;
-    prefetch_ahead(key);
-    f32x16 kj[C];
-    for (int c = 0; c < C; c++) kj[c] = load16(key + 16 * c);
-    for (int64_t g = 0; g < groups; g++) {
-      f32x16 dot = acc[g][0] * kj[0];
-      for (int c = 1; c < C; c++) dot += acc[g][c] * kj[c];
-      scores[g * n + j] = sum16(dot);
+  f32x16 dots[G][16];  // per query, 16 keys' products, lane by lane
+  for (int64_t first = 0; first < n; first += 16) {
+    const int64_t keys = std::min<int64_t>(16, n - first);
+    for (int64_t i = 0; i < keys; i++) {
+      const T* key = k + (first + i) * head_dim;
+      prefetch_ahead(key);
+      f32x16 ki[C];
+      for (int c = 0; c < C; c++) ki[c] = load16(key + 16 * c);
+      for (int g = 0; g < G; g++) {
+        f32x16 dot = acc[g][0] * ki[0];
+        for (int c = 1; c < C; c++) dot += acc[g][c] * ki[c];
+        dots[g][i] = dot;
+      }
+    }
+    for (int g = 0; g < G; g++) {
+      for (int64_t i = keys; i < 16; i++) dots[g][i] = f32x16{};
+      const f32x16 sums = sums16(dots[g]);
+      std::memcpy(scores + g * n + first, &sums, keys * sizeof(float));
     }
   }
-  for (int64_t g = 0; g < groups; g++) {
-    float* p = scores + g * n;
-    softmax_piece<T>(p, n, &out.top[g], &out.sum[g]);
+  for (int g = 0; g < G; g++) {
+    softmax_piece<T>(scores + g * n, n, &out.top[g], &out.sum[g]);
     for (int c = 0; c < C; c++) acc[g][c] = f32x16{};
   }
   for (int64_t j = 0; j < n; j++) {
@@ -171,10 +209,10 @@ void attend_vectors(const T* q, const T* k, const T* v, int64_t groups, int64_t 
     prefetch_ahead(value);
     f32x16 vj[C];
     for (int c = 0; c < C; c++) vj[c] = load16(value + 16 * c);
-    for (int64_t g = 0; g < groups; g++)
+    for (int g = 0; g < G; g++)
       for (int c = 0; c < C; c++) acc[g][c] += scores[g * n + j] * vj[c];
   }
-  for (int64_t g = 0; g < groups; g++)
+  for (int g = 0; g < G; g++)
     for (int c = 0; c < C; c++) std::memcpy(out.acc + g * head_dim + 16 * c, &acc[g][c], sizeof(f32x16));
 }
 
@@ -206,15 +244,30 @@ void attend_any(const T* q, const T* k, const T* v, int64_t groups, int64_t n, i
   }
 }
 
+// attend_vectors for G = groups, 4 at most a call (G = 6: 4 then 2, each query head on its own in any case).
+template <int C, typename T>
+void attend_groups(const T* q, const T* k, const T* v, int64_t groups, int64_t n, float* scores, Partial out) {
+  for (int64_t g = 0; g < groups; g += 4) {
+    const Partial part{out.top + g, out.sum + g, out.acc + g * 16 * C};
+    const T* qg = q + g * 16 * C;
+    switch (std::min<int64_t>(4, groups - g)) {
+      case 1: attend_vectors<C, 1>(qg, k, v, n, scores, part); break;
+      case 2: attend_vectors<C, 2>(qg, k, v, n, scores, part); break;
+      case 3: attend_vectors<C, 3>(qg, k, v, n, scores, part); break;
+      default: attend_vectors<C, 4>(qg, k, v, n, scores, part); break;
+    }
+  }
+}
+
 template <typename T>
 void attend(const T* q, const T* k, const T* v, int64_t groups, int64_t n, int64_t head_dim,
             std::vector<float>& scratch, Partial out) {
   scratch.resize(groups * (head_dim + n));
   switch (head_dim) {
-    case 16: return attend_vectors<1>(q, k, v, groups, n, scratch.data(), out);
-    case 32: return attend_vectors<2>(q, k, v, groups, n, scratch.data(), out);
-    case 64: return attend_vectors<4>(q, k, v, groups, n, scratch.data(), out);
-    case 128: return attend_vectors<8>(q, k, v, groups, n, scratch.data(), out);
+    case 16: return attend_groups<1>(q, k, v, groups, n, scratch.data(), out);
+    case 32: return attend_groups<2>(q, k, v, groups, n, scratch.data(), out);
+    case 64: return attend_groups<4>(q, k, v, groups, n, scratch.data(), out);
+    case 128: return attend_groups<8>(q, k, v, groups, n, scratch.data(), out);
     default: return attend_any(q, k, v, groups, n, head_dim, scratch.data(), out);
   }
 }

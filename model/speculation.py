@@ -191,10 +191,12 @@ class Speculation:
     sequence's acceptance rate so far, the measured step times (`StepTimes`) and the time a guess
     takes to make (a draft model's steps). In a batch, the step's
     other rows and the tokens they are expected to give count too, so a guess is made only where it
-    raises the whole batch's rate. The acceptance counts fade at each step, so a sequence whose guesses
-    failed tries again later."""
+    raises the whole batch's rate. The acceptance counts fade after each step that guesses, and slowly
+    after one that does not: a sequence whose guesses failed tries again later, and one whose guesses
+    seldom stand (a plain answer, where a single token matched) does not keep paying for them."""
 
-    DECAY = 0.9  # the acceptance counts' weight after a step
+    DECAY = 0.9  # the acceptance counts' weight after a step that guessed
+    IDLE_DECAY = 0.98  # after a step that did not
 
     def __init__(self, guesser: Guesser, times: StepTimes, max_guesses: int = MAX_GUESSES):
         self.guesser = guesser
@@ -212,10 +214,12 @@ class Speculation:
         """Guesses for the step that runs the last of `tokens()` (the prompt and the reply so far, built
         only when a guess is worth making), at most `room`. rows: the step's rows before this sequence's
         guesses (its own last token included); expected: the tokens they should give."""
-        self.stood *= self.DECAY
-        self.missed *= self.DECAY
         k = self.best(min(room, self.max_guesses), rows, expected)
-        return self.guesser.propose(tokens(), k) if k > 0 else []
+        guesses = self.guesser.propose(tokens(), k) if k > 0 else []
+        fade = self.DECAY if guesses else self.IDLE_DECAY
+        self.stood *= fade
+        self.missed *= fade
+        return guesses
 
     def best(self, room: int, rows: int, expected: float) -> int:
         """The number of guesses (0..room) that maximizes expected tokens over the step's time."""

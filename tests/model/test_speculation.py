@@ -120,13 +120,15 @@ def test_speculation_guesses_as_many_as_raise_the_tokens_per_second():
     for _ in range(5):
         hits.checked(7, 7)  # every guess stood
     assert len(hits.guesses(lambda: [1], 7)) == 7
+    assert hits.stood == pytest.approx(35 * Speculation.DECAY)  # a step that guessed: the counts fade faster
     assert len(hits.guesses(lambda: [1], 3)) == 3  # no more than the room
     assert Speculation(Always(), times(0.5)).guesses(lambda: [1], 7) == []  # a guess at 1/2 for half a step: none
     misses = Speculation(Always(), times(0.2))
     for _ in range(5):
         misses.checked(3, 0)  # none stood
     assert misses.guesses(lambda: [1], 7) == []
-    for _ in range(30):  # the misses fade, and it tries again
+    assert misses.missed == pytest.approx(5 * Speculation.IDLE_DECAY)  # a step without guesses: a slow fade
+    for _ in range(60):  # the misses fade, slowly while it does not guess, and it tries again
         misses.guesses(lambda: [1], 7)
     assert misses.guesses(lambda: [1], 7)
     batched = Speculation(Always(), times(0.2))

@@ -13,6 +13,8 @@ but of one kind within q|k|v and within w1|w3.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 
 import torch
@@ -38,15 +40,17 @@ class LayerWeights:
     def __init__(self, model):
         self.norms = [norm for block in model.layers for norm in (block.attention_norm, block.ffn_norm)]
         self.linears = [block.get_submodule(name) for block in model.layers for name in LAYER_MATRICES]
+        # where each module keeps its tensors, read on every step with map() (the loops run in C)
+        self.places = ([(n._parameters, "weight") for n in self.norms] + [(m._parameters, "weight") for m in self.linears]
+                       + [(m._buffers, "scale") for m in self.linears] + [(m._buffers, "offset") for m in self.linears])
         self.found = None  # (the modules' tensors, the op's norms, weights, scales and offsets), per activation dtype
         self.dtype = None
 
     def current(self, dtype: torch.dtype) -> tuple[list, list, list, list] | None:
         """(norms in `dtype`, weights, scales, offsets) for the op, or None where it does not take the
         matrices' kinds."""
-        tensors = ([n._parameters["weight"] for n in self.norms] + [m._parameters["weight"] for m in self.linears]
-                   + [m._buffers["scale"] for m in self.linears] + [m._buffers["offset"] for m in self.linears])
-        if self.found is None or self.dtype != dtype or any(a is not b for a, b in zip(tensors, self.found[0])):
+        tensors = list(itertools.starmap(dict.get, self.places))
+        if self.found is None or self.dtype != dtype or any(map(operator.is_not, tensors, self.found[0])):
             self.found, self.dtype = (tensors, self.gather(dtype)), dtype
         return self.found[1]
 

@@ -1,6 +1,7 @@
 """Speculative decoding, off against on, side by side in one run.
 
     python bench/speculative.py [--rounds 2] [--tokens 256] [--penalty 1.0|model] [--threads N] [--skip-1b] [--out FILE]
+                                [--chart] [--chart-from FILE]
 
 1. The default model (real weights, as the app serves it), one stream, temperature 0, through the engine
    (app/engine/core.py, in this process, without sockets): asks whose answer repeats the prompt (fixing
@@ -177,6 +178,35 @@ def one_billion(tokens: int) -> dict:
     return out
 
 
+def chart(results: dict) -> str:
+    """docs/benchmarks-speculative.png: auto / off per ask, with the tokens each step gave (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no chart: matplotlib is not installed (pip install matplotlib)"
+    rows = [(r, "grounded") for r in results["grounded"]] + [(r, "questions") for r in results["questions"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
+    colors = {"grounded": "tab:blue", "questions": "tab:gray"}
+    for y, (row, kind) in enumerate(reversed(rows)):
+        ax.barh(y, row["ratio"], color=colors[kind])
+        ax.text(row["ratio"] + 0.03, y, f"{row['ratio']:.2f}x, {row['tokens_per_step']:.2f} a step", va="center",
+                fontsize=7)
+    ax.set_yticks(range(len(rows)), [row["ask"] for row, _ in reversed(rows)], fontsize=8)
+    for x, style in ((1.0, "-"), (2.0, ":")):
+        ax.axvline(x, color="black", linestyle=style, linewidth=0.8)
+    ax.set_xlabel("decode tokens/s, LLAMA_SPECULATE=auto / off")
+    ax.set_xlim(0, max(row["ratio"] for row, _ in rows) + 1.0)
+    ax.set_title(f"Speculative decoding, one stream ({results['machine']['cpu']}): grounded asks (blue) "
+                 f"{results['grounded_geomean']:.2f}x, questions {results['questions_geomean']:.2f}x", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    path = Path(__file__).resolve().parents[1] / "docs" / "benchmarks-speculative.png"
+    fig.tight_layout()
+    fig.savefig(path)
+    return f"chart: docs/{path.name}"
+
+
 def geometric_mean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
@@ -190,7 +220,12 @@ def main() -> int:
     p.add_argument("--skip-1b", action="store_true")
     p.add_argument("--only-1b", action="store_true")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--chart", action="store_true", help="draw docs/benchmarks-speculative.png (matplotlib)")
+    p.add_argument("--chart-from", default=None, help="only draw the chart, from the JSON of an earlier --out")
     args = p.parse_args()
+    if args.chart_from:
+        print(chart(json.loads(Path(args.chart_from).read_text())))
+        return 0
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -227,6 +262,8 @@ def main() -> int:
     print("Many streams:", flush=True)
     mixed = list(GROUNDED.values())[:4] + list(QUESTIONS.values())[:4]
     results["streams"] = [many_streams(harness_for, mixed[:n], args.rounds, settings) for n in (2, 4, 8)]
+    if args.chart:
+        print(chart(results))
     if not args.skip_1b:
         print("The 1B shape:", flush=True)
         results["1b"] = one_billion(min(args.tokens, 64))

@@ -147,22 +147,31 @@ void softmax_piece(float* p, int64_t n, float* top, float* sum) {
   *sum = total;
 }
 
+// Lanes of a and b (0-15: a's, 16-31: b's) picked by constant indices: __builtin_shufflevector (clang, GCC
+// 12 and later), or GCC's older __builtin_shuffle with the indices as a vector.
+#if defined(__clang__) || __GNUC__ >= 12
+#define PICK16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+#define PICK16(a, b, ...) __builtin_shuffle(a, b, i32x16{__VA_ARGS__})
+#endif
+
 // out[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairs of vectors are folded into one, half
 // of each, and added, four times (15 additions of two shuffles for 16 sums, where one sum alone takes 4
 // additions and the moves between registers). Each lane's sum is added in the same order whatever its i.
 inline f32x16 sums16(const f32x16* v) {
   f32x16 a[8], b[4], c[2];
   for (int i = 0; i < 8; i++)  // lanes 0-7: v[2i]'s sums of 2, 8-15: v[2i + 1]'s
-    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    a[i] = PICK16(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           PICK16(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   for (int i = 0; i < 4; i++)  // 4 lanes each of v[4i .. 4i + 3]
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    b[i] = PICK16(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           PICK16(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   for (int i = 0; i < 2; i++)  // 2 lanes each of v[8i .. 8i + 7]
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    c[i] = PICK16(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           PICK16(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return PICK16(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         PICK16(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // head_dim is C pieces of 16 (Llama's 64 and 128: 4 and 8) and G query heads share the KV head (Llama

@@ -158,7 +158,8 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 // out[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairs of vectors are folded into one, half
 // of each, and added, four times (15 additions of two shuffles for 16 sums, where one sum alone takes 4
-// additions and the moves between registers). Each lane's sum is added in the same order whatever its i.
+// additions and the moves between registers). Each vector's lanes are added in the same order whatever its
+// i, and in the order sum16 adds one vector's (halves, then quarters, eighths, pairs): the same scores.
 inline f32x16 sums16(const f32x16* v) {
   f32x16 a[8], b[4], c[2];
   for (int i = 0; i < 8; i++)  // lanes 0-7: v[2i]'s sums of 2, 8-15: v[2i + 1]'s

@@ -25,8 +25,8 @@ price of replies that differ from plain decoding's for a seed: not done.
 `Speculation` holds one sequence's guesser and decides how many guesses a step makes: those that raise
 the tokens expected per second, from how often its guesses stood and how long steps of each number of
 rows take on this machine (`StepTimes`, measured as it runs: a row more costs ~5% of a step for a bf16
-model on AVX-512, ~25% for the default model's 4-bit blocks). A reply that repeats nothing, or a batch
-with no rows to spare, guesses little or nothing.
+model on AVX-512, ~20% for the default model's 4-bit blocks on AVX-512 and ~45% on AVX2). A reply that
+repeats nothing, or a batch with no rows to spare, guesses little or nothing.
 """
 
 from __future__ import annotations

@@ -73,11 +73,14 @@ def ops(request):
 
 
 def tiny(tmp_path, monkeypatch, n_heads, n_kv_heads, activations, quantize=None, weights=torch.bfloat16,
-         ffn_dim=160, head_dim=16):
-    """A random 3-layer model of head_dim 16 (or as given) loaded with bf16 weights, or quantized ("int8",
-    "int4": Q4_1 blocks, "q4_0"), and the given activations."""
-    hf_model(seed=n_heads * 10 + n_kv_heads, hidden_size=head_dim * n_heads, intermediate_size=ffn_dim,
-             num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, head_dim=head_dim).save_pretrained(tmp_path)
+         ffn_dim=160, head_dim=16, hidden=None):
+    """A random 3-layer model of head_dim 16 (or as given) and hidden size head_dim * n_heads (or as given)
+    loaded with bf16 weights, or quantized ("int8", "int4": Q4_1 blocks, "q4_0"), and the given activations.
+    Written to tmp_path unless a test wrote it there already (folders_by_shape)."""
+    if not (tmp_path / "config.json").exists():
+        hf_model(seed=n_heads * 10 + n_kv_heads, hidden_size=hidden or head_dim * n_heads, intermediate_size=ffn_dim,
+                 num_attention_heads=n_heads, num_key_value_heads=n_kv_heads,
+                 head_dim=head_dim).save_pretrained(tmp_path)
     # Activations follow the weights where the CPU computes natively in bf16: fp32 is asked for here.
     monkeypatch.setattr(model.checkpoint, "has_native_bf16", lambda: activations == torch.bfloat16)
     ckpt = load_checkpoint(tmp_path, dtype=weights, quantize="int4" if quantize == "q4_0" else quantize)
@@ -169,20 +172,27 @@ def test_fp32_activations_give_the_reference_logits(ops, tmp_path, monkeypatch, 
         close(fused.v[:, :, :, :n], reference.v[:, :, :, :n])
 
 
+@pytest.fixture(scope="module")
+def folders_by_shape(tmp_path_factory):
+    """One folder per model shape for the module's tests, so each kernel build's test loads the same file
+    (a checkpoint of Llama 3's vocabulary is 33 MB at hidden size 64, 534 MB at 1024)."""
+    folders = {}
+    return lambda *shape: folders.setdefault(shape, tmp_path_factory.mktemp("shape"))
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 48])  # 16 above; 48: no whole vectors, element by element
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(2, 1), (6, 1), (8, 1)])  # 6 and 8 query heads to a KV head: two passes
 @pytest.mark.parametrize("activations", [torch.float32, torch.bfloat16])
-def test_attention_of_each_head_size_and_grouping_gives_the_reference(ops, tmp_path, monkeypatch, head_dim, n_heads,
-                                                                      n_kv_heads, activations):
+def test_attention_of_each_head_size_and_grouping_gives_the_reference(ops, folders_by_shape, monkeypatch, head_dim,
+                                                                      n_heads, n_kv_heads, activations):
     """The op's attention (csrc/decode_step.cpp) takes the query heads of a KV head in passes of up to 4 and
     the keys 16 at a time, the last fewer summed beside zeros: caches of 3, 16 and 27 positions (a part of a
-    block, a whole one, one and a part) decoded 4 steps, against the reference. The hidden sizes here run
-    to 1024, so the sums of the matrix products differ from the reference's more than in the tests above:
-    up to 9.4e-5 of the scale in fp32 (1e-6 to 2e-5 at 256 and below) and 4% in bf16 (the same before
-    these passes: a key's 16 lanes are added in the same order as when each key was summed alone). A
-    query head paired with another's KV head, or a key left out, moves logits by a tenth of the scale or
-    more."""
-    ckpt = tiny(tmp_path, monkeypatch, n_heads, n_kv_heads, activations, head_dim=head_dim)
+    block, a whole one, one and a part) decoded 4 steps, against the reference. The attention's width
+    (heads x head_dim) runs to 1024, so the sums of the products with wo differ from the reference's more
+    than in the tests above. A query head paired with another's KV head, or a key left out, moves logits
+    by a tenth of the scale or more."""
+    folder = folders_by_shape(n_heads, n_kv_heads, head_dim)
+    ckpt = tiny(folder, monkeypatch, n_heads, n_kv_heads, activations, head_dim=head_dim, hidden=8 * n_heads)
     steps, fused_caches, reference_caches = decode_both(ckpt, ops, lengths=[3, 16, 27])
     for fused, reference in steps:
         scale = float(reference.abs().max())

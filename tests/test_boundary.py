@@ -39,6 +39,8 @@ def api(tiny):
     from fastapi.testclient import TestClient
 
     backend = EngineClient(EngineConfig(checkpoint=str(tiny), dtype="fp32", threads=1, max_context=128))
+    # `with`: our own FastAPI app (app/api/routes.py, not Chainlit's, whose shutdown ends the process): its
+    # lifespan starts the engine process and stops it after the module
     with TestClient(create_app(backend, max_body_mb=MAX_BODY_MB), raise_server_exceptions=False) as http:
         http.backend = backend
         http.engine_pid = backend.pid

@@ -134,10 +134,10 @@ def model_identity(checkpoint: Checkpoint) -> Identity:
 def _files_unchanged(fields: dict) -> bool:
     """Whether the model files an identity names are still there as they were."""
     try:
-        return all(os.stat(path).st_size == size and os.stat(path).st_mtime_ns == mtime
-                   for path, size, mtime in fields["files"])
+        stats = [(os.stat(path), size, mtime) for path, size, mtime in fields["files"]]
     except (OSError, TypeError, ValueError, KeyError):
         return False
+    return all(stat.st_size == size and stat.st_mtime_ns == mtime for stat, size, mtime in stats)
 
 
 def read_entry(path: Path) -> tuple[Entry, dict]:

@@ -4,7 +4,8 @@ A Markdown file and a PDF are attached with the clip button's file input, asked 
 the reply tells each file's tokens and links the parts of them the model read; one opens beside the chat.
 A file too big is refused by the page, a renamed binary by the app, each with a message naming it. The
 chat, opened again from the history, shows its files (the PDF downloads from the history's store) and
-sends them to the model again. The default model (SmolLM2-135M-Instruct) answers greedily, in a context of
+sends them to the model again. A file dragged onto the chat and dropped is attached as one chosen with the
+clip button, and read. The default model (SmolLM2-135M-Instruct) answers greedily, in a context of
 2,048 tokens, so the PDF (12 pages) goes in as the parts nearest the question. Screenshots go to
 test-output/e2e-files/. Needs Debian's Chromium, as tests/test_e2e_browser.py.
 """
@@ -28,6 +29,7 @@ SHOTS = ROOT / "test-output" / "e2e-files"
 ERRORS = '.step[data-step-type="assistant_message"] .message-content'
 USER_MESSAGES = '.step[data-step-type="user_message"]'
 UPLOAD = "#upload-button-input"  # the clip button's file input
+DROP_INPUT = '[id="#upload-drop-input"]'  # the chat's drop zone's input
 
 NOTES = "# Team notes\n\nThe team lunch is on Friday at noon, in the blue room.\n"
 TOPICS = ["budget", "hiring", "offices", "security", "travel", "training", "suppliers", "weather", "parking",
@@ -199,4 +201,33 @@ def test_a_resumed_chat_shows_its_files_and_sends_them_again(page, server, files
     assert used_tokens(stats) > before, stats
     assert "notes.md" not in stats  # (a message without files: no line about them)
     shot(page, "07-follow-up")
+    assert "Traceback" not in server.log()
+
+
+def drop(page, path: Path, mime: str) -> None:
+    """Drag a file from the desktop and drop it on the chat: the drop zone is the element around the whole chat
+    that holds Chainlit's drop input (whose id is written with a "#")."""
+    transfer = page.evaluate_handle(
+        """([name, bytes, type]) => {
+            const transfer = new DataTransfer();
+            transfer.items.add(new File([new Uint8Array(bytes)], name, {type}));
+            return transfer;
+        }""", [path.name, list(path.read_bytes()), mime])
+    zone = page.locator(DROP_INPUT).locator("..")
+    for event in ("dragenter", "dragover", "drop"):
+        zone.dispatch_event(event, {"dataTransfer": transfer})
+
+
+def test_a_file_dropped_on_the_chat_is_attached_and_read(page, server, files):
+    page.click("#new-chat-button")
+    page.click("#confirm")
+    page.wait_for_function("() => !document.querySelector('.step[data-step-type=\"user_message\"]')")
+    drop(page, files["notes.md"], "text/markdown")
+    page.wait_for_function("() => document.querySelectorAll('#attachments .truncate').length === 1")
+    assert page.inner_text("#attachments").count("notes.md") == 1
+    page.wait_for_selector("#chat-submit:enabled")
+    shot(page, "07-dropped")
+    _, stats = ask(page, "When is the team lunch?")
+    assert 10 < file_tokens(stats, "notes.md") < 60, stats
+    assert "notes.md" in page.locator(USER_MESSAGES).last.inner_text()
     assert "Traceback" not in server.log()

@@ -42,6 +42,7 @@ from .memory import move_to_huge_pages, release_pages, scratch_returned
 from .options import DTYPES
 from .quantize import INT4_GROUP, can_quantize_int4, dequantize, quantize_int4, quantize_int8
 from .rope import permute_qk_rows
+from .static_decode import attach
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ HF_NAMES = [
     (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attention_norm.weight"),
     (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
 ]
+GRAPH_SLOTS = 8  # sequences of the static KV cache where decode steps are CUDA graphs (one batch of the engine)
 IGNORED = re.compile(r"(.*rotary_emb\.inv_freq|rope\.freqs)$")  # RoPE tables some files carry
 
 
@@ -280,7 +282,8 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype | str | None = None, tokenizer: str | Path | None = None,
-                    quantize: str | None = None, widen: bool | str = False, compile: bool = False) -> Checkpoint:
+                    quantize: str | None = None, widen: bool | str = False, compile: bool = False,
+                    graphs: bool | None = None, slots: int = GRAPH_SLOTS) -> Checkpoint:
     """Load a checkpoint folder or file: model (in eval mode), tokenizer, chat format and config.
 
     device: a torch device, or "auto" (resolve_device: CUDA, then MPS, then the CPU).
@@ -296,7 +299,10 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     widen: weights quantized in the file are widened at load to the float32 values they stand for (each
     one exact), then stored as a float32 file's would be (`dtype`, `quantize`). "auto": widened only where
     no decode kernel multiplies them (blocks_decode_fast), so where keeping them would be slower.
-    compile: run single-token decode steps through torch.compile (compiled on the first reply).
+    compile: run single-token decode steps through torch.compile (compiled on the first reply); with graphs,
+    the static step is compiled (its small ops fused) before its graphs are captured.
+    graphs: decode in steps of fixed shapes over `slots` static KV slots, each step a replayed CUDA graph
+    (model/static_decode.py), captured here so the first reply does not pay for it. None: on CUDA devices.
     """
     quantize = None if quantize == "off" else quantize
     if quantize is not None and quantize not in QUANTIZE:
@@ -357,10 +363,12 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
         model.compute_dtype = compute
         if quantize is not None:
             quantize_model(model, OUTPUT_HEAD[quantize])  # what is left: the output head
-    if compile:
-        model.decode = torch.compile(model.decode, dynamic=True)
     model.setup_rope(min(config.max_seq_len, DEFAULT_MAX_CONTEXT))
     model.eval().requires_grad_(False)
+    if device.type == "cuda" if graphs is None else graphs:
+        attach(model, slots, model.rope.max_len, compile=compile)
+    elif compile:
+        model.decode = torch.compile(model.decode, dynamic=True)
     if device.type == "cpu":
         moved = move_to_huge_pages(model.state_dict().values())
         log.info("weights in 2 MB pages: %.0f MB", moved / 1e6)

@@ -84,13 +84,16 @@ def decode_layers(model, x: torch.Tensor, rope: Rope, caches: list[KVCache], pos
     """x (b, dim) through every layer of `model` in one op, row i's key and value written to caches[i]
     at positions[i] (default: its length; rows may share a cache, the op writes every row's keys and
     values before any row attends); rope's tables (b, head_dim) in x's dtype. None where the op does not apply
-    (no kernel, not on the CPU, weights it does not take, more sequences than it takes): the caller
+    (no kernel, not on the CPU, weights it does not take, more sequences than it takes, caches that are
+    views of a static slot cache): the caller
     runs the reference. `ops`: the build to use (default: the one linears() uses)."""
     if torch.compiler.is_compiling() or x.device.type != "cpu":  # compile traces the reference; a GPU runs it
         return None
     ops = ops or kernels()
     if ops is None or not 1 <= x.shape[0] <= MAX_KERNEL_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
         return None
+    if not all(cache.k.is_contiguous() and cache.v.is_contiguous() for cache in caches):
+        return None  # a static slot's views (model/static_decode.py): the op takes caches of their own
     if model not in _layer_weights:
         _layer_weights[model] = LayerWeights(model)
     found = _layer_weights[model].current(x.dtype)

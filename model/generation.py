@@ -16,6 +16,7 @@ from .kv_cache import PREFILL_CHUNK, KVCache
 from .linear import MAX_KERNEL_ROWS
 from .sampling import Sampler, SamplingParams
 from .speculation import Draft, PromptLookup, Speculation, check, same_tokenizer, step_times
+from .static_decode import new_cache
 from .stats import Stats
 from .tools import ToolCall, read_tools
 
@@ -63,7 +64,7 @@ class Generation:
             parallel_tool_calls=parallel_tool_calls, device=checkpoint.device)
         needed = len(prompt_ids) + self.max_new_tokens
         if kv_cache is None:
-            kv_cache = KVCache(checkpoint.config, needed, device=checkpoint.device, dtype=checkpoint.dtype)
+            kv_cache = new_cache(checkpoint.model, needed, device=checkpoint.device, dtype=checkpoint.dtype)
         elif kv_cache.max_len < needed:
             kv_cache = kv_cache.resized(needed)
         self.kv_cache = kv_cache

@@ -51,13 +51,19 @@ class KVCache:
     """
 
     def __init__(self, config: LlamaConfig, max_len: int, *, batch: int = 1,
-                 device=None, dtype=torch.float32, chunk: int | None = None):
+                 device=None, dtype=torch.float32, chunk: int | None = None,
+                 storage: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.config = config
         shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
-        # Never read beyond what was written, so left uninitialized: pages are touched only as used.
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        if storage is not None:  # tensors of that shape allocated by the caller (a slot: model/static_decode.py)
+            self.k, self.v = storage
+            if self.k.shape != shape or self.v.shape != shape:
+                raise ValueError(f"KV storage of shape {tuple(self.k.shape)}; expected {shape}")
+        else:  # never read beyond what was written, so left uninitialized: pages are touched only as used
+            self.k = torch.empty(shape, device=device, dtype=dtype)
+            self.v = torch.empty(shape, device=device, dtype=dtype)
         self.max_len = max_len
+        self.slot: int | None = None  # where a SlotCache's slot (model/static_decode.py) holds it
         self.chunk = chunk or PREFILL_CHUNK  # prompt tokens per forward pass, chunks starting at its multiples
         self.tokens: list[int] = []
         self.exact = 0  # leading positions computed by whole chunks: the same for any request with these tokens
@@ -122,10 +128,10 @@ class KVCache:
         """How many leading ids of `tokens` already have their keys/values here."""
         return common_prefix(self.tokens, tokens)
 
-    def copy_prefix(self, n: int, max_len: int) -> KVCache:
-        """A new cache of max_len positions holding this one's first n positions."""
-        new = KVCache(self.config, max_len, batch=self.k.shape[1], device=self.k.device, dtype=self.k.dtype,
-                      chunk=self.chunk)
+    def copy_prefix(self, n: int, max_len: int, into: KVCache | None = None) -> KVCache:
+        """A new cache of max_len positions holding this one's first n positions (`into`: that empty one)."""
+        new = into or KVCache(self.config, max_len, batch=self.k.shape[1], device=self.k.device, dtype=self.k.dtype,
+                              chunk=self.chunk)
         new.k[:, :, :, :n] = self.k[:, :, :, :n]
         new.v[:, :, :, :n] = self.v[:, :, :, :n]
         new.tokens = self.tokens[:n]

@@ -114,6 +114,8 @@ class Llama(nn.Module):
         self.compute_dtype = torch.float32
         # Whether decode runs the layers as one C++ op where it applies (model/decode_step.py).
         self.fused_decode = True
+        # Steps of fixed shapes over static KV slots (CUDA graphs): model/static_decode.py's attach().
+        self.static = None
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
@@ -160,7 +162,9 @@ class Llama(nn.Module):
         after a sequence's last token): every row's keys and values are written before any row
         attends, so each sees the ones before it, and none sees a later one. The caller records the
         ids that stand in each cache's `tokens` afterwards (positions past them are written over later).
-        Where it applies (model/decode_step.py), the layers run as one C++ op; with fused=False
+        Rows whose caches are all slots of the model's static KV cache run as one step of fixed shapes
+        (model/static_decode.py: a replayed CUDA graph). Where it applies (model/decode_step.py), the
+        layers run as one C++ op; with fused=False
         (default: self.fused_decode), or where it does not, they run as the blocks' decode methods
         below, the reference.
         """
@@ -173,6 +177,8 @@ class Llama(nn.Module):
         for cache, position in zip(caches, positions):
             if not 0 <= position < cache.max_len:
                 raise ValueError(f"KV cache holds {cache.max_len} positions; asked to write up to {position + 1}")
+        if self.static is not None and self.static.cache.holds(caches):
+            return self.static.decode(tokens, caches, positions)
         self.ensure_rope(max(positions) + 1)
         x = self.tok_embeddings(tokens).to(self.compute_dtype)  # (b, dim)
         rope = self.rope.at(positions, x.dtype)  # (b, head_dim) tables

@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from .kv_cache import KVCache
+from .static_decode import new_cache
 
 MAX_GUESSES = 7  # with the last token, the decode kernel's 8 rows
 MAX_NGRAM, MIN_NGRAM = 3, 1  # prompt lookup's longest and shortest n-gram
@@ -99,7 +99,7 @@ class Draft:
     def __init__(self, checkpoint, max_len: int):
         self.model = checkpoint.model
         self.device = checkpoint.device
-        self.cache = KVCache(checkpoint.config, max_len, device=checkpoint.device, dtype=checkpoint.dtype)
+        self.cache = new_cache(self.model, max_len, device=checkpoint.device, dtype=checkpoint.dtype)
         self.seconds_per_guess = 0.0  # measured: a moving average of propose()'s time over its guesses
 
     @property

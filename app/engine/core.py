@@ -44,6 +44,8 @@ from model.context import PromptTooLong
 from model.kv_cache import PREFILL_CHUNK, KVCache
 from model.linear import MAX_KERNEL_ROWS
 from model.speculation import Draft, PromptLookup, Speculation, step_times
+from model.static_decode import in_slot
+from model.static_decode import new_cache as static_cache
 
 from app.bounds import reply_seed
 from app.messages import (
@@ -383,15 +385,16 @@ class Engine:
             return
         checkpoint = self.models.checkpoints[sequence.model]
 
-        def new_cache(max_len: int) -> KVCache:
-            return KVCache(checkpoint.config, max_len, device=checkpoint.device, dtype=checkpoint.dtype)
+        def new_cache(max_len: int) -> KVCache:  # a static slot where the model decodes in CUDA graphs
+            return static_cache(checkpoint.model, max_len, device=checkpoint.device, dtype=checkpoint.dtype)
 
         self.prefix_cache.trim(self._bytes_in_use())
         scope, prompt = sequence.scope, sequence.prompt
         from_disk = None if self.kv_disk is None else self.kv_disk.take(
             checkpoint, sequence.request.user, prompt, sequence.max_len, new_cache,
             more_than=self.prefix_cache.reusable(scope, prompt))
-        sequence.take_cache(*(from_disk or self.prefix_cache.take(scope, prompt, sequence.max_len, new_cache)))
+        cache, reused = from_disk or self.prefix_cache.take(scope, prompt, sequence.max_len, new_cache)
+        sequence.take_cache(in_slot(checkpoint.model, cache), reused)  # a kept cache goes into a free slot
 
     def _finish(self, sequence: Sequence) -> None:
         """Send the sequence's Done and keep its cache for requests that start the same way."""
@@ -400,9 +403,12 @@ class Engine:
             self.emit(Text(sequence.id, sequence.unsent, sequence.index))
         self.emit(done)
         if sequence.cache is not None:
-            self.prefix_cache.put(sequence.scope, sequence.cache, self._bytes_in_use(without=sequence))
+            cache = sequence.cache
+            if cache.slot is not None and cache.length >= cache.chunk:  # a static slot is for running sequences:
+                cache = cache.copy_prefix(cache.length, cache.length)  # its positions are kept in a copy
+            self.prefix_cache.put(sequence.scope, cache, self._bytes_in_use(without=sequence))
             if self.kv_disk is not None and (checkpoint := self.models.checkpoints.get(sequence.model)) is not None:
-                self.kv_disk.save(checkpoint, sequence.request.user, sequence.cache)
+                self.kv_disk.save(checkpoint, sequence.request.user, cache)
         self._forget(sequence)
         s = done.stats
         log.info("reply: prompt %d tokens (%d from the cache), %d new tokens, first token %.2f s, %.1f tokens/s, "

@@ -1,0 +1,214 @@
+"""A decode step of fixed shapes, for GPUs: static KV slots, inputs in fixed buffers, one CUDA graph a shape.
+
+Run op by op on a GPU, a decode step of the 1B shape is ~300 kernel launches from Python: 1.9 ms of GPU work
+in a 7.6 ms step (docs/benchmarks.md, "On a GPU"). A CUDA graph records those launches once and replays
+them with one call, but it replays the same addresses: the inputs must live in fixed buffers and every
+key and value in memory allocated once. So here
+
+- `SlotCache` holds the keys and values of `slots` sequences in two tensors allocated once,
+  (n_layers, slots + 1, n_kv_heads, max_len, head_dim); `take()` hands out one slot as an ordinary
+  KVCache (views of its slot, so prefill, Generation and the engine use it as any other), and the slot
+  comes back when that KVCache is collected. The last slot is scratch, written by padding rows.
+- `StaticDecoder.decode` is Llama.decode for rows whose caches are all slots of its SlotCache: the rows
+  are padded to a batch size of BATCH_SIZES and the keys attended over a length of a power of two (at
+  least MIN_LENGTH), so a few shapes serve every step, each replayed from its own graph on CUDA
+  (captured on first use, or all at once by `capture_all` while the model loads). On the CPU the same
+  step runs eagerly, which is how it is tested against the reference (Block.decode).
+
+The step (`_step`) is the reference's maths in one batch: every row's keys and values are written into
+its slot at its position before any row attends, and a row attends to its slot's positions up to its
+own (a mask), so rows sharing a slot at consecutive positions (a speculative check) see each other as
+in Llama.decode. model/llama.py stays the reference; this module adds nothing to its maths.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from .config import LlamaConfig
+from .kv_cache import KVCache
+from .linear import project
+from .rope import Rope, rotate_half
+
+BATCH_SIZES = (1, 2, 4, 8)  # rows of one step: the engine's batches are padded up to one of these
+MIN_LENGTH = 256  # keys attended: the next power of two above the furthest position, at least this
+
+
+class SlotCache:
+    """Keys and values of up to `slots` sequences of up to `max_len` positions, allocated once."""
+
+    def __init__(self, config: LlamaConfig, slots: int, max_len: int, *, device=None, dtype=torch.float32):
+        shape = (config.n_layers, slots + 1, config.n_kv_heads, max_len, config.head_dim)  # + scratch slot
+        self.config, self.max_len = config, max_len
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.scratch = slots
+        self.free = list(range(slots))
+
+    def take(self) -> KVCache | None:
+        """A free slot as a KVCache (views into this cache's tensors), or None when every slot is taken."""
+        if not self.free:
+            return None
+        slot = self.free.pop(0)
+        cache = KVCache(self.config, self.max_len, storage=(self.k[:, slot:slot + 1], self.v[:, slot:slot + 1]))
+        cache.slot = slot  # (b, kv, max_len, d) views of slot `slot`
+        weakref.finalize(cache, self.free.append, slot)  # back to the free list when the KVCache is collected
+        return cache
+
+    def holds(self, caches: list[KVCache]) -> bool:
+        """Whether every cache is a slot of this one."""
+        return all(cache.slot is not None and cache.k.data_ptr() == self.k[:, cache.slot].data_ptr()
+                   for cache in caches)
+
+
+def padded(n: int, sizes) -> int:
+    """The first of `sizes` (ascending) that is at least n."""
+    return next(size for size in sizes if size >= n)
+
+
+class StaticDecoder:
+    """Llama.decode over a SlotCache in steps of fixed shapes: replayed CUDA graphs on a GPU, eagerly elsewhere."""
+
+    def __init__(self, model, cache: SlotCache, *, batch_sizes=BATCH_SIZES, compile: bool = False):
+        self.model, self.cache = model, cache
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        device = cache.k.device
+        self.graphs_on = device.type == "cuda"
+        rows = self.batch_sizes[-1]
+        # the inputs of every step, at fixed addresses: a step of b rows reads their first b entries
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slots = torch.full((rows,), cache.scratch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        model.ensure_rope(cache.max_len)
+        self.rope = Rope(model.rope.cos[:cache.max_len].to(model.compute_dtype),
+                         model.rope.sin[:cache.max_len].to(model.compute_dtype))  # (max_len, head_dim)
+        self.step = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_pool = None  # one memory pool for every graph's intermediates (they never run at once)
+
+    def lengths(self) -> list[int]:
+        """The key lengths steps are run at: powers of two from MIN_LENGTH, and max_len."""
+        lengths, length = [], MIN_LENGTH
+        while length < self.cache.max_len:
+            lengths.append(length)
+            length *= 2
+        return lengths + [self.cache.max_len]
+
+    def shape(self, rows: int, furthest: int) -> tuple[int, int]:
+        """(batch size, key length) of the step for `rows` rows whose furthest position is `furthest`."""
+        return padded(rows, self.batch_sizes), padded(furthest + 1, self.lengths())
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, caches: list[KVCache], positions: list[int]) -> torch.Tensor:
+        """Llama.decode for caches that are slots of self.cache: tokens (b,) -> logits (b, vocab) in fp32."""
+        rows = len(caches)
+        if rows > self.batch_sizes[-1]:
+            step = self.batch_sizes[-1]
+            return torch.cat([self.decode(tokens[i:i + step], caches[i:i + step], positions[i:i + step])
+                              for i in range(0, rows, step)])
+        batch, length = self.shape(rows, max(positions))
+        self.tokens[:rows].copy_(tokens)
+        self.slots[:rows].copy_(torch.tensor([cache.slot for cache in caches]), non_blocking=True)
+        self.positions[:rows].copy_(torch.tensor(positions), non_blocking=True)
+        self.tokens[rows:batch].zero_(), self.slots[rows:batch].fill_(self.cache.scratch)
+        self.positions[rows:batch].zero_()  # padding rows write the scratch slot's position 0
+        if not self.graphs_on:
+            return self.step(self.tokens[:batch], self.slots[:batch], self.positions[:batch], length)[:rows]
+        graph, logits = self.graphs.get((batch, length)) or self.capture(batch, length)
+        graph.replay()
+        return logits[:rows].clone()  # the graph's output buffer is written again by the next replay
+
+    def capture(self, batch: int, length: int):
+        """Record the step of this shape in a CUDA graph (after two runs on a side stream, which let lazy
+        initialisation and autotuning happen outside the capture). Inputs point at the scratch slot."""
+        inputs = self.tokens[:batch], self.slots[:batch], self.positions[:batch]
+        saved = [t.clone() for t in inputs]
+        self.slots[:batch].fill_(self.cache.scratch)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.step(*inputs, length)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            logits = self.step(*inputs, length)
+        self.graph_pool = graph.pool()
+        for tensor, value in zip(inputs, saved):
+            tensor.copy_(value)
+        self.graphs[batch, length] = graph, logits
+        return graph, logits
+
+    @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Capture every (batch size, length) step now, so no reply pays for it; the number of graphs."""
+        if self.graphs_on:
+            for batch in self.batch_sizes:
+                for length in self.lengths():
+                    if (batch, length) not in self.graphs:
+                        self.capture(batch, length)
+            torch.cuda.synchronize()
+        return len(self.graphs)
+
+    def _step(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, length: int):
+        """One decode step of fixed shapes: tokens, slots, positions (b,), keys attended over `length`
+        positions of each row's slot -> logits (b, vocab) in fp32. No Python branch looks at the data."""
+        model, config = self.model, self.model.config
+        b, h, kv, d = tokens.shape[0], config.n_heads, config.n_kv_heads, config.head_dim
+        x = model.tok_embeddings(tokens).to(model.compute_dtype)  # (b, dim)
+        cos, sin = self.rope.cos[positions][:, None], self.rope.sin[positions][:, None]  # (b, 1, d)
+        seen = torch.arange(length, device=tokens.device)[None, :] <= positions[:, None]  # (b, length)
+        mask = torch.zeros(seen.shape, dtype=x.dtype, device=x.device).masked_fill_(~seen, float("-inf"))
+        mask = mask[:, None, None, :]  # (b, 1, 1, length): one row of keys for every query head
+        heads = torch.arange(kv, device=tokens.device)[None, :]  # (1, kv)
+        for i, block in enumerate(model.layers):
+            attention = block.attention
+            qkv = project(block.attention_norm(x), attention.wq, attention.wk, attention.wv).view(b, h + 2 * kv, d)
+            qk = qkv[:, :h + kv] * cos + rotate_half(qkv[:, :h + kv]) * sin  # queries and keys rotated
+            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv:]  # (b, h, d), (b, kv, d), (b, kv, d)
+            layer_k, layer_v = self.cache.k[i], self.cache.v[i]  # (slots + 1, kv, max_len, d)
+            layer_k[slots[:, None], heads, positions[:, None]] = k  # every row written before any attends
+            layer_v[slots[:, None], heads, positions[:, None]] = v
+            keys, values = layer_k[slots, :, :length], layer_v[slots, :, :length]  # (b, kv, length, d)
+            out = F.scaled_dot_product_attention(q.view(b, kv, h // kv, d), keys, values, attn_mask=mask)
+            x = x + attention.wo(out.reshape(b, h * d))  # out (b, kv, groups, d): a KV head's query heads
+            x = x + block.feed_forward(block.ffn_norm(x))
+        return model.logits(x)
+
+
+def new_cache(model, max_len: int, *, device=None, dtype=torch.float32) -> KVCache:
+    """A cache for one sequence of up to max_len positions: a free slot of the model's SlotCache where it
+    decodes with a StaticDecoder and the slot is long enough, else a KVCache of its own (decoded op by op)."""
+    static = model.static
+    if static is not None and max_len <= static.cache.max_len:
+        cache = static.cache.take()
+        if cache is not None:
+            return cache
+    return KVCache(model.config, max_len, device=device, dtype=dtype)
+
+
+def in_slot(model, cache: KVCache) -> KVCache:
+    """`cache` moved into a free slot of the model's SlotCache (copied), so its sequence decodes in the fixed
+    steps; `cache` itself where it is a slot already, or no slot is free or long enough."""
+    static = model.static
+    if static is None or cache.slot is not None or cache.max_len > static.cache.max_len:
+        return cache
+    slot = static.cache.take()
+    if slot is None:
+        return cache
+    slot.chunk = cache.chunk
+    return cache.copy_prefix(cache.length, slot.max_len, into=slot)
+
+
+def attach(model, slots: int, max_len: int, *, compile: bool = False, capture: bool = True) -> StaticDecoder:
+    """Give `model` a SlotCache of `slots` sequences of max_len positions and decode its slots' rows with a
+    StaticDecoder (model.static); with capture, every step's graph is recorded now (on CUDA)."""
+    cache = SlotCache(model.config, slots, max_len, device=model.tok_embeddings.weight.device,
+                      dtype=model.compute_dtype)
+    model.static = StaticDecoder(model, cache, compile=compile)
+    if capture:
+        model.static.capture_all()
+    return model.static

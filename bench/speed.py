@@ -11,7 +11,9 @@ later ones, prefill tokens/s and decode tokens/s:
     tN = time to generate N tokens  (greedy, stop tokens disabled)    decode tok/s = (N - 1) / (tN - t1)
 
 With --device cuda (or mps) ours and transformers run on that GPU (llama.cpp rows are skipped: the bench's
-llama-cpp-python is a CPU build), the bandwidth is the GPU's, and the peak GPU memory is reported too.
+llama-cpp-python is a CPU build), the bandwidth is the GPU's, and the peak GPU memory is reported too. Two
+rows run only there: ours without CUDA graphs ("no graphs"), and transformers with a static cache and
+torch.compile ("compiled", its fastest configuration).
 
 The machine's read bandwidth (x.sum() over 1 GB, best of 6) gives the decode ceiling: one token
 reads every weight matrix once, so no engine decodes faster than bandwidth / those bytes (for our
@@ -59,6 +61,7 @@ class Runner:
     options: dict = field(default_factory=dict)  # ours: load_checkpoint keywords (dtype by name; fused=False: op by op)
     baseline: str | None = None  # the row this one's ratios are taken against
     warmup_tokens: int = 0  # an untimed generation after the cold one (e.g. to compile the decode step)
+    gpu_only: bool = False  # a row that compares something only a GPU has (CUDA graphs); skipped on the CPU
 
 
 # One line per system; `options` of an `ours` row are load_checkpoint's keywords, so an engine option is one
@@ -71,7 +74,14 @@ RUNNERS = [
     Runner("ours int4", "ours", {"dtype": "bfloat16", "quantize": "int4"}, baseline="transformers bf16"),
     Runner("ours bf16 compiled", "ours", {"dtype": "bfloat16", "compile": True}, baseline="transformers bf16",
            warmup_tokens=8),
+    # On CUDA, ours decodes in CUDA graphs over static KV slots by default (model/static_decode.py); this
+    # row is the same model op by op, and "ours bf16 compiled" fuses the step's small ops before capture.
+    Runner("ours bf16 no graphs", "ours", {"dtype": "bfloat16", "graphs": False}, baseline="transformers bf16",
+           gpu_only=True),
     Runner("transformers bf16", "transformers", {"dtype": "bfloat16"}),
+    # transformers' fastest configuration on a GPU: a static cache and its forward compiled with CUDA graphs
+    Runner("transformers bf16 compiled", "transformers", {"dtype": "bfloat16", "cache": "static", "compile": True},
+           warmup_tokens=8, gpu_only=True),
     Runner("transformers fp32", "transformers", {"dtype": "float32"}),
     Runner("llama.cpp bf16", "llama.cpp", {"gguf": "bf16"}),
     Runner("llama.cpp f16", "llama.cpp", {"gguf": "f16"}),
@@ -142,6 +152,8 @@ def work_transformers(spec: dict, prompt: list[int]) -> dict:
     start = time.perf_counter()
     net = transformers.LlamaForCausalLM.from_pretrained(spec["folder"], dtype=torch_dtype(options["dtype"]))
     net = net.to(spec["device"]).eval()
+    if options.get("compile"):  # as transformers' docs give it for a static cache
+        net.forward = torch.compile(net.forward, mode="reduce-overhead", fullgraph=True)
     load_s, after_load = time.perf_counter() - start, memory_mb()
     ids = torch.tensor([prompt], device=spec["device"])
     extra = {"cache_implementation": options["cache"]} if options.get("cache") else {}
@@ -410,6 +422,9 @@ def main() -> int:
         # a reply of 16 tokens first, so tN times the steady step (the cold TTFT still shows the first load).
         warmup = r.warmup_tokens if args.device == "cpu" else max(r.warmup_tokens, GPU_WARMUP_TOKENS)
         spec = common | {"system": r.system, "options": r.options, "warmup_tokens": warmup}
+        if r.gpu_only and args.device == "cpu":
+            print(f"{r.name}: skipped, it compares what only a GPU has", flush=True)
+            continue
         if r.system == "llama.cpp":
             if args.device != "cpu":
                 print(f"{r.name}: skipped, the bench runs llama.cpp on the CPU only", flush=True)

@@ -40,6 +40,7 @@ from .linear import OUTPUT_HEAD, QUANTIZE, quantize_model
 from .llama import Llama
 from .memory import move_to_huge_pages, release_pages, scratch_returned
 from .options import DTYPES
+from .packed import packed_kinds, repack_model
 from .quantize import INT4_GROUP, can_quantize_int4, dequantize, quantize_int4, quantize_int8
 from .rope import permute_qk_rows
 from .tokenizer import load_tokenizer
@@ -280,7 +281,8 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype | str | None = None, tokenizer: str | Path | None = None,
-                    quantize: str | None = None, widen: bool | str = False, compile: bool = False) -> Checkpoint:
+                    quantize: str | None = None, widen: bool | str = False, compile: bool = False,
+                    pack: bool | str = "auto") -> Checkpoint:
     """Load a checkpoint folder or file: model (in eval mode), tokenizer, chat format and config.
 
     device: a torch device, or "auto" (resolve_device: CUDA, then MPS, then the CPU).
@@ -297,12 +299,17 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     one exact), then stored as a float32 file's would be (`dtype`, `quantize`). "auto": widened only where
     no decode kernel multiplies them (blocks_decode_fast), so where keeping them would be slower.
     compile: run single-token decode steps through torch.compile (compiled on the first reply).
+    pack: int8 and int4 matrices (not the embedding) repacked for torch's weight-only matmul ops, which then
+    multiply them (model/packed.py: int8 requantized to one scale per row). "auto": on a GPU, where they
+    replace widening on every product; True: on the CPU too (its ops do the same maths: tests); False: never.
     """
     quantize = None if quantize == "off" else quantize
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize={quantize!r}: expected None, off or one of {', '.join(QUANTIZE)}")
     if widen not in (True, False, "auto"):
         raise ValueError(f"widen={widen!r}: expected True, False or auto")
+    if pack not in (True, False, "auto"):
+        raise ValueError(f"pack={pack!r}: expected True, False or auto")
     dtype = torch_dtype(dtype)
     files = find_checkpoint(path)
     state, names = read_state_dict(files)
@@ -357,6 +364,10 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
         model.compute_dtype = compute
         if quantize is not None:
             quantize_model(model, OUTPUT_HEAD[quantize])  # what is left: the output head
+        if pack is True or (pack == "auto" and device.type == "cuda"):
+            if repacked := repack_model(model):
+                log.info("%d matrices repacked for torch's %s ops (%s)", repacked, ", ".join(packed_kinds(device)),
+                         device.type)
     if compile:
         model.decode = torch.compile(model.decode, dynamic=True)
     model.setup_rope(min(config.max_seq_len, DEFAULT_MAX_CONTEXT))

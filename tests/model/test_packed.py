@@ -23,7 +23,7 @@ from model.packed import (
     repack_model,
     tinygemm_bytes,
 )
-from model.quantize import dequantize, int4_offset, quantize_int4, quantize_int8, unpack_int4
+from model.quantize import dequantize, quantize_int4, quantize_int8, unpack_int4
 
 BF16_ROUNDING = 2.0**-8  # bf16's unit roundoff: 8 significant bits
 

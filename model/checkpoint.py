@@ -40,6 +40,7 @@ from .linear import OUTPUT_HEAD, QUANTIZE, quantize_model
 from .llama import Llama
 from .memory import move_to_huge_pages, release_pages, scratch_returned
 from .options import DTYPES
+from .packed import packed_kinds, repack_model
 from .quantize import INT4_GROUP, can_quantize_int4, dequantize, quantize_int4, quantize_int8
 from .rope import permute_qk_rows
 from .static_decode import attach
@@ -283,7 +284,7 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype | str | None = None, tokenizer: str | Path | None = None,
                     quantize: str | None = None, widen: bool | str = False, compile: bool = False,
-                    graphs: bool | None = None, slots: int = GRAPH_SLOTS) -> Checkpoint:
+                    pack: bool | str = "auto", graphs: bool | None = None, slots: int = GRAPH_SLOTS) -> Checkpoint:
     """Load a checkpoint folder or file: model (in eval mode), tokenizer, chat format and config.
 
     device: a torch device, or "auto" (resolve_device: CUDA, then MPS, then the CPU).
@@ -301,6 +302,10 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     no decode kernel multiplies them (blocks_decode_fast), so where keeping them would be slower.
     compile: run single-token decode steps through torch.compile (compiled on the first reply); with graphs,
     the static step is compiled (its small ops fused) before its graphs are captured.
+    pack: int8 and int4 matrices (not the embedding) repacked for torch's weight-only matmul ops, which then
+    multiply them (model/packed.py: int8 from the file requantized to one scale per row; quantized here, int8 gets
+    one scale per row at once). "auto": on a GPU, where they
+    replace widening on every product; True: on the CPU too (its ops do the same maths: tests); False: never.
     graphs: decode in steps of fixed shapes over `slots` static KV slots, each step a replayed CUDA graph
     (model/static_decode.py), captured here so the first reply does not pay for it. None: on CUDA devices.
     """
@@ -309,6 +314,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
         raise ValueError(f"quantize={quantize!r}: expected None, off or one of {', '.join(QUANTIZE)}")
     if widen not in (True, False, "auto"):
         raise ValueError(f"widen={widen!r}: expected True, False or auto")
+    if pack not in (True, False, "auto"):
+        raise ValueError(f"pack={pack!r}: expected True, False or auto")
     dtype = torch_dtype(dtype)
     files = find_checkpoint(path)
     state, names = read_state_dict(files)
@@ -321,6 +328,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
         widen = not blocks_decode_fast(device)
     dtype = dtype or default_dtype(device)
     compute = compute_dtype(dtype, device)
+    pack = pack is True or (pack == "auto" and device.type == "cuda")
+    row_scales = pack and "int8" in packed_kinds(device)  # int8 quantized here is rounded once, to row scales
 
     with torch.device("meta"):
         model = Llama(config).requires_grad_(False)
@@ -339,7 +348,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
                 tensor = tensor.to(device)
                 quantized[name] = _file_buffers(in_file[name], tensor.dtype, device)
             elif quantize == "int8" and name.startswith("layers.") and tensor.dim() == 2:
-                tensor, scale = quantize_int8(tensor.to(device))
+                tensor, scale = quantize_int8(tensor.to(device), group=tensor.shape[1] if row_scales else None)
                 quantized[name] = Quantized(scale)
             elif quantize == "int4" and name.startswith("layers.") and can_quantize_int4(tensor):
                 tensor, scale, offset = quantize_int4(tensor.to(device))
@@ -362,7 +371,11 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
             model.output.scale, model.output.offset = model.tok_embeddings.scale, model.tok_embeddings.offset
         model.compute_dtype = compute
         if quantize is not None:
-            quantize_model(model, OUTPUT_HEAD[quantize])  # what is left: the output head
+            quantize_model(model, OUTPUT_HEAD[quantize], row_scales)  # what is left: the output head
+        if pack:
+            if repacked := repack_model(model):
+                log.info("%d matrices repacked for torch's %s ops (%s)", repacked, ", ".join(packed_kinds(device)),
+                         device.type)
     model.setup_rope(min(config.max_seq_len, DEFAULT_MAX_CONTEXT))
     model.eval().requires_grad_(False)
     if device.type == "cuda" if graphs is None else graphs:

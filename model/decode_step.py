@@ -22,6 +22,7 @@ import torch
 from .kernels import kernels
 from .kv_cache import KVCache
 from .linear import MAX_KERNEL_ROWS
+from .packed import is_packed
 from .rope import Rope
 
 # Each layer's matrices in the order the op takes them (csrc/decode_step.cpp's Matrix): q|k|v and
@@ -57,8 +58,10 @@ class LayerWeights:
     def gather(self, dtype: torch.dtype):
         """The op's arguments, scales and offsets in the dtypes the kernel reads (fp32 for int8, fp16 for
         int4), converted here once; None where the matrices are neither all bf16, all fp32 nor all quantized, or
-        where one kernel call's matrices are of different kinds."""
+        where one kernel call's matrices are of different kinds, or repacked for torch's ops (model/packed.py)."""
         weights = [m.weight for m in self.linears]
+        if any(is_packed(m.scale) for m in self.linears):
+            return None
         if all(w.dtype == torch.bfloat16 for w in weights) or all(w.dtype == torch.float32 for w in weights):
             return self.norms_in(dtype), weights, [], []
         if not all(w.dtype in QUANTIZED_WEIGHTS for w in weights):

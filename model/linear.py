@@ -5,6 +5,8 @@ into the activations' dtype (`widen`: the kernel's C++ loops, or model/quantize.
 exists whole in that dtype. Decode (one row per sequence, up to MAX_KERNEL_ROWS) is bound by memory
 bandwidth: the decode kernel (model/kernels.py) streams the 32-, 16-, 8- or 4-bit weights once for all
 rows, several matrices of the same input in one call (q|k|v, gate|up).
+A matrix repacked for torch's weight-only matmul ops (model/packed.py: a GPU's, at load) goes to them, whatever
+the rows, and is never widened.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import kernels
+from .packed import is_packed, packed_linear
 from .quantize import can_quantize_int4, dequantize, quantize_int4, quantize_int8
 
 MAX_KERNEL_ROWS = 8  # rows of x (tokens in one decode step) the decode kernel takes at once
@@ -45,12 +48,12 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Ten
     for all of them (up to FEW_ROWS, in groups of as many); more rows (prefill) go to F.linear. Each of
     a few rows' result is the same whatever rows come with it (the kernel's loops are written so; where the
     kernel does not apply, such rows go to F.linear one at a time), so a sequence decodes the same tokens
-    alone or in any batch.
+    alone or in any batch. Packed matrices (model/packed.py) go to their ops, any rows.
     """
     offsets = offsets or [None] * len(weights)
     kind, k_dim = weights[0].dtype, x.shape[-1]
     rows = x.numel() // k_dim if k_dim else 0
-    few = 1 <= rows <= FEW_ROWS and x.device.type == "cpu"
+    few = 1 <= rows <= FEW_ROWS and x.device.type == "cpu" and not any(map(is_packed, scales))
     if few and rows > MAX_KERNEL_ROWS:
         flat = x.reshape(rows, k_dim)
         y = torch.cat([linears(flat[i:i + MAX_KERNEL_ROWS], weights, scales, offsets, fp32_out)
@@ -75,7 +78,8 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Ten
         flat = x.reshape(rows, k_dim)
         y = torch.cat([linears(flat[i:i + 1], weights, scales, offsets, fp32_out) for i in range(rows)])
         return y.view(*x.shape[:-1], -1)
-    outputs = [blockwise_linear(x, w, s, o) for w, s, o in zip(weights, scales, offsets)]
+    outputs = [packed_linear(x, w, s, fp32_out) if is_packed(s) else blockwise_linear(x, w, s, o)
+               for w, s, o in zip(weights, scales, offsets)]
     y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
     return y.float() if fp32_out else y
 
@@ -125,7 +129,8 @@ class Linear(nn.Linear):
 
     `scale` and `offset` are buffers (None unless quantized; `offset` None for int8 and for Q4_0's
     symmetric int4 blocks), so `.to()` moves them and `state_dict()` holds them
-    (`layers.0.attention.wq.scale`) beside the weight.
+    (`layers.0.attention.wq.scale`) beside the weight. Repacked for torch's weight-only ops (model/packed.py),
+    `weight` and `scale` hold the ops' layouts, told apart by `scale`'s shape.
     """
 
     def __init__(self, in_features: int, out_features: int):
@@ -156,10 +161,11 @@ class Embedding(nn.Embedding):
 
 
 @torch.no_grad()
-def quantize_linear(module: Linear, method: str) -> None:
-    """Store one Linear's weight as `method` ("int8" or "int4"; int4 only where K is whole blocks)."""
+def quantize_linear(module: Linear, method: str, row_scales: bool = False) -> None:
+    """Store one Linear's weight as `method` ("int8" or "int4"; int4 only where K is whole blocks); row_scales:
+    int8 with one scale a row (what a GPU's packed int8 op takes: model/packed.py), not one per group."""
     if method == "int8":
-        q, module.scale = quantize_int8(module.weight)
+        q, module.scale = quantize_int8(module.weight, group=module.weight.shape[1] if row_scales else None)
     elif can_quantize_int4(module.weight):
         q, module.scale, module.offset = quantize_int4(module.weight)
     else:
@@ -168,10 +174,10 @@ def quantize_linear(module: Linear, method: str) -> None:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str = "int8") -> None:
+def quantize_model(model: nn.Module, method: str = "int8", row_scales: bool = False) -> None:
     """Store every float Linear of `model` as `method` (a tied output head gets its own copy)."""
     if method not in QUANTIZE:
         raise ValueError(f"quantize={method!r}: expected one of {', '.join(QUANTIZE)}")
     for module in model.modules():
         if isinstance(module, Linear) and module.weight.is_floating_point():
-            quantize_linear(module, method)
+            quantize_linear(module, method, row_scales)

@@ -31,13 +31,14 @@ def int8_group(k: int) -> int:
 
 
 @torch.no_grad()
-def quantize_int8(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (q int8 (N, K), scale fp32 (N, K // group)): weight ~= dequantize_int8(q, scale).
+def quantize_int8(weight: torch.Tensor, rows: int = 4096, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (q int8 (N, K), scale fp32 (N, K // group)): weight ~= dequantize_int8(q, scale). group: weights
+    of a row sharing a scale (default int8_group(K); K: one scale a row, as a GPU's packed int8 op takes them).
 
     Works through `rows` rows at a time, so a large matrix never has a full fp32 copy.
     """
     n, k = weight.shape
-    group = int8_group(k)
+    group = group or int8_group(k)
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scale = torch.empty(n, k // group, dtype=torch.float32, device=weight.device)
     for i in range(0, n, rows):

@@ -1,0 +1,237 @@
+"""int8 and int4 matrices repacked for torch's weight-only matmul ops (model/packed.py).
+
+On the CPU the ops' `_for_cpu` forms do the same maths as the GPU's, so everything here runs without a GPU;
+`LLAMA_TEST_DEVICE=cuda` runs the tests that take the `device` fixture through the CUDA ops.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.checkpoints import prompt_ids
+
+import model.linear
+from model import load_checkpoint
+from model.kv_cache import KVCache
+from model.linear import Linear, widen
+from model.packed import (
+    INT8_MM_ROWS,
+    inner_k_tiles,
+    is_packed,
+    packed_linear,
+    repack_int8,
+    repack_linear,
+    repack_model,
+    tinygemm_bytes,
+)
+from model.quantize import dequantize, quantize_int4, quantize_int8, unpack_int4
+
+BF16_ROUNDING = 2.0**-8  # bf16's unit roundoff: 8 significant bits
+
+
+def weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Random rows whose columns span ranges 20x apart, off centre: blocks and groups of different scales."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * torch.linspace(0.1, 2, k) + 0.3
+
+
+def stored_linear(w: torch.Tensor, kind: str, device) -> Linear:
+    """A Linear holding w as int8, int4 (Q4_1: offsets) or Q4_0 (int4 without offsets), on `device`."""
+    layer = Linear(w.shape[1], w.shape[0])
+    if kind == "int8":
+        q, layer.scale = quantize_int8(w)
+    else:
+        q, layer.scale, offset = quantize_int4(w)
+        layer.offset = offset if kind == "q4_1" else None
+    layer.weight = torch.nn.Parameter(q, requires_grad=False)
+    return layer.to(device)
+
+
+def rms_error(y: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((y.float() - exact).norm() / exact.norm()).item()
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0"])
+@pytest.mark.parametrize("n,k", [(48, 96), (64, 576)])
+def test_int4_repacked_on_the_cpu_multiplies_exactly_the_weights_it_stores(kind, n, k):
+    """fp32 scales and zeros, fp32 x: the CPU's tinygemm sums the stored weights exactly, so any slip in the
+    nibble order, the blocks or the zeros (offset + 8 scale; Q4_0: 0) shows at once."""
+    layer = stored_linear(weights(n, k), kind, "cpu")
+    exact = dequantize(layer.weight, layer.scale, layer.offset)
+    assert repack_linear(layer, torch.float32)
+    assert layer.weight.dtype == torch.uint8 and layer.scale.shape == (k // 32, n, 2) and layer.offset is None
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, k)
+        torch.testing.assert_close(layer(x), x @ exact.T, rtol=0, atol=1e-6 * (x.abs() @ exact.abs().T).max().item())
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0"])
+@pytest.mark.parametrize("k", [96, 512, 576])  # tinygemm's inner k-tiles 2, 8 and 4 on a GPU
+def test_int4_packed_in_bf16_is_as_close_as_widening_to_bf16(device, kind, k):
+    """With bf16 scales and zeros (a GPU's only kind) and bf16 x, y against the exact sums of the stored
+    weights: both it and widen + F.linear round y to bf16 (a relative error up to 2^-8, about 2^-9 on
+    average); the scales and zeros rounded to bf16 add less than that. So the packed product's relative RMS
+    error stays below 2^-8 and within 1.5x widening's (measured: 0.95x to 1.14x); a wrong layout is off by
+    about 100%."""
+    layer = stored_linear(weights(64, k), kind, device)
+    stored = layer.weight, layer.scale, layer.offset
+    exact = dequantize(*stored).cpu()
+    assert repack_linear(layer, torch.bfloat16)
+    if device.type == "cuda":  # tinygemm's tiles (N / 8, K / (16 tiles), 32, tiles / 2)
+        tiles = inner_k_tiles(k)
+        assert layer.weight.dtype == torch.int32 and layer.weight.shape == (8, k // (16 * tiles), 32, tiles // 2)
+    for rows in (1, 7, 40):
+        x = torch.randn(rows, k, device=device).bfloat16()
+        truth = x.float().cpu() @ exact.T
+        packed, widened = layer(x).cpu(), F.linear(x, widen(*stored, torch.bfloat16)).cpu()
+        assert packed.dtype == torch.bfloat16
+        assert rms_error(packed, truth) < min(BF16_ROUNDING, 1.5 * rms_error(widened, truth)), rows
+        assert (packed.float() - truth).abs().max() < 4 * BF16_ROUNDING * truth.abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, INT8_MM_ROWS, INT8_MM_ROWS + 1, 40])
+def test_int8_rows_requantized_move_each_weight_by_at_most_half_a_row_step(device, rows):
+    """One scale per row (max |w| / 127) in place of one per 64 weights: each weight rounded again, by up to
+    half the row's step, so a sum moves by at most half a step times sum |x| (fp32 x: no other rounding to
+    speak of). Up to INT8_MM_ROWS rows go to `_weight_int8pack_mm`, more to F.linear of the widened rows."""
+    k = 576
+    layer = stored_linear(weights(96, k), "int8", device)
+    exact = dequantize(layer.weight, layer.scale).cpu()
+    assert repack_linear(layer)
+    assert layer.weight.dtype == torch.int8 and layer.scale.shape == (96,) and layer.scale.dtype == torch.float32
+    step = exact.abs().amax(dim=1) / 127  # (N,): each row's one step
+    x = torch.randn(rows, k, device=device)
+    y, truth = layer(x).cpu(), x.cpu() @ exact.T
+    bound = step / 2 * x.abs().sum(dim=1, keepdim=True).cpu() + 1e-5 * (x.abs().cpu() @ exact.abs().T)
+    assert ((y - truth).abs() <= bound).all()
+    assert (y - truth).abs().max() > 1e-3 * bound.max()  # the second rounding is there: the bound is not idle
+    sums = packed_linear(x.bfloat16(), layer.weight, layer.scale, fp32_out=True)  # the head's: fp32, not rounded
+    assert sums.dtype == torch.float32 and torch.equal(sums, layer(x.bfloat16().float()))
+
+
+def test_int8_requantization_is_exact_where_a_rows_groups_share_a_scale():
+    q = torch.randint(-127, 128, (32, 256), dtype=torch.int8)
+    q[:, 0] = 127  # every row's largest weight at full scale
+    scale = torch.rand(32, 1).expand(32, 4).contiguous()  # four groups of 64, one scale a row
+    rows, row_scale = repack_int8(q, scale)
+    assert torch.equal(rows, q) and torch.equal(row_scale, scale[:, 0])
+    scale[:, 1] /= 3  # a group of smaller weights: rounded again, to the row's step
+    rows, row_scale = repack_int8(q, scale)
+    assert torch.equal(rows[:, :64], q[:, :64]) and not torch.equal(rows[:, 64:128], q[:, 64:128])
+
+
+def test_the_cuda_op_gets_even_k_in_the_high_nibble():
+    """`_convert_weight_to_int4pack` (CUDA, torch >= 2.5) reads byte j of a row as k = 2j high, 2j + 1 low, as
+    torch's own tests and gpt-fast pack it; ours hold a block's k and k + 16 (model/quantize.py)."""
+    packed, _, _ = quantize_int4(weights(16, 64))
+    q = unpack_int4(packed).view(16, 64)
+    tiny = tinygemm_bytes(q)
+    assert tiny.dtype == torch.uint8 and tiny.shape == (16, 32) and tiny.is_contiguous()
+    assert torch.equal(tiny >> 4, q[:, 0::2]) and torch.equal(tiny & 0xF, q[:, 1::2])
+
+
+def test_tinygemm_takes_the_widest_inner_k_tiles_that_divide_k():
+    """The CUDA op packs 16 k a tile, inner_k_tiles of them side by side, and refuses a K they do not divide:
+    the default model's 576 takes 4 (gpt-fast's 8 needs K a multiple of 128), its 1536 8, any K of whole blocks
+    of 32 at least 2."""
+    assert [inner_k_tiles(k) for k in (576, 1536, 4096, 96, 32)] == [4, 8, 8, 2, 2]
+
+
+@pytest.fixture(scope="module")
+def unpacked_logits(tiny):
+    """Each quantized model of `tiny`, unpacked, fp32, on the CPU, without the decode kernel (which rounds x):
+    logits of a prompt and of the decode step after its first 31 tokens, all through F.linear of the
+    widened rows, exact."""
+    found, kernels = {}, model.linear.kernels
+    model.linear.kernels = lambda: None
+    try:
+        for quantize in ("int8", "int4"):
+            net = load_checkpoint(tiny, dtype=torch.float32, quantize=quantize).model
+            found[quantize] = logits(net, "cpu", fused=False)
+    finally:
+        model.linear.kernels = kernels
+    return found
+
+
+def logits(net, device, fused=None) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = prompt_ids(n=32)[:1].to(device)
+    cache = KVCache(net.config, 64, device=device, dtype=net.compute_dtype)
+    with torch.no_grad():
+        prompt = net(ids)
+        net(ids[:, :31], kv_cache=cache)
+        cache.tokens = ids[0, :31].tolist()
+        step = net.decode(ids[0, 31:], [cache], fused=fused)
+    return prompt.float().cpu(), step.float().cpu()
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_repacked_model_gives_the_unpacked_models_logits(tiny, unpacked_logits, device, monkeypatch, quantize):
+    """Every matrix packed (the tied head its own int8 copy, the embedding as it was), none widened, prefill
+    and a decode step alike. On the CPU in fp32 int4 is exact, and int8 differs only where a row had groups
+    of different scales (w2's rows of 192); on a GPU bf16 activations round at about 2^-8."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ckpt = load_checkpoint(tiny, device=device, dtype=dtype, quantize=quantize, pack=True)
+    net = ckpt.model
+    linears = [m for m in net.modules() if isinstance(m, Linear)]
+    assert all(is_packed(m.scale) for m in linears)
+    assert net.tok_embeddings.scale is None and net.tok_embeddings.weight.dtype == dtype  # lookups as before
+    assert net.output.weight is not net.tok_embeddings.weight
+    monkeypatch.setattr(model.linear, "blockwise_linear", None)  # what widens: any call fails
+    for got, want in zip(logits(net, device), unpacked_logits[quantize]):  # the fused decode step declines
+        error = (got - want).abs().max() / want.abs().max()
+        assert error < (2e-2 if device.type == "cuda" else 1e-5 if quantize == "int4" else 2e-2), error
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    assert repack_model(net) == 0  # packed once
+
+
+def test_a_tied_quantized_embedding_keeps_its_blocks_and_the_head_gets_its_own_rows(tiny):
+    """A GGUF's tied Q8_0 table: lookups still widen only their rows, exactly as before; the head is
+    requantized per row into a copy of its own."""
+    net = load_checkpoint(tiny, dtype=torch.float32).model
+    table = net.tok_embeddings
+    q, scale = quantize_int8(table.weight)
+    table.weight, table.scale = torch.nn.Parameter(q, requires_grad=False), scale
+    net.tie_weights()
+    net.output.scale = table.scale
+    ids = prompt_ids(n=20)[:1]
+    with torch.no_grad():
+        before_rows, before = table(ids), net(ids)
+        assert repack_model(net) == 1  # the head: the layers are fp32
+        assert table.weight is not net.output.weight and table.weight.data_ptr() == q.data_ptr()
+        assert table.scale is scale and net.output.scale.shape == (q.shape[0],)
+        assert torch.equal(table(ids), before_rows)
+        after = net(ids)
+    assert (after - before).abs().max() < 2e-2 * before.abs().max()
+
+
+def test_load_checkpoint_packs_on_a_gpu_or_when_asked(tiny):
+    unpacked = load_checkpoint(tiny, dtype=torch.float32, quantize="int4").model  # the CPU: its decode kernel
+    assert not any(is_packed(m.scale) for m in unpacked.modules() if isinstance(m, Linear))
+    with pytest.raises(ValueError, match="pack="):
+        load_checkpoint(tiny, pack="yes")
+
+
+def test_int8_quantized_at_load_for_packing_is_rounded_once_to_row_scales(tiny):
+    """Quantized at load where it will be packed, each int8 row gets one scale at once: the packed weights are
+    those the float weights give, not a second rounding of 64-weight groups."""
+    floats = load_checkpoint(tiny, dtype=torch.float32).model
+    packed = load_checkpoint(tiny, dtype=torch.float32, quantize="int8", pack=True).model
+    twice = load_checkpoint(tiny, dtype=torch.float32, quantize="int8", pack=False).model
+    repack_model(twice)  # groups of 64 first, then requantized to rows
+    differ = 0
+    for name in ("layers.0.attention.wq", "layers.1.feed_forward.w2", "output"):
+        w = floats.get_submodule(name).weight
+        q, scale = quantize_int8(w, group=w.shape[1])
+        layer = packed.get_submodule(name)
+        assert torch.equal(layer.weight, q) and torch.equal(layer.scale, scale[:, 0])
+        differ += (twice.get_submodule(name).weight != q).sum().item()
+    assert differ > 0  # (rounding twice does move some weights: the comparison can tell)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the CPU's ops are tested above)")
+def test_on_a_gpu_load_checkpoint_packs_for_tinygemm_by_default(tiny, unpacked_logits):
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("tinygemm needs compute capability 8.0")
+    net = load_checkpoint(tiny, device="cuda", quantize="int4").model
+    assert net.layers[0].attention.wq.weight.dtype == torch.int32 and net.layers[0].attention.wq.weight.dim() == 4
+    for got, want in zip(logits(net, "cuda"), unpacked_logits["int4"]):
+        assert (got - want).abs().max() < 2e-2 * want.abs().max()

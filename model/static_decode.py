@@ -54,7 +54,7 @@ class SlotCache:
             return None
         slot = self.free.pop(0)
         cache = KVCache(self.config, self.max_len, storage=(self.k[:, slot:slot + 1], self.v[:, slot:slot + 1]))
-        cache.slot = slot  # (b, kv, max_len, d) views of slot `slot`
+        cache.slot = slot  # its k, v: (n_layers, 1, n_kv_heads, max_len, head_dim) views of that slot
         weakref.finalize(cache, self.free.append, slot)  # back to the free list when the KVCache is collected
         return cache
 

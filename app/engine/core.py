@@ -8,7 +8,9 @@ new messages, admit waiting requests into the batch, prefill prompt chunks withi
 decode one token for every running sequence in one forward pass, send what came out (a new reply's
 first token as soon as it is sampled, further text pieces at most every 50 ms: app/engine/outbox.py).
 Models load on a thread of their own (app/engine/models.py), so streams keep running while another
-model loads; requests for it wait, and start (or fail) once it is there. A model unused for its
+model loads; requests for it wait, and start (or fail) once it is there. A request's prompt is built on a
+thread too (the chat template, a chat's files chunked and ranked, a JSON schema compiled: up to a second
+for a long file), and the request joins the batch at the first step after. A model unused for its
 keep-alive (LLAMA_KEEP_ALIVE) is unloaded at the end of a step, its memory given back
 (`release_memory`); its next request loads it again. Finished replies' KV caches are
 kept for requests that start the same way (app/engine/prefix_cache.py), and on disk for those after a
@@ -24,6 +26,7 @@ loop goes on with the others. A forward pass shared by a batch fails the request
 from __future__ import annotations
 
 import contextlib
+import concurrent.futures
 import ctypes
 import ctypes.util
 import gc
@@ -77,10 +80,18 @@ from app.engine.sequence import Sequence, State
 log = logging.getLogger("app.engine")
 
 IDLE_POLL_S = 0.1  # how long the loop waits for a message when there is nothing to compute
-LOADING_POLL_S = 0.02  # ... and while a model loads (its requests start as soon as it is there)
+LOADING_POLL_S = 0.02  # ... and while a model loads or prompts are built (their requests start as soon as ready)
 # Idle this long, the engine computes kept replies again (Engine.refine), a chunk at a time: a program that
 # sends its next request at once does not wait for such a chunk; a person reading the reply gives it time.
 REFINE_AFTER_S = 0.5
+
+
+class Refused(Exception):
+    """A request whose prompt cannot be built: the message for its caller, and the kind of failure."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 class Engine:
@@ -101,6 +112,9 @@ class Engine:
         self.kv_disk = self._open_kv_disk(config)
         self._positions: dict[str, int] = {}
         self._stats = EngineStats()
+        # request id -> its prompt being built on the prompt thread (one: builds finish in the order they came)
+        self._prompts = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompts")
+        self._building: dict[str, concurrent.futures.Future] = {}
 
     @staticmethod
     def _open_kv_disk(config: EngineConfig) -> KVDisk | None:
@@ -117,6 +131,7 @@ class Engine:
 
     def close(self, timeout: float = 5.0) -> None:
         """Before the process ends: finish writing the KV caches handed over (a bounded while)."""
+        self._prompts.shutdown(wait=False, cancel_futures=True)
         if self.kv_disk is not None and not self.kv_disk.flush(timeout):
             log.warning("KV caches not all written to disk within %.0f s", timeout)
 
@@ -179,6 +194,15 @@ class Engine:
         return any(s.ready for s in self.sequences)
 
     @property
+    def preparing(self) -> bool:
+        """Whether prompts are being built (the next steps start their requests)."""
+        return bool(self._building)
+
+    def wait_for_prompts(self, timeout: float | None = None) -> None:
+        """Wait until the prompts being built are (tests: so a step starts every request submitted before it)."""
+        concurrent.futures.wait(list(self._building.values()), timeout)
+
+    @property
     def idle_work(self) -> bool:
         """Whether refine() has a kept cache to compute again (the loop does it when nothing else runs)."""
         return any(scope[0] in self.models.checkpoints for scope, _ in self.prefix_cache.inexact())
@@ -210,6 +234,7 @@ class Engine:
 
     def step(self) -> None:
         self._take_loaded()
+        self._take_prompts()
         for sequence in self.scheduler.admit():
             with self._contained(sequence.id, "Reserving the reply's memory"):
                 self._take_cache(sequence)
@@ -319,12 +344,17 @@ class Engine:
     # -- sequences coming and going
 
     def _prepare(self, request_id: str) -> None:
-        """Build the prompt (the model is loaded): a chat's oldest messages are left out where they no longer
-        fit (or the request fails, if it asked not to be trimmed), and its replies report so (Done.context).
-        A prompt that cannot be built fails the request."""
-        sequences = self.requests[request_id]
-        request = sequences[0].request
+        """Start building the request's prompt on the prompt thread (its model is loaded); a later step starts
+        the request with it (_take_prompts)."""
+        request = self.requests[request_id][0].request
         checkpoint, info = self.models.checkpoints[request.model], self.models.infos[request.model]
+        self._building[request_id] = self._prompts.submit(self._build, request, checkpoint, info,
+                                                          len(self.requests[request_id]))
+
+    def _build(self, request: Generate, checkpoint: Checkpoint, info, n: int) -> tuple[list[int], Context, list]:
+        """On the prompt thread: the prompt's ids, its Context and a JSON constraint for each of the n sequences.
+        A chat's oldest messages are left out where they no longer fit (or it is Refused, if it asked not to be
+        trimmed), and its replies report so (Done.context). Refused: a prompt that cannot be built."""
         settings = request.settings.over(info.defaults)
         try:
             if request.prompt is not None:
@@ -344,16 +374,36 @@ class Engine:
                 context = Context(info.context_limit, prompt_budget(info.context_limit, settings.max_new_tokens),
                                   left_out, files)
         except PromptTooLong as e:
-            self._fail(request_id, str(e), "prompt_too_long")
-            return
+            raise Refused(str(e), "prompt_too_long") from e
         except (ValueError, TypeError, RecursionError) as e:  # messages or tools the chat format cannot take
-            self._fail(request_id, f"The request cannot be answered: {e}", "bad_request")
-            return
+            raise Refused(f"The request cannot be answered: {e}", "bad_request") from e
         try:
-            constraints = [self._constraint(request, checkpoint) for _ in sequences]
+            constraints = [self._constraint(request, checkpoint) for _ in range(n)]
         except (ValueError, TypeError, RecursionError) as e:  # a schema that cannot be compiled (SchemaError)
-            self._fail(request_id, str(e), "bad_request")
-            return
+            raise Refused(str(e), "bad_request") from e
+        return prompt, context, constraints
+
+    def _take_prompts(self) -> None:
+        """Start the requests whose prompts are built (in the order they came); fail those refused."""
+        for request_id, future in list(self._building.items()):
+            if not future.done():
+                break
+            del self._building[request_id]
+            if request_id not in self.requests:  # cancelled or failed while it was built
+                continue
+            with self._contained(request_id, "Starting the request"):
+                try:
+                    prompt, context, constraints = future.result()
+                except Refused as e:
+                    self._fail(request_id, str(e), e.kind)
+                else:
+                    self._start(request_id, prompt, context, constraints)
+
+    def _start(self, request_id: str, prompt: list[int], context: Context, constraints: list) -> None:
+        sequences = self.requests[request_id]
+        request = sequences[0].request
+        checkpoint, info = self.models.checkpoints[request.model], self.models.infos[request.model]
+        settings = request.settings.over(info.defaults)
         token_bytes = self.models.token_bytes(request.model) if request.logprobs is not None else None
         for sequence, constraint in zip(sequences, constraints):  # n replies: seeds seed, seed + 1, ...
             seed = None if settings.seed is None else reply_seed(settings.seed, sequence.index)
@@ -463,7 +513,7 @@ class Engine:
 
     def _announce_positions(self) -> None:
         positions = {sequence.id: position for sequence, position in self.scheduler.positions().items()
-                     if sequence.index == 0}
+                     if sequence.index == 0 and sequence.id not in self._building}  # (not waiting: being built)
         for request_id, position in positions.items():
             if self._positions.get(request_id) != position:
                 self.emit(Queued(request_id, position))
@@ -548,9 +598,10 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
         while os.getppid() == parent:
             if engine.busy:
                 idle_since = time.monotonic()
-            idle_work = not engine.busy and engine.idle_work and time.monotonic() - idle_since >= REFINE_AFTER_S
+            idle_work = (not (engine.busy or engine.preparing) and engine.idle_work
+                         and time.monotonic() - idle_since >= REFINE_AFTER_S)
             if inbox.poll(0 if engine.busy or idle_work else
-                          1000 * (LOADING_POLL_S if engine.models.loading else IDLE_POLL_S)):
+                          1000 * (LOADING_POLL_S if engine.models.loading or engine.preparing else IDLE_POLL_S)):
                 while inbox.poll(0):
                     data = inbox.recv()
                     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 
 import msgspec
 import pytest
@@ -14,6 +15,7 @@ import torch
 from support.engine import EngineHarness, last, reference, request
 
 from app.backend.conversation import Conversation
+from app.engine import core
 from app.engine.sequence import State
 from app.messages import (
     Cancel,
@@ -100,7 +102,7 @@ def test_penalties_and_min_p_reach_each_sequences_sampler(tiny, checkpoint):
                 ReplySettings(max_new_tokens=30, temperature=0.8, top_k=0, top_p=1.0, min_p=0.2, seed=4,
                               frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.0)]
     requests = [request("Say something again and again", s) for s in settings]
-    h.engine.handle(requests[1])
+    h.run(requests[1], max_steps=1)  # its prompt built and prefilled, its first token sampled
     params = h.engine.requests[requests[1].id][0].decoding.sampler.params
     assert (params.min_p, params.frequency_penalty, params.presence_penalty, params.seed) == (0.2, 1.5, 0.5, 4)
     h.run(Cancel(requests[1].id))
@@ -126,6 +128,37 @@ def test_a_request_joins_the_running_batch_at_the_next_step(tiny, checkpoint):
     assert last([e for e in rest if getattr(e, "id", None) == first.id]).finish_reason == "length"
 
 
+def test_the_running_streams_decode_while_a_prompt_is_built(tiny, checkpoint, monkeypatch):
+    """A prompt is built on a thread (a long file's chunks ranked, a JSON schema compiled: up to a second): the
+    running streams' steps go on meanwhile, and the request starts at the first step after."""
+    built = threading.Event()
+    choose = core.choose_prompt_files
+
+    def slow(format, messages, *args, **kwargs):
+        if "Slow" in repr(messages):
+            assert built.wait(30), "the test did not let the prompt be built"
+        return choose(format, messages, *args, **kwargs)
+
+    monkeypatch.setattr(core, "choose_prompt_files", slow)
+    h = harness(tiny, checkpoint, kv_cache_mb=0)
+    first = request("One", ReplySettings(max_new_tokens=100, temperature=0.0))
+    h.run(first, max_steps=2)
+    second = request("Slow to build", GREEDY)
+    h.engine.handle(second)
+    before = len(h.engine.requests[first.id][0].tokens)
+    for _ in range(5):
+        h.engine.step()
+    assert len(h.engine.requests[first.id][0].tokens) == before + 5
+    assert h.engine.requests[second.id][0].state is State.NEW and h.engine.preparing
+    built.set()
+    h.engine.wait_for_prompts()
+    h.engine.step()  # taken, prefilled, its first token sampled
+    assert len(h.engine.requests[second.id][0].tokens) == 1
+    rest = h.run()
+    assert last([e for e in rest if getattr(e, "id", None) == second.id]).token_ids == reference(
+        checkpoint, second, GREEDY).tokens
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(tiny, checkpoint):
     h = harness(tiny, checkpoint)
     streaming = request("Go on", ReplySettings(max_new_tokens=400, temperature=0.0))
@@ -135,7 +168,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(tiny, checkpo
     h.engine.handle(long_prompt)
     while not h.engine.requests[long_prompt.id][0].tokens:
         before = len(h.engine.requests[streaming.id][0].tokens)
-        h.engine.step()
+        h.step()
         decoded += len(h.engine.requests[streaming.id][0].tokens) - before
         steps += 1
     assert steps == -(-len(h.engine.requests[long_prompt.id][0].prompt) // PREFILL_CHUNK) >= 4
@@ -426,7 +459,7 @@ def test_n_replies_share_one_prefill_and_each_is_the_reply_its_seed_gives(tiny, 
     r = request("Write a poem", settings, n=3)
     first = len(h.events)
     h.engine.handle(r)
-    h.engine.step()  # one step prefills the prompt once, and every reply has its first token
+    h.step()  # one step prefills the prompt once, and every reply has its first token
     leader, *followers = h.engine.requests[r.id]
     assert [len(s.tokens) for s in (leader, *followers)] == [1, 1, 1]
     assert all(f.cache.tokens == leader.cache.tokens == leader.prompt for f in followers)
@@ -451,18 +484,18 @@ def test_the_engine_moves_a_leader_and_its_follower_through_their_states(tiny, c
     r = request("word" + " word" * PREFILL_CHUNK, ReplySettings(max_new_tokens=3, temperature=0.0), n=2)
     h.engine.handle(r)
     leader, follower = h.engine.requests[r.id]
+    assert (leader.state, follower.state) == (State.NEW, State.NEW) and h.engine.preparing  # its prompt: a thread's
+    h.step()  # the prompt taken (READY), the leader takes a cache and prefills its first chunk; the follower waits
     assert PREFILL_CHUNK < len(leader.prompt) <= 2 * PREFILL_CHUNK  # two chunks
-    assert (leader.state, follower.state) == (State.READY, State.NEW)
-    h.engine.step()  # the leader takes a cache and prefills its first chunk; the follower waits for it
     assert (leader.state, follower.state) == (State.PREFILLING, State.NEW)
     assert follower not in h.engine.scheduler.running
-    h.engine.step()  # the last chunk: both sample their first token from its logits
+    h.step()  # the last chunk: both sample their first token from its logits
     assert (leader.state, follower.state) == (State.DECODING, State.DECODING)
     assert follower.cache.tokens == leader.prompt and [len(leader.tokens), len(follower.tokens)] == [1, 1]
-    h.engine.step()  # the follower joins the batch; both decode
+    h.step()  # the follower joins the batch; both decode
     assert (leader.state, follower.state) == (State.DECODING, State.DECODING) and len(follower.tokens) == 2
     first = len(h.events)
-    h.engine.step()  # the third token: the token limit; both end at the end of the step
+    h.step()  # the third token: the token limit; both end at the end of the step
     assert (leader.state, follower.state) == (State.FINISHED, State.FINISHED) and r.id not in h.engine.requests
     assert sorted(e.index for e in h.events[first:] if isinstance(e, Done) and e.finish_reason == "length") == [0, 1]
 
@@ -522,7 +555,7 @@ def test_tool_calls_and_results_are_prompted_as_the_chat_format_writes_them(tiny
     conversation.add("assistant", "", tool_calls=[call])
     conversation.add("tool", "Sunny, 21 C", tool_call_id="call_1")
     r = request(conversation, GREEDY, tools=WEATHER, tool_choice="auto")
-    h.engine.handle(r)
+    h.run(r, max_steps=1)
     expected = checkpoint.chat_format.encode_dialog([
         {"role": "user", "content": "What is the weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [call]},

@@ -75,19 +75,19 @@ def test_an_idle_model_is_unloaded_after_its_keep_alive_with_its_caches_and_is_c
     held = weakref.ref(h.engine.models.checkpoints["tiny"])
     model = weakref.ref(h.engine.models.checkpoints["tiny"].model)
     clock.now += 59.9
-    h.engine.step()
+    h.step()
     assert unloaded(h.events) == [] and "tiny" in h.engine.models.checkpoints
     clock.now += 0.1
     gc.freeze()  # as the engine's loop does, the model in the frozen heap (the unload unfreezes it)
     with caplog.at_level(logging.INFO, logger="app.engine"):
-        h.engine.step()
+        h.step()
     assert gc.get_freeze_count() == 0
     assert unloaded(h.events) == ["tiny"] and h.events[-2:] == [ModelUnloaded("tiny"), EngineStats()]  # none kept
     assert "unloaded tiny after 60 s idle" in caplog.messages
     assert h.engine.models.checkpoints == {} and h.engine.models.infos == {} and len(h.engine.prefix_cache) == 0
     gc.collect()
     assert held() is None and model() is None  # nothing holds it: its memory is free
-    h.engine.step()
+    h.step()
     assert unloaded(h.events) == ["tiny"]  # told once
 
 
@@ -104,7 +104,7 @@ def test_a_model_is_not_unloaded_while_a_request_for_it_runs_or_waits(weights):
         if h.engine.models.loading:
             time.sleep(0.002)  # the loader thread needs the interpreter more than this loop
         clock.now += 3600.0  # an hour a step: only use keeps the model
-        h.engine.step()
+        h.step()
         steps += 1
     assert steps > 20 and loads.names == ["tiny", "tiny"]  # loaded again once for both
     events = [e for e in h.events if getattr(e, "id", None) in (first.id, second.id)]
@@ -124,7 +124,7 @@ def test_a_model_loading_is_not_unloaded_and_a_load_asked_for_counts_as_use(weig
     h = EngineHarness(weights / "tiny", loader=slow, clock=clock, weights_dir=str(weights), keep_alive=60)
     h.run(Load("other"), max_steps=1)
     clock.now += 600
-    h.engine.step()
+    h.step()
     assert unloaded(h.events) == ["tiny"] and h.engine.models.loading  # other is loading: nothing to unload yet
     release.set()
     h.run()
@@ -132,10 +132,10 @@ def test_a_model_loading_is_not_unloaded_and_a_load_asked_for_counts_as_use(weig
     clock.now += 50
     assert h.run(Load("other")) == [ModelReady(h.engine.models.infos["other"])]  # a chat chose it
     clock.now += 50
-    h.engine.step()
+    h.step()
     assert unloaded(h.events) == ["tiny"]  # 100 s since it loaded, 50 s since it was asked for
     clock.now += 10
-    h.engine.step()
+    h.step()
     assert unloaded(h.events) == ["tiny", "other"]
 
 
@@ -144,24 +144,24 @@ def test_the_default_model_stays_unless_keep_alive_is_set(weights):
     h = engine(weights, clock)  # LLAMA_KEEP_ALIVE unset: 5 minutes, the default model always
     assert isinstance(last(h.ask(r := request("Hi", GREEDY, model="other"))[r.id]), Done)
     clock.now += 299
-    h.engine.step()
+    h.step()
     assert set(h.engine.models.checkpoints) == {"tiny", "other"}
     clock.now += 1
-    h.engine.step()
+    h.step()
     assert unloaded(h.events) == ["other"]
     clock.now += 10**9
-    h.engine.step()
+    h.step()
     assert unloaded(h.events) == ["other"] and set(h.engine.models.checkpoints) == {"tiny"}
 
     h = engine(weights, clock, keep_alive=-1)  # never
     assert isinstance(last(h.ask(r := request("Hi", GREEDY, model="other"))[r.id]), Done)
     clock.now += 10**9
-    h.engine.step()
+    h.step()
     assert unloaded(h.events) == [] and set(h.engine.models.checkpoints) == {"tiny", "other"}
 
     h = engine(weights, clock, keep_alive=300)  # set: for the default model too
     clock.now += 300
-    h.engine.step()
+    h.step()
     assert unloaded(h.events) == ["tiny"]
 
 
@@ -170,7 +170,7 @@ def test_the_next_request_loads_it_again_and_gets_the_same_greedy_reply(weights)
     h = engine(weights, clock, loads, keep_alive=10)
     first = last(h.ask(r := request(LONG, GREEDY))[r.id])
     clock.now += 10
-    h.engine.step()
+    h.step()
     assert unloaded(h.events) == ["tiny"]
     events = h.ask(r := request(LONG, GREEDY))[r.id]
     again = last(events)

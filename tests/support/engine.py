@@ -36,15 +36,21 @@ class EngineHarness:
         for message in messages:
             self.engine.handle(message)
         for _ in itertools.count() if max_steps is None else range(max_steps):
-            if not self.engine.busy and self.refine and self.engine.idle_work:
+            if not (self.engine.busy or self.engine.preparing) and self.refine and self.engine.idle_work:
                 self.engine.refine()
                 continue
-            if not (self.engine.busy or self.engine.models.loading):
+            if not (self.engine.busy or self.engine.models.loading or self.engine.preparing):
                 break
             if not self.engine.busy:
                 time.sleep(0.002)  # the loader thread needs the interpreter more than this loop
-            self.engine.step()
+            self.step()
         return self.events[first:]
+
+    def step(self) -> None:
+        """One step of the engine, once the prompts submitted before it are built (the loop's steps take them
+        whenever they are: here a step starts every request submitted before it, so tests count steps)."""
+        self.engine.wait_for_prompts()
+        self.engine.step()
 
     def ask(self, *requests: Generate) -> dict[str, list]:
         """Run requests together to their end: each one's events, by id."""

@@ -86,7 +86,7 @@ def read_file(name: str, data: bytes) -> Attachment:
 
 def check_together(files: list[Attachment]) -> None:
     """One message's files together hold at most MAX_FILE_CHARS characters of text: the engine ranks a message's
-    chunks on its step loop (about 0.1 s a million characters), and a chat sends its files on every turn."""
+    chunks before the request starts (about 0.1 s a million characters), and a chat sends its files on every turn."""
     total = sum(len(f.text) for f in files)
     if total > MAX_FILE_CHARS:
         raise FileRefused(", ".join(f.name for f in files),

@@ -84,6 +84,10 @@ LOADING_POLL_S = 0.02  # ... and while a model loads or prompts are built (their
 # Idle this long, the engine computes kept replies again (Engine.refine), a chunk at a time: a program that
 # sends its next request at once does not wait for such a chunk; a person reading the reply gives it time.
 REFINE_AFTER_S = 0.5
+# How long a thread holding the interpreter keeps it from another that waits (Python's default: 5 ms). The loop
+# gives it up in every torch op of a step and waits for it back; while the prompt thread ranks a long file in
+# Python, at 5 ms a wait a stream decoded 7 tokens in 0.8 s, at 1 ms 36 (bench/prompt_build.py).
+SWITCH_INTERVAL_S = 0.001
 
 
 class Refused(Exception):
@@ -564,6 +568,7 @@ def serve(config: EngineConfig, input_address: str, output_address: str, parent:
     if os.getppid() != parent:
         log.info("the web process %d is gone; stopping", parent)
         return
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.bind(input_address)

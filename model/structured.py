@@ -82,6 +82,13 @@ def compiled_format(tokenizer, schema: str) -> llguidance.LLMatcher:
     return matcher
 
 
+def forget_compiled() -> None:
+    """Drop the tokenizer views and compiled formats kept for the next reply: they hold their tokenizers, so
+    an unloaded model's would stay in memory. The loaded models' are built again on their next use."""
+    compiled_format.cache_clear()
+    ll_tokenizer.cache_clear()
+
+
 class JsonConstraint:
     """The allowed next ids of one reply that must be a JSON document of a schema (None: any object).
 

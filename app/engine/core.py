@@ -280,6 +280,8 @@ class Engine:
         the model; ModelUnloaded tells the web side."""
         self.prefix_cache.drop_model(name)
         self.models.unload(name)
+        if structured := sys.modules.get("model.structured"):  # loaded once JSON was asked for
+            structured.forget_compiled()  # what it compiled holds the tokenizer
         release_memory()
         log.info("unloaded %s after %.0f s idle", name, idle)
         self.emit(ModelUnloaded(name))

@@ -91,6 +91,23 @@ def test_an_idle_model_is_unloaded_after_its_keep_alive_with_its_caches_and_is_c
     assert unloaded(h.events) == ["tiny"]  # told once
 
 
+def test_an_unloaded_model_that_wrote_json_leaves_no_tokenizer_behind(weights):
+    """A JSON reply compiles its format over the model's tokenizer, and those are kept for the next reply;
+    unloading the model lets its tokenizer go too."""
+    h = engine(weights, Clock(), keep_alive=60)
+    json = ReplySettings(max_new_tokens=8, temperature=0.0)
+    assert isinstance(last(h.ask(r := request("A JSON object, please.", json, json_object=True))[r.id]), Done)
+    tokenizer = weakref.ref(h.engine.models.checkpoints["tiny"].tokenizer)
+    h.engine.unload("tiny")
+    gc.collect()
+    assert tokenizer() is None
+    h.engine.handle(r := request("Again.", json, json_object=True))  # loaded again, and compiled again
+    while h.engine.requests or h.engine.models.loading:
+        time.sleep(0.002)
+        h.step()
+    assert isinstance(last([e for e in h.events if getattr(e, "id", None) == r.id]), Done)
+
+
 def test_a_model_is_not_unloaded_while_a_request_for_it_runs_or_waits(weights):
     clock, loads = Clock(), Loads()
     h = engine(weights, clock, loads, keep_alive=0, max_batch=1)  # 0: unloaded as soon as nothing uses it

@@ -326,6 +326,8 @@ class RemoteClient:
         except httpx.HTTPError as e:
             self._deliver(reply, Failed(reply.id, f"The backend at {self.url} could not be reached or broke off: "
                                                   f"{type(e).__name__}: {e}", "error"))
+        except (ValueError, TypeError) as e:  # the body is not JSON (a NaN, a lone surrogate): never sent
+            self._deliver(reply, Failed(reply.id, f"The request could not be sent to the backend: {e}", "error"))
         finally:
             self._running.pop(reply, None)
 

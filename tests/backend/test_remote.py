@@ -156,6 +156,10 @@ def test_a_wrong_key_and_an_unreachable_backend_are_reported(backend):
     [failed] = ask(gone, chat("Hi"), ReplySettings(max_new_tokens=3))
     assert isinstance(failed, Failed) and failed.reason == "error" and "could not be reached" in failed.message
 
+    # A body that cannot be JSON is never sent, and the reply says why instead of never ending.
+    [failed] = ask(gone, chat("Hi"), ReplySettings(max_new_tokens=3, temperature=float("nan")))
+    assert isinstance(failed, Failed) and "could not be sent" in failed.message and "JSON" in failed.message
+
     with pytest.raises(SettingsError, match="LLAMA_BACKEND_URL=.*could not list its models"):
         open_backend(Settings.from_env({"LLAMA_BACKEND_URL": f"http://127.0.0.1:{free_port()}"}))
     named = open_backend(Settings.from_env(

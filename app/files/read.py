@@ -9,9 +9,7 @@ surrogates, no control characters but newline, tab and form feed (a PDF's pages 
 
 from __future__ import annotations
 
-import io
 import json
-import logging
 import posixpath
 import re
 import unicodedata
@@ -45,8 +43,6 @@ _CONTROL = re.compile("[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _BOMS = ((b"\xef\xbb\xbf", "utf-8"), (b"\xff\xfe\x00\x00", "utf-32-le"), (b"\x00\x00\xfe\xff", "utf-32-be"),
          (b"\xff\xfe", "utf-16-le"), (b"\xfe\xff", "utf-16-be"))  # (the UTF-32 marks start like UTF-16's: first)
-
-logging.getLogger("pypdf").setLevel(logging.ERROR)  # a damaged PDF is refused or read; its warnings are noise
 
 
 class FileRefused(ValueError):
@@ -140,31 +136,13 @@ def _check_json(name: str, text: str) -> None:
 
 
 def _pdf_text(name: str, data: bytes) -> str:
-    """Each page's text (pypdf's layout-free extraction), the pages joined with \\f."""
-    import pypdf  # here: only files that are PDFs need it
-    from pypdf.errors import PyPdfError
+    """Each page's text, the pages joined with \\f: read in a child process with a time and a memory limit
+    (app.files.pdf says why)."""
+    from app.files.pdf import pdf_text  # here: only files that are PDFs need it
 
     if not data.lstrip()[:1024].startswith(b"%PDF-"):
         raise FileRefused(name, "the file is not a PDF (it does not start with %PDF-): is it what its name says?")
-    try:
-        reader = pypdf.PdfReader(io.BytesIO(data))
-        if reader.is_encrypted and not reader.decrypt(""):  # many PDFs are "encrypted" with an empty password
-            raise FileRefused(name, "the PDF is protected by a password; send a copy without one.")
-        if len(reader.pages) > MAX_PDF_PAGES:
-            raise FileRefused(name, f"the PDF has {len(reader.pages)} pages; at most {MAX_PDF_PAGES} are taken.")
-        pages = [clean_text(page.extract_text() or "").replace(PAGE_BREAK, "\n").strip() for page in reader.pages]
-    except FileRefused:
-        raise
-    except (PyPdfError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError, OSError,
-            NotImplementedError) as e:  # pypdf lets through what a damaged file makes its parser meet
-        if "decrypt" in str(e).lower() or "crypt" in type(e).__name__.lower():
-            raise FileRefused(name, "the PDF is encrypted in a way that cannot be read here; send a copy "
-                                    "without a password.") from None
-        raise FileRefused(name, f"the PDF could not be read ({type(e).__name__}): is it damaged?") from None
-    if not any(pages):
-        raise FileRefused(name, "the PDF has no text to read: its pages may be scanned images (text from "
-                                "images is not read). Send a PDF with text in it, or the text itself.")
-    return PAGE_BREAK.join(pages)
+    return pdf_text(name, data)
 
 
 def _extension(name: str) -> str:

@@ -44,3 +44,27 @@ def locked(pdf: bytes, password: str = "secret", owner_only: bool = False) -> by
     out = io.BytesIO()
     writer.write(out)
     return out.getvalue()
+
+
+def heavy_pdf(pages: int, operators: int) -> bytes:
+    """A small PDF that is slow to read: `pages` pages that all show one compressed content stream of
+    `operators` text operators (each a letter)."""
+    import zlib
+
+    stream = zlib.compress(b"BT /F1 11 Tf 56 780 Td " + b"(a) Tj " * operators + b"ET", 9)
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>",
+               b"<< /Type /Pages /Kids [%s] /Count %d >>" % (b" ".join(b"%d 0 R" % (5 + i) for i in range(pages)), pages),
+               b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+               b"<< /Length %d /Filter /FlateDecode >>\nstream\n%s\nendstream" % (len(stream), stream)]
+    objects += [b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 595 842] /Contents 4 0 R "
+                b"/Resources << /Font << /F1 3 0 R >> >> >>"] * pages
+    out, offsets = io.BytesIO(), []
+    out.write(b"%PDF-1.4\n")
+    for number, body in enumerate(objects, 1):
+        offsets.append(out.tell())
+        out.write(b"%d 0 obj\n%s\nendobj\n" % (number, body))
+    xref = out.tell()
+    out.write(b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1))
+    out.write(b"".join(b"%010d 00000 n \n" % offset for offset in offsets))
+    out.write(b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref))
+    return out.getvalue()

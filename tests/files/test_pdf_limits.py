@@ -1,0 +1,80 @@
+"""A PDF is read in a child process with a time and a memory limit (app/files/pdf.py): a file made to keep
+the reader busy or to fill memory is refused saying why, the child is gone, and nothing else waits on it."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from support.pdfs import heavy_pdf, make_pdf
+
+from app.bounds import MAX_FILE_CHARS, MAX_PDF_PAGES
+from app.files.pdf import pdf_text
+from app.files.read import FileRefused, read_file
+
+
+def refused(data: bytes, **limits) -> str:
+    with pytest.raises(FileRefused) as caught:
+        pdf_text("made.pdf", data, **limits)
+    assert caught.value.name == "made.pdf"
+    return caught.value.problem
+
+
+def readers() -> list[int]:
+    """The PDF readers running now (their command lines name the module)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"app.files.pdf" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the reader's process in /proc")
+def test_a_pdf_that_would_keep_the_reader_busy_for_minutes_is_stopped_at_the_time_limit():
+    # 80 KB: 500 pages that all show one stream of 100,000 text operators, about 2.5 s a page to read whole.
+    data = heavy_pdf(MAX_PDF_PAGES, 100_000)
+    assert len(data) < 100_000
+    started = time.monotonic()
+    problem = refused(data, seconds=2)
+    assert "took longer than 2 s" in problem and "send its text" in problem
+    assert time.monotonic() - started < 20  # stopped, not read to its end (about 20 minutes)
+    assert readers() == []  # the child was killed and waited for
+
+
+def test_a_pdf_that_needs_more_memory_than_the_limit_is_refused():
+    data = heavy_pdf(1, 2_000_000)  # one stream of 2 million operators: about 330 MB to parse
+    assert pdf_text("small.pdf", make_pdf([["fits"]]), memory=250 * 2**20) == "fits"
+    assert refused(data, memory=250 * 2**20) == ("the PDF needs more than 250 MB of memory to read; "
+                                                 "send its text instead.")
+
+
+def test_a_stream_past_the_readers_own_bound_is_refused_saying_so():
+    problem = refused(heavy_pdf(1, 2_000_000))  # with the memory it needs
+    assert problem.startswith("the PDF could not be read: it holds more than the reader takes (")
+
+
+def test_a_reader_that_dies_is_a_refusal_not_an_error():
+    problem = refused(make_pdf([["text"]]), memory=8 * 2**20)  # too little for the interpreter to start
+    assert problem.startswith("the PDF could not be read: the reader stopped (it may need more than 8 MB")
+
+
+def test_text_past_the_character_limit_stops_the_reading_at_the_page_that_passes_it():
+    line = "x" * 95
+    pages = MAX_FILE_CHARS // (100 * len(line)) + 20  # 100 lines a page; 20 pages more than the limit takes
+    problem = refused(make_pdf([[line] * 100] * pages))
+    page = int(problem.split("by page ")[1].split(";")[0])
+    assert page < pages and problem.startswith(f"its text is more than {MAX_FILE_CHARS:,} characters long")
+
+
+def test_the_environment_is_passed_on_with_the_project_on_the_path(tmp_path, monkeypatch):
+    """The child finds this package from any working directory, with PYTHONPATH set or not."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    assert read_file("a.pdf", make_pdf([["one"], ["two"]])).text == "one\ftwo"
+    monkeypatch.setenv("PYTHONPATH", os.fspath(tmp_path))
+    assert read_file("a.pdf", make_pdf([["three"]])).text == "three"

@@ -277,6 +277,16 @@ NAME_FOR_TYPE = {"application/pdf": "file.pdf", "text/plain": "file.txt", "text/
 DATA_URL = re.compile(r"data:(?P<type>[^;,]*)(?:;[^;,]*)*?(?P<base64>;base64)?,", re.IGNORECASE)
 
 
+def has_files(body: object) -> bool:
+    """Whether a chat body (as JSON decoded, not yet checked) has a part of type "file": those are read on
+    app.files.read's READERS. Anything else about the body is parse_chat's to judge."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    return isinstance(messages, list) and any(
+        isinstance(part, dict) and part.get("type") == "file"
+        for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"])
+
+
 def _files(content: UserContent, where: str) -> list[Attachment] | None:
     """A user message's file parts, read (app.files.read); ApiError names the part and says what is wrong."""
     if isinstance(content, str):

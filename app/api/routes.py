@@ -48,10 +48,11 @@ from starlette.routing import Route
 from msgspec import UNSET, Struct, UnsetType
 
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote
+from app.files.read import READERS
 from app.messages import Done, Failed, Text, TokenLogprob
 from app.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from app.api.metrics import Metrics
-from app.api.parse import ApiRequest, ChatRequest, parse_chat, parse_completion
+from app.api.parse import ApiRequest, ChatRequest, has_files, parse_chat, parse_completion
 from app.api.openai import (
     ApiError,
     Call,
@@ -216,8 +217,10 @@ def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int
     @router.post("/v1/chat/completions")
     async def chat_completions(http_request: HttpRequest) -> Response:
         body = await json_body(http_request, max_body_mb)
-        # on a thread: reading a file part (a PDF's pages) may take a while, and the loop serves every stream
-        chat = await asyncio.to_thread(parse_chat, body, backend.profiles, backend.default)
+        # on a thread: reading a file part (a PDF's pages) may take a while, and the loop serves every stream;
+        # a body with files on the file readers' threads, so that a burst of them delays no other request
+        chat = await asyncio.get_running_loop().run_in_executor(
+            READERS if has_files(body) else None, parse_chat, body, backend.profiles, backend.default)
         return await answer(http_request, chat, lambda: backend.stream(
             chat.conversation, chat.settings, **chat.options(), user=http_request.state.user))
 

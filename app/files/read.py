@@ -13,11 +13,12 @@ import json
 import posixpath
 import re
 import unicodedata
+from concurrent.futures import ThreadPoolExecutor
 
 from app.bounds import MAX_FILE_BYTES, MAX_FILE_CHARS, MAX_NAME_LENGTH, MAX_PDF_PAGES
 from app.messages import Attachment
 
-__all__ = ["ACCEPTED_EXTENSIONS", "ACCEPTED_MIME", "MAX_FILE_BYTES", "MAX_FILE_CHARS", "MAX_PDF_PAGES",
+__all__ = ["ACCEPTED_EXTENSIONS", "ACCEPTED_MIME", "MAX_FILE_BYTES", "MAX_FILE_CHARS", "MAX_PDF_PAGES", "READERS",
            "FileRefused", "clean_name", "read_file", "check_together"]
 
 PAGE_BREAK = "\f"
@@ -43,6 +44,10 @@ _CONTROL = re.compile("[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _BOMS = ((b"\xef\xbb\xbf", "utf-8"), (b"\xff\xfe\x00\x00", "utf-32-le"), (b"\x00\x00\xfe\xff", "utf-32-be"),
          (b"\xff\xfe", "utf-16-le"), (b"\xfe\xff", "utf-16-be"))  # (the UTF-32 marks start like UTF-16's: first)
+
+# The threads files are read on, two at a time (a PDF in its own child process, up to app.files.pdf's limits):
+# a burst of slow files waits here, never in the threads (asyncio's default) every other request is parsed on.
+READERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="file-reader")
 
 
 class FileRefused(ValueError):

@@ -26,7 +26,15 @@ import msgspec
 from chainlit.config import SpontaneousFileUploadFeature
 
 from app.bounds import MAX_FILE_BYTES, MAX_FILES
-from app.files.read import ACCEPTED_EXTENSIONS, ACCEPTED_MIME, FileRefused, check_together, clean_name, read_file
+from app.files.read import (
+    ACCEPTED_EXTENSIONS,
+    ACCEPTED_MIME,
+    READERS,
+    FileRefused,
+    check_together,
+    clean_name,
+    read_file,
+)
 from app.messages import WHOLE, Attachment, FileUse
 from app.web.file_store import FileStore
 
@@ -60,15 +68,15 @@ class Refused(Exception):
 
 
 async def read(elements: list) -> list[Attachment]:
-    """The files of a message's elements (as uploaded: each with a path, or made with content), read in a
-    thread (a PDF can take a while); Refused names every file that cannot be sent, and why."""
+    """The files of a message's elements (as uploaded: each with a path, or made with content), read on the
+    file readers' threads (a PDF can take a while); Refused names every file that cannot be sent, and why."""
     if len(elements) > MAX_FILES:
         raise Refused([FileRefused(f"{len(elements)} files", f"at most {MAX_FILES} files can be sent with "
                                                              "one message.")])
     files, problems = [], []
     for element in elements:
         try:
-            files.append(await asyncio.to_thread(_read, element))
+            files.append(await asyncio.get_running_loop().run_in_executor(READERS, _read, element))
         except FileRefused as e:
             problems.append(e)
     if problems:

@@ -185,6 +185,52 @@ def test_a_bad_file_over_http_is_a_400_in_openais_shape():
     assert caught.value.body["param"] == "messages[1].content[1].file.file_id"
 
 
+@pytest.mark.parametrize("junk", [None, [], "text", {"messages": "x"}, {"messages": [None, 1, {"content": {}}]},
+                                  {"messages": [{"content": [None, "file", {"type": ["file"]}]}]}])
+def test_a_body_of_any_shape_is_looked_at_for_files_without_error(junk):
+    from app.api.parse import has_files
+    assert has_files(junk) is False
+    assert has_files(body(file_part(PDF))) is True and has_files(body()) is False
+
+
+def test_requests_without_files_are_answered_while_many_files_are_being_read(monkeypatch):
+    """Files are read two at a time on their own threads: more slow PDFs than asyncio has threads for
+    other requests' parsing keep none of those requests waiting."""
+    import concurrent.futures
+    import threading
+
+    import app.files.read
+    release, reading = threading.Event(), []
+
+    def slow_pdf(name, data):
+        reading.append(name)
+        assert release.wait(60)
+        return "Boats leave at noon."
+
+    monkeypatch.setattr(app.files.read, "_pdf_text", slow_pdf)
+    default_threads = concurrent.futures.ThreadPoolExecutor()._max_workers  # asyncio's default executor's
+    backend = Recording()
+
+    async def run():
+        transport = httpx.ASGITransport(app=create_app(backend))
+        async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", max_retries=0,
+                                      http_client=httpx.AsyncClient(transport=transport)) as client:
+            def ask(*parts):
+                return asyncio.create_task(client.chat.completions.create(model="tiny",
+                                                                          messages=body(*parts)["messages"]))
+            with_files = [ask(file_part(PDF, f"{i}.pdf")) for i in range(default_threads + 2)]
+            while len(reading) < 2:
+                await asyncio.sleep(0.01)
+            plain = await asyncio.wait_for(ask(), 10)  # answered while every file request waits
+            assert len(reading) == 2 and not any(task.done() for task in with_files)
+            release.set()
+            return plain, await asyncio.wait_for(asyncio.gather(*with_files), 60)
+
+    plain, answered = asyncio.run(run())
+    assert plain.choices[0].message.content == "At noon." and len(answered) == default_threads + 2
+    assert sorted(reading) == sorted(f"{i}.pdf" for i in range(default_threads + 2))
+
+
 # ---- through the engine -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,10 +36,9 @@ class Result(msgspec.Struct, omit_defaults=True):
 
 def pdf_text(name: str, data: bytes, *, seconds: float = PDF_SECONDS, memory: int = PDF_MEMORY) -> str:
     """The PDF's text, its pages joined with "\\f"; FileRefused saying why it cannot be read."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    try:
+    try:  # (-m puts the working directory first on the path: this project's, whatever the server's is)
         child = subprocess.run([sys.executable, "-m", "app.files.pdf", str(seconds), str(memory)], input=data,
-                               capture_output=True, timeout=seconds, env=env)
+                               capture_output=True, timeout=seconds, cwd=ROOT)
     except subprocess.TimeoutExpired:  # (killed, and waited for)
         raise FileRefused(name, f"reading the PDF took longer than {seconds:.0f} s, the most one may take; "
                                 "send its text instead.") from None

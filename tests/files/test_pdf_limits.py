@@ -71,10 +71,12 @@ def test_text_past_the_character_limit_stops_the_reading_at_the_page_that_passes
     assert page < pages and problem.startswith(f"its text is more than {MAX_FILE_CHARS:,} characters long")
 
 
-def test_the_environment_is_passed_on_with_the_project_on_the_path(tmp_path, monkeypatch):
-    """The child finds this package from any working directory, with PYTHONPATH set or not."""
+def test_the_reader_is_this_projects_whatever_the_working_directory(tmp_path, monkeypatch):
+    """The child runs this package's reader from any working directory, even one with an `app` of its own."""
+    (tmp_path / "app" / "files").mkdir(parents=True)
+    for init in ("app/__init__.py", "app/files/__init__.py"):
+        (tmp_path / init).write_text("")
+    (tmp_path / "app" / "files" / "pdf.py").write_text("print('not this one')")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("PYTHONPATH", raising=False)
-    assert read_file("a.pdf", make_pdf([["one"], ["two"]])).text == "one\ftwo"
     monkeypatch.setenv("PYTHONPATH", os.fspath(tmp_path))
-    assert read_file("a.pdf", make_pdf([["three"]])).text == "three"
+    assert read_file("a.pdf", make_pdf([["one"], ["two"]])).text == "one\ftwo"

@@ -14,10 +14,10 @@ import bisect
 import re
 from dataclasses import dataclass
 
+from app.files.text import PAGE_BREAK
 from app.messages import Attachment
 
 CHUNK_CHARS = 900  # a chunk's least length (but a file's last); it may grow to twice this to end at a break
-PAGE_BREAK = "\f"
 # The breaks, strongest first: a chunk ends at the last one of the strongest kind found in its window.
 BREAKS = [re.compile(pattern) for pattern in (r"\f", r"\n[ \t]*\n", r"\n", r"[.!?;:][)\]\"'”’]*[ \t]", r"[ \t]")]
 WORD = r"(?u)\b\w+\b"  # BM25's terms: words, numbers and single letters too ("room 7", "vitamin K")

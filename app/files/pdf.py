@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 
 from app.bounds import MAX_FILE_CHARS, MAX_PDF_PAGES
-from app.files.read import PAGE_BREAK, FileRefused, clean_text
+from app.files.text import PAGE_BREAK, FileRefused, clean_text
 
 PDF_SECONDS = 60.0  # to read one PDF, the child's start included
 PDF_MEMORY = 2 * 2**30  # the child's address space, in bytes

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import json
 import posixpath
-import re
-import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 
 from app.bounds import MAX_FILE_BYTES, MAX_FILE_CHARS, MAX_NAME_LENGTH, MAX_PDF_PAGES
+from app.files.text import PAGE_BREAK, FileRefused, clean_text
 from app.messages import Attachment
 
 __all__ = ["ACCEPTED_EXTENSIONS", "ACCEPTED_MIME", "MAX_FILE_BYTES", "MAX_FILE_CHARS", "MAX_PDF_PAGES", "READERS",
            "FileRefused", "clean_name", "read_file", "check_together"]
-
-PAGE_BREAK = "\f"
 
 TEXT_EXTENSIONS = (".txt", ".text", ".md", ".markdown", ".rst", ".log", ".tex", ".csv", ".tsv", ".json", ".jsonl",
                    ".yaml", ".yml", ".toml", ".ini", ".cfg", ".xml", ".html", ".htm", ".css", ".svg")
@@ -39,24 +36,12 @@ ACCEPTED_MIME = ["text/plain", "text/markdown", "text/x-markdown", "text/csv", "
                  "text/javascript", "application/javascript", "application/x-sh", "application/sql",
                  "application/x-ipynb+json"]
 
-# Control characters that are no text: all but \t \n \f (\r is turned into \n first).
-_CONTROL = re.compile("[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _BOMS = ((b"\xef\xbb\xbf", "utf-8"), (b"\xff\xfe\x00\x00", "utf-32-le"), (b"\x00\x00\xfe\xff", "utf-32-be"),
          (b"\xff\xfe", "utf-16-le"), (b"\xfe\xff", "utf-16-be"))  # (the UTF-32 marks start like UTF-16's: first)
 
 # The threads files are read on, two at a time (a PDF in its own child process, up to app.files.pdf's limits):
 # a burst of slow files waits here, never in the threads (asyncio's default) every other request is parsed on.
 READERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="file-reader")
-
-
-class FileRefused(ValueError):
-    """A file that cannot be attached; the message names it and says what is wrong."""
-
-    def __init__(self, name: str, problem: str):
-        super().__init__(f"{name}: {problem}")
-        self.name = name
-        self.problem = problem
 
 
 def read_file(name: str, data: bytes) -> Attachment:
@@ -105,14 +90,6 @@ def clean_name(name: str) -> str:
         keep = "." + extension if dot and len(extension) < 16 else ""
         name = name[:MAX_NAME_LENGTH - len(keep) - 1] + "…" + keep
     return name
-
-
-def clean_text(text: str) -> str:
-    """Text that can be carried anywhere: line ends as \\n, lone surrogates as U+FFFD, no control characters
-    but \\t \\n \\f, NFC (the same letters always the same code points, so search finds them)."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    text = _CONTROL.sub("", _SURROGATE.sub("\ufffd", text))
-    return unicodedata.normalize("NFC", text)
 
 
 def _decoded(name: str, data: bytes) -> str:

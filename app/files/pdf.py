@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,9 +37,12 @@ class Result(msgspec.Struct, omit_defaults=True):
 
 def pdf_text(name: str, data: bytes, *, seconds: float = PDF_SECONDS, memory: int = PDF_MEMORY) -> str:
     """The PDF's text, its pages joined with "\\f"; FileRefused saying why it cannot be read."""
-    try:  # (-m puts the working directory first on the path: this project's, whatever the server's is)
+    # This project first on the child's path, whatever the server's working directory (-m puts it first)
+    # and environment (PYTHONSAFEPATH leaves it out) are.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    try:
         child = subprocess.run([sys.executable, "-m", "app.files.pdf", str(seconds), str(memory)], input=data,
-                               capture_output=True, timeout=seconds, cwd=ROOT)
+                               capture_output=True, timeout=seconds, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:  # (killed, and waited for)
         raise FileRefused(name, f"reading the PDF took longer than {seconds:.0f} s, the most one may take; "
                                 "send its text instead.") from None

@@ -80,3 +80,5 @@ def test_the_reader_is_this_projects_whatever_the_working_directory(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", os.fspath(tmp_path))
     assert read_file("a.pdf", make_pdf([["one"], ["two"]])).text == "one\ftwo"
+    monkeypatch.setenv("PYTHONSAFEPATH", "1")  # (the working directory is not put on the path)
+    assert read_file("a.pdf", make_pdf([["three"]])).text == "three"

@@ -1,6 +1,6 @@
 """A corpus of hostile requests for both API routes: an ordinary request with one field replaced by a
 value no client should send (integers past 64 bits, lone surrogates, NaN and Infinity, deep nesting,
-200 kB strings, 5,000-item arrays, wrong types) or by one at the edge of its range. Shared by
+200 kB strings, 5,000-item arrays, wrong types) or by one at the edge of its range; a file part's fields too. Shared by
 tests/test_boundary.py and bench/hostile.py.
 
     text = with_value(chat_body("stop[0]"), "stop[0]", HOSTILE["lone surrogate"])   # the body's JSON text
@@ -8,9 +8,12 @@ tests/test_boundary.py and bench/hostile.py.
 
 from __future__ import annotations
 
+import copy
 import json
 
 PLACEHOLDER = "@@hostile@@"  # where the value's JSON text goes in the request's JSON text
+FILE_PART = {"type": "file", "file": {"filename": "notes.md",
+                                      "file_data": "data:text/markdown;base64,VGhlIGhhcmJvciBvcGVucyBhdCBkYXduLg=="}}
 
 
 class Raw(str):
@@ -33,7 +36,9 @@ EDGES = {  # in range, at its edges: answered
 }
 CHAT_FIELDS = [
     "model", "messages", "messages[0]", "messages[0].role", "messages[0].content", "messages[0].content[0].text",
-    "messages[0].name", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "messages[0].name", "messages[0].content[1]", "messages[0].content[1].type", "messages[0].content[1].file",
+    "messages[0].content[1].file.filename", "messages[0].content[1].file.file_data",
+    "messages[0].content[1].file.file_id", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "stop[0]", "n", "stream",
     "stream_options", "stream_options.include_usage", "ignore_eos", "logprobs", "top_logprobs", "tools",
     "tools[0].function", "tools[0].function.name", "tools[0].function.description", "tools[0].function.parameters",
@@ -62,6 +67,8 @@ def body_for(route: str, field: str, model: str, max_tokens: int = 3) -> dict:
                 "temperature": 0}
     if field.startswith("messages[0].content[0]"):
         body["messages"][0]["content"] = [{"type": "text", "text": "Hi"}]
+    if field.startswith("messages[0].content[1]"):  # a file sent with the message (OpenAI's file part)
+        body["messages"][0]["content"] = [{"type": "text", "text": "When does the harbor open?"}, copy.deepcopy(FILE_PART)]
     if field.startswith("stop"):
         body["stop"] = ["never there"]
     if field.startswith("stream_options"):

@@ -95,6 +95,7 @@ def start() -> None:
         guard.install(chainlit_app, ALLOWED)  # in front of every route: the page, socket.io, sign-in, history, the API
         chainlit_app.add_middleware(users.ClientAddress)  # failed sign-ins are slowed per address too
         http_server.install(chainlit_app)
+        http_server.limit_bodies(chainlit_app)  # Chainlit's routes read whole bodies before asking who sent them
         if SIGNING_IN:
             chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
     api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb)

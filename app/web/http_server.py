@@ -1,6 +1,6 @@
 """How uvicorn serves both servers (the chat app, which `chainlit run` starts, and `python -m app.api`):
-slow clients are cut off, and a client's address comes from X-Forwarded-For only when a trusted proxy
-sends it.
+slow clients are cut off, the chat app's routes take bodies up to a bound, and a client's address comes
+from X-Forwarded-For only when a trusted proxy sends it.
 
 Slow clients. Uvicorn closes a connection idle between requests (its keep-alive timeout) but waits
 for ever on a request that has begun: a client that sends half its headers, or half its body, then
@@ -13,6 +13,14 @@ seconds of its headers. Past either, the client is answered 408 (if it sent part
 the connection closed; the app, if it was reading the body, sees the client gone (`install` has that
 answered quietly, as for any client that leaves before its body is read). Websockets, once upgraded,
 and answers however long, are not timed.
+
+Large bodies. Chainlit's routes read a request's whole body before they look at who sent it: a JSON
+body of 400 MB to one of them, from a client that is not signed in, took the web process from 184 MB
+to 1.3 GB, and a fast client sends gigabytes within the body deadline. `BodyLimit` answers 413 past
+a route's bound: a file upload's is the largest file taken (app.bounds.MAX_FILE_BYTES) and its form's
+framing, every other Chainlit route's CHAINLIT_BODY_BYTES; the API has its own (LLAMA_MAX_BODY_MB), and
+socket.io its buffer's. The body is counted as it arrives, so a missing or false Content-Length
+changes nothing.
 
 Forwarded addresses. Uvicorn believes X-Forwarded-For (and -Proto) from the addresses in its
 `forwarded_allow_ips`, by default loopback: any program on this machine could then claim any address
@@ -28,10 +36,13 @@ import os
 
 import h11
 import uvicorn.config
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from app.bounds import MAX_FILE_BYTES
 from app.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, Settings
 
 log = logging.getLogger(__name__)
@@ -113,6 +124,71 @@ class Deadlines(H11Protocol):
         self.transport.close()
 
 
+CHAINLIT_BODY_BYTES = 2**20  # sign-in, history, feedback, thread names: small JSON or forms
+UPLOAD_BODY_BYTES = MAX_FILE_BYTES + 2**20  # a file and the multipart form around it
+OWN_LIMITS = ("/v1/", "/ws/")  # the API (LLAMA_MAX_BODY_MB) and socket.io (its buffer): bounded where they read
+
+
+class TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body passes its route's bound is answered 413, and read no further."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    @staticmethod
+    def limit(scope: Scope) -> int | None:
+        path, root = scope["path"], scope.get("root_path", "")
+        path = path[len(root):] if root and path.startswith(root) else path  # (served under a prefix)
+        if path.startswith(OWN_LIMITS):
+            return None
+        return UPLOAD_BODY_BYTES if path.rstrip("/") == "/project/file" else CHAINLIT_BODY_BYTES
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.limit(scope) if scope["type"] == "http" else None
+        if limit is None:
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            await self._refuse(limit, scope, receive, send)
+            return
+        received, over, started = 0, False, False
+
+        async def counted() -> Message:
+            nonlocal received, over
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                over = True
+                raise TooLarge  # (the route may answer this its own way: that answer is not sent)
+            return message
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            if not over:
+                started = True
+                await send(message)
+
+        try:
+            await self.app(scope, counted, sending)
+        except TooLarge:
+            pass
+        if over and not started:  # (an answer begun before the body was read is left to end as it can)
+            await self._refuse(limit, scope, receive, send)
+
+    @staticmethod
+    async def _refuse(limit: int, scope: Scope, receive: Receive, send: Send) -> None:
+        what = "a file may be at most" if limit == UPLOAD_BODY_BYTES else "this route takes at most"
+        size = (limit - 2**20 if limit == UPLOAD_BODY_BYTES else limit) // 2**20
+        log.warning("refused a request body past %d bytes to %s", limit, scope["path"])
+        await PlainTextResponse(f"The request body is too large: {what} {size} MB.", status_code=413)(
+            scope, receive, send)
+
+
 async def client_gone(request, error: ClientDisconnect) -> Response:
     """A client that went away, or was cut off, before its request was read: nobody is left to answer, and
     it is no fault of the app's (uvicorn would log it with a traceback)."""
@@ -122,6 +198,11 @@ async def client_gone(request, error: ClientDisconnect) -> Response:
 def install(app) -> None:
     """Have a Starlette or FastAPI app answer clients gone before their body was read with client_gone."""
     app.add_exception_handler(ClientDisconnect, client_gone)
+
+
+def limit_bodies(app) -> None:
+    """Bound the bodies of a Chainlit app's routes (BodyLimit), before any of them reads one."""
+    app.add_middleware(BodyLimit)
 
 
 def _address(client: tuple[str, int] | None) -> str:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -336,6 +337,32 @@ def test_a_client_that_stalls_in_its_headers_or_its_body_is_cut_off_and_sockets_
         assert any(event == "stream_token" for event, _ in tab.events)
     finally:
         tab.close()
+
+
+def test_a_large_body_is_refused_before_it_is_read_by_a_route_that_reads_first(signed):
+    """Chainlit reads a body before it asks who sent it: 200 MB from nobody must not reach its memory."""
+    def resident_mb() -> int:
+        status = Path(f"/proc/{signed.process.pid}/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) // 1024
+
+    async def pieces():
+        yield b'{"filter": "'
+        for _ in range(200):
+            yield b"a" * 2**20
+        yield b'"}'
+
+    async def send():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await client.post(f"{signed.url}/project/threads", content=pieces(),
+                                     headers={"content-type": "application/json"})
+
+    before = resident_mb()
+    answer = asyncio.run(send())
+    assert answer.status_code == 413 and "this route takes at most 1 MB" in answer.text
+    assert resident_mb() - before < 64  # (read whole, 200 MB took the process past 1 GB)
+    users.add(signed.users, "barbara", "liskov")  # (the tests before change ada's and grace's)
+    cookies = dict(login(signed, "barbara", "liskov").cookies)
+    assert threads(signed, cookies) == 200  # what the page sends still arrives
 
 
 def test_history_files_are_private(signed):

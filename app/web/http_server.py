@@ -138,6 +138,7 @@ class BodyLimit:
 
     def __init__(self, app: ASGIApp):
         self.app = app
+        self.logged: set[str] = set()
 
     @staticmethod
     def limit(scope: Scope) -> int | None:
@@ -180,13 +181,13 @@ class BodyLimit:
         if over and not started:  # (an answer begun before the body was read is left to end as it can)
             await self._refuse(limit, scope, receive, send)
 
-    @staticmethod
-    async def _refuse(limit: int, scope: Scope, receive: Receive, send: Send) -> None:
-        what = "a file may be at most" if limit == UPLOAD_BODY_BYTES else "this route takes at most"
-        size = (limit - 2**20 if limit == UPLOAD_BODY_BYTES else limit) // 2**20
-        log.warning("refused a request body past %d bytes to %s", limit, scope["path"])
-        await PlainTextResponse(f"The request body is too large: {what} {size} MB.", status_code=413)(
-            scope, receive, send)
+    async def _refuse(self, limit: int, scope: Scope, receive: Receive, send: Send) -> None:
+        said = (f"a file may be at most {MAX_FILE_BYTES // 2**20} MB" if limit == UPLOAD_BODY_BYTES
+                else f"this route takes at most {limit // 2**20} MB")
+        if scope["path"] not in self.logged and len(self.logged) < 64:  # once a path: no flood of the log
+            self.logged.add(scope["path"])
+            log.warning("refused a request body to %s past %d bytes (logged once a path)", scope["path"], limit)
+        await PlainTextResponse(f"The request body is too large: {said}.", status_code=413)(scope, receive, send)
 
 
 async def client_gone(request, error: ClientDisconnect) -> Response:

@@ -34,7 +34,7 @@ from model.tools import read_tool_calls, read_tool_choice, read_tools
 
 from app.bounds import MAX_FILE_BYTES, MAX_FILES, MAX_JSON_CHARS, json_problem
 from app.backend.conversation import Conversation
-from app.files.read import FileRefused, check_together, read_file
+from app.files.read import FileRefused, check_together, read_deadline, read_file
 from app.messages import Attachment, ReplySettings
 from app.api.openai import (
     HARMLESS,
@@ -226,6 +226,7 @@ def _common(body: Body, profiles: dict, default: str, max_tokens: int | None) ->
 
 def _conversation(messages: list[Message], model: str) -> Conversation:
     system, conversation = [], Conversation(model=model)
+    deadline = read_deadline()  # for all the files of the request
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         content = _text(message.content)
@@ -242,7 +243,7 @@ def _conversation(messages: list[Message], model: str) -> Conversation:
                 _check_calls(calls, where)
             conversation.add("assistant", content, tool_calls=calls)
         else:
-            conversation.add("user", content, files=_files(message.content, where))
+            conversation.add("user", content, files=_files(message.content, where, deadline))
     if not conversation.messages or conversation.messages[-1].role not in ("user", "tool"):
         raise ApiError(400, "The last message (after any system messages) must be the user's, or a tool's result: it "
                             "is the one answered.", param="messages")
@@ -287,7 +288,7 @@ def has_files(body: object) -> bool:
         for part in message["content"])
 
 
-def _files(content: UserContent, where: str) -> list[Attachment] | None:
+def _files(content: UserContent, where: str, deadline: float) -> list[Attachment] | None:
     """A user message's file parts, read (app.files.read); ApiError names the part and says what is wrong."""
     if isinstance(content, str):
         return None
@@ -295,7 +296,7 @@ def _files(content: UserContent, where: str) -> list[Attachment] | None:
     if len(parts) > MAX_FILES:
         raise ApiError(400, f"{where} has {len(parts)} files; at most {MAX_FILES} are taken in one message.",
                        param=f"{where}.content", code="invalid_value")
-    files = [_file(part, f"{where}.content[{j}]") for j, part in parts]
+    files = [_file(part, f"{where}.content[{j}]", deadline) for j, part in parts]
     try:
         check_together(files)
     except FileRefused as e:
@@ -303,7 +304,7 @@ def _files(content: UserContent, where: str) -> list[Attachment] | None:
     return files or None
 
 
-def _file(part: FilePart, where: str) -> Attachment:
+def _file(part: FilePart, where: str, deadline: float) -> Attachment:
     param = f"{where}.file"
     if part.file.file_id is not None:
         raise ApiError(400, f"'{param}.file_id': file_id is not supported: send file_data (the file's bytes in "
@@ -332,6 +333,6 @@ def _file(part: FilePart, where: str) -> Attachment:
         raise ApiError(400, f"{where} ({name}): file_data is not valid base64.", param=f"{param}.file_data",
                        code="invalid_value") from None
     try:
-        return read_file(name, data)
+        return read_file(name, data, deadline)
     except FileRefused as e:
         raise ApiError(400, f"{where}: {e}", param=param, code="invalid_value") from None

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import msgspec
 
-from app.bounds import MAX_FILE_CHARS, MAX_PDF_PAGES
+from app.bounds import FILES_READ_SECONDS, MAX_FILE_CHARS, MAX_PDF_PAGES
 from app.files.text import PAGE_BREAK, FileRefused, clean_text
 
-PDF_SECONDS = 60.0  # to read one PDF, the child's start included
 PDF_MEMORY = 2 * 2**30  # the child's address space, in bytes
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +34,7 @@ class Result(msgspec.Struct, omit_defaults=True):
     problem: str | None = None
 
 
-def pdf_text(name: str, data: bytes, *, seconds: float = PDF_SECONDS, memory: int = PDF_MEMORY) -> str:
+def pdf_text(name: str, data: bytes, *, seconds: float = FILES_READ_SECONDS, memory: int = PDF_MEMORY) -> str:
     """The PDF's text, its pages joined with "\\f"; FileRefused saying why it cannot be read."""
     # This project first on the child's path, whatever the server's working directory (-m puts it first)
     # and environment (PYTHONSAFEPATH leaves it out) are.
@@ -44,8 +43,8 @@ def pdf_text(name: str, data: bytes, *, seconds: float = PDF_SECONDS, memory: in
         child = subprocess.run([sys.executable, "-m", "app.files.pdf", str(seconds), str(memory)], input=data,
                                capture_output=True, timeout=seconds, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:  # (killed, and waited for)
-        raise FileRefused(name, f"reading the PDF took longer than {seconds:.0f} s, the most one may take; "
-                                "send its text instead.") from None
+        raise FileRefused(name, f"reading the PDF took longer than {seconds:.0f} s, the time left for its "
+                                "message's files; send its text instead.") from None
     try:
         result = msgspec.json.decode(child.stdout, type=Result)
     except msgspec.DecodeError:  # it died: out of memory or CPU time, or a crash in the reader

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import posixpath
+import time
 from concurrent.futures import ThreadPoolExecutor
 
-from app.bounds import MAX_FILE_BYTES, MAX_FILE_CHARS, MAX_NAME_LENGTH, MAX_PDF_PAGES
+from app.bounds import FILES_READ_SECONDS, MAX_FILE_BYTES, MAX_FILE_CHARS, MAX_NAME_LENGTH, MAX_PDF_PAGES
 from app.files.text import PAGE_BREAK, FileRefused, clean_text
 from app.messages import Attachment
 
@@ -44,8 +45,10 @@ _BOMS = ((b"\xef\xbb\xbf", "utf-8"), (b"\xff\xfe\x00\x00", "utf-32-le"), (b"\x00
 READERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="file-reader")
 
 
-def read_file(name: str, data: bytes) -> Attachment:
-    """The file's text as an Attachment (chosen None: the engine decides how much goes into the prompt)."""
+def read_file(name: str, data: bytes, deadline: float | None = None) -> Attachment:
+    """The file's text as an Attachment (chosen None: the engine decides how much goes into the prompt).
+    deadline (time.monotonic()): when the time given to its message's files ends (read_deadline); a PDF
+    still being read then is refused."""
     name = clean_name(name)
     extension = _extension(name)
     if extension not in ACCEPTED_EXTENSIONS:
@@ -57,7 +60,7 @@ def read_file(name: str, data: bytes) -> Attachment:
     if not data:
         raise FileRefused(name, "the file is empty.")
     if extension in PDF_EXTENSIONS:
-        text = _pdf_text(name, data)
+        text = _pdf_text(name, data, deadline)
         pages = text.count(PAGE_BREAK) + 1
     else:
         text, pages = _decoded(name, data), 0
@@ -68,6 +71,12 @@ def read_file(name: str, data: bytes) -> Attachment:
     if len(text) > MAX_FILE_CHARS:
         raise FileRefused(name, f"its text is {len(text):,} characters long; at most {MAX_FILE_CHARS:,} are taken.")
     return Attachment(name=name, text=text, size=len(data), pages=pages)
+
+
+def read_deadline() -> float:
+    """When the files of a message (or an API request) starting to be read now must be read by: a few slow
+    PDFs cannot hold a file reader much longer than one."""
+    return time.monotonic() + FILES_READ_SECONDS
 
 
 def check_together(files: list[Attachment]) -> None:
@@ -117,14 +126,18 @@ def _check_json(name: str, text: str) -> None:
         raise FileRefused(name, f"the file is not valid JSON{where}.") from None
 
 
-def _pdf_text(name: str, data: bytes) -> str:
+def _pdf_text(name: str, data: bytes, deadline: float | None) -> str:
     """Each page's text, the pages joined with \\f: read in a child process with a time and a memory limit
-    (app.files.pdf says why)."""
+    (app.files.pdf says why), within what is left of the message's time."""
     from app.files.pdf import pdf_text  # here: only files that are PDFs need it
 
     if not data.lstrip()[:1024].startswith(b"%PDF-"):
         raise FileRefused(name, "the file is not a PDF (it does not start with %PDF-): is it what its name says?")
-    return pdf_text(name, data)
+    seconds = FILES_READ_SECONDS if deadline is None else min(FILES_READ_SECONDS, deadline - time.monotonic())
+    if seconds <= 0:
+        raise FileRefused(name, f"not read: the files before it took the {FILES_READ_SECONDS:.0f} s that one "
+                                "message's files may take together. Send it in a message of its own.")
+    return pdf_text(name, data, seconds=seconds)
 
 
 def _extension(name: str) -> str:

@@ -33,6 +33,7 @@ from app.files.read import (
     FileRefused,
     check_together,
     clean_name,
+    read_deadline,
     read_file,
 )
 from app.messages import WHOLE, Attachment, FileUse
@@ -73,10 +74,10 @@ async def read(elements: list) -> list[Attachment]:
     if len(elements) > MAX_FILES:
         raise Refused([FileRefused(f"{len(elements)} files", f"at most {MAX_FILES} files can be sent with "
                                                              "one message.")])
-    files, problems = [], []
+    files, problems, deadline = [], [], read_deadline()
     for element in elements:
         try:
-            files.append(await asyncio.get_running_loop().run_in_executor(READERS, _read, element))
+            files.append(await asyncio.get_running_loop().run_in_executor(READERS, _read, element, deadline))
         except FileRefused as e:
             problems.append(e)
     if problems:
@@ -88,7 +89,7 @@ async def read(elements: list) -> list[Attachment]:
     return files
 
 
-def _read(element) -> Attachment:
+def _read(element, deadline: float) -> Attachment:
     if element.path:
         try:
             data = Path(element.path).read_bytes()
@@ -99,7 +100,7 @@ def _read(element) -> Attachment:
         data = element.content.encode() if isinstance(element.content, str) else bytes(element.content)
     else:
         raise FileRefused(clean_name(element.name), "it is a link, not an uploaded file.")
-    return read_file(element.name, data)
+    return read_file(element.name, data, deadline)
 
 
 def with_chosen(files: list[Attachment], uses: list[FileUse]) -> list[Attachment]:

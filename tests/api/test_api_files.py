@@ -202,7 +202,7 @@ def test_requests_without_files_are_answered_while_many_files_are_being_read(mon
     import app.files.read
     release, reading = threading.Event(), []
 
-    def slow_pdf(name, data):
+    def slow_pdf(name, data, deadline):
         reading.append(name)
         assert release.wait(60)
         return "Boats leave at noon."

@@ -41,7 +41,8 @@ def test_a_pdf_that_would_keep_the_reader_busy_for_minutes_is_stopped_at_the_tim
     assert len(data) < 100_000
     started = time.monotonic()
     problem = refused(data, seconds=2)
-    assert "took longer than 2 s" in problem and "send its text" in problem
+    assert "took longer than 2 s, the time left for its message's files" in problem
+    assert "send its text" in problem
     assert time.monotonic() - started < 20  # stopped, not read to its end (about 20 minutes)
     assert readers() == []  # the child was killed and waited for
 
@@ -82,3 +83,13 @@ def test_the_reader_is_this_projects_whatever_the_working_directory(tmp_path, mo
     assert read_file("a.pdf", make_pdf([["one"], ["two"]])).text == "one\ftwo"
     monkeypatch.setenv("PYTHONSAFEPATH", "1")  # (the working directory is not put on the path)
     assert read_file("a.pdf", make_pdf([["three"]])).text == "three"
+
+
+def test_a_pdf_gets_what_is_left_of_its_messages_time_and_none_once_it_is_spent():
+    started = time.monotonic()
+    with pytest.raises(FileRefused, match="took longer than 2 s"):
+        read_file("slow.pdf", heavy_pdf(MAX_PDF_PAGES, 100_000), deadline=time.monotonic() + 2)
+    with pytest.raises(FileRefused, match="not read: the files before it took the 60 s"):
+        read_file("late.pdf", make_pdf([["fine"]]), deadline=time.monotonic() - 0.1)
+    assert time.monotonic() - started < 15
+    assert read_file("a.txt", b"text is read whatever the time", deadline=time.monotonic() - 1).text  # (quick)

@@ -94,6 +94,23 @@ def test_files_that_cannot_be_read_are_each_named_with_the_reason(tmp_path):
     assert "- **gone.txt**: the upload could not be read" in note and "fine.md" not in note
 
 
+def test_a_message_s_slow_pdfs_share_one_reading_time(tmp_path, monkeypatch):
+    """Three PDFs that each take minutes to read cost the message the time its files have together (made
+    2 s here), not 2 s each: the first is stopped at it, the others are not started."""
+    import app.files.read
+    from support.pdfs import heavy_pdf
+
+    monkeypatch.setattr(app.files.read, "FILES_READ_SECONDS", 2.0)
+    (tmp_path / "slow.pdf").write_bytes(heavy_pdf(300, 100_000))
+    with pytest.raises(attachments.Refused) as refused:
+        in_chat(lambda: attachments.read([cl.File(name=f"{i}.pdf", path=str(tmp_path / "slow.pdf"))
+                                          for i in range(3)] + [cl.File(name="fine.md", content=README)]))
+    first, *others = refused.value.problems
+    assert first.name == "0.pdf" and "took longer than 2 s, the time left" in first.problem
+    assert [p.name for p in others] == ["1.pdf", "2.pdf"]  # the Markdown file, read at once, is not refused
+    assert all(p.problem.startswith("not read: the files before it took the 2 s") for p in others)
+
+
 def test_more_files_than_a_message_carries_are_refused():
     with pytest.raises(attachments.Refused, match=f"at most {MAX_FILES} files can be sent with one message"):
         in_chat(lambda: attachments.read([cl.File(name=f"{i}.txt", content="x") for i in range(MAX_FILES + 1)]))

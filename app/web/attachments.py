@@ -178,15 +178,19 @@ async def keep(message: cl.Message, files: list[Attachment], store: FileStore) -
         await message.update()
 
 
-def stored_files(step: dict, store: FileStore | None) -> list[Attachment] | None:
-    """The files of a stored user message, as they went to the model; those whose text is gone (or whose record
-    is not one) are left out."""
+def stored_files(step: dict, store: FileStore | None, elements: list[dict]) -> list[Attachment] | None:
+    """The files of a stored user message, as they went to the model: those its record names that are files
+    of this message in its chat (`elements`: the chat's element rows, id and forId), never an element the
+    record names that is not; those whose text is gone (or whose record is not one) are left out."""
     records = metadata_of(step.get("metadata")).get(FILES)
     if not isinstance(records, list) or store is None:
         return None
+    own = {element.get("id") for element in elements if element.get("forId") == step.get("id")}
     files = []
     for entry in records:
-        if not isinstance(entry, dict) or (text := store.read_text(str(entry.get("element", "")))) is None:
+        if not isinstance(entry, dict) or entry.get("element") not in own:
+            continue
+        if (text := store.read_text(str(entry["element"]))) is None:
             continue
         fields = {key: entry[key] for key in ("name", "size", "pages", "chosen") if entry.get(key) is not None}
         try:
@@ -194,6 +198,12 @@ def stored_files(step: dict, store: FileStore | None) -> list[Attachment] | None
         except msgspec.ValidationError:
             continue
     return files or None
+
+
+def client_metadata(metadata) -> dict:
+    """A message's metadata as the page sent it, less its files' records, which the app writes: a client
+    that names another chat's file there gets nothing of it."""
+    return {key: value for key, value in metadata_of(metadata).items() if key != FILES}
 
 
 def metadata_of(metadata) -> dict:

@@ -12,6 +12,7 @@ computes every reply, or a remote server. What a session keeps in cl.user_sessio
     told_near_full   whether the user was told that the context is nearly full
     actions          the Regenerate and Export buttons, under the last answer only
     regenerated      how many times the last answer was sampled again (a set seed moves on by one each time)
+    stats_line       the id of the statistics line under the last answer (Regenerate removes it with the answer)
 
 Files attached to a message (app.web.attachments) go to the model with it. With history on (the default),
 chats are stored in SQLite through Chainlit's data layer (app.web.history), their files beside it
@@ -102,6 +103,8 @@ def start() -> None:
     chainlit_app.router.routes.insert(0, api.health_route(BACKEND))  # before Chainlit's own
     if FILE_STORE is not None:
         chainlit_app.router.routes.insert(0, FILE_STORE.route())
+    if SETTINGS.history:  # feedback only on the user's own messages
+        chainlit_app.router.routes[0:0] = history.feedback_routes()
     # Chat history and sign-in, as the settings ask
     if SETTINGS.history:
         @cl.data_layer
@@ -129,7 +132,7 @@ BUSY_NOTE = ("The server is busy: as many replies are running and waiting as it 
 LOADED, NOT_LOADED = "loaded", "not loaded — loads on first use"  # the model picker's line
 RESTARTING_NOTE = "The model is restarting after a failure; your message is answered as soon as it is back…"
 STOPPED_WAIT_S = 2.0  # how long a stopped reply may take to hand back its last tokens and stats
-SESSION_STATE = {"request": None, "actions": [], "regenerated": 0}  # a resumed chat starts with these
+SESSION_STATE = {"request": None, "actions": [], "regenerated": 0, "stats_line": None}  # a resumed chat starts with these
 EXPORT_COMMAND = "Export"
 COMMANDS = [{"id": EXPORT_COMMAND, "icon": "download", "description": "Download this chat as Markdown and JSON",
              "button": False, "persistent": False}]
@@ -178,7 +181,8 @@ async def resume_chat(thread: dict):
                      else SETTINGS.system_prompt)
     conversation = history.conversation_from_steps(
         thread.get("steps") or [], model=profile if profile in BACKEND.profiles else BACKEND.default,
-        system_prompt=system_prompt, files=lambda step: attachments.stored_files(step, FILE_STORE))
+        system_prompt=system_prompt,
+        files=lambda step: attachments.stored_files(step, FILE_STORE, thread.get("elements") or []))
     cl.user_session.set("conversation", conversation)
     for key, value in SESSION_STATE.items():  # what Chainlit restored of these is the stored chat's text of them
         cl.user_session.set(key, value)
@@ -293,6 +297,8 @@ async def on_message(message: cl.Message):
         await send_export(conversation)
         return
     edited = conversation.message(message.id)
+    if edited is None:  # what the page sent: the app's own keys in it are not the client's to set
+        message.metadata = attachments.client_metadata(message.metadata)
     conversation.truncate(message.id)  # an edited message: answer again from there
     try:
         files = await attachments.read(message.elements) if message.elements else None
@@ -330,8 +336,8 @@ async def regenerate(action: cl.Action):
 
     async def drop_old_answer() -> None:  # once the new answer begins: before, a failure keeps the old one
         await action.remove()
-        for message_id in (last.id, action.forId):  # the answer and its statistics line
-            if message_id:
+        for message_id in (last.id, cl.user_session.get("stats_line")):  # the answer and its statistics line
+            if message_id:  # (ids this session made: never one the client names, as action.forId)
                 await cl.Message(content="", id=message_id).remove()
 
     regenerated = (cl.user_session.get("regenerated") or 0) + 1
@@ -510,8 +516,10 @@ async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> 
     if context.left_out:
         line += f" · {context.left_out} earlier message{'s' if context.left_out != 1 else ''} left out"
     files, sources = attachments.note(context.files)
-    await below(cl.Message(content=f"*{line}*" + (f"\n\n{files}" if files else ""), author="stats",
-                           actions=actions, elements=sources))
+    stats = cl.Message(content=f"*{line}*" + (f"\n\n{files}" if files else ""), author="stats", actions=actions,
+                       elements=sources)
+    cl.user_session.set("stats_line", stats.id)
+    await below(stats)
     if trimmed:
         if not cl.user_session.get("told_trimmed"):
             cl.user_session.set("told_trimmed", True)

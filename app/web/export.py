@@ -104,12 +104,13 @@ def read_chat(db: Path, chat_id: str) -> tuple[StoredChat, Conversation]:
         steps = [dict(row) for row in con.execute(
             'SELECT id, type, output, metadata, "isError" FROM steps WHERE "threadId" = ? ORDER BY "createdAt", rowid',
             (id,))]
+        elements = [dict(row) for row in con.execute('SELECT id, "forId" FROM elements WHERE "threadId" = ?', (id,))]
     session = _json(metadata)
     panel = session.get("chat_settings") or {}
     store = FileStore.beside(db)
     conversation = conversation_from_steps(steps, model=session.get("chat_profile"),
                                            system_prompt=(panel.get("system_prompt") or "").strip() or None,
-                                           files=lambda step: stored_files(step, store))
+                                           files=lambda step: stored_files(step, store, elements))
     while conversation.messages and conversation.messages[-1].role == "assistant" \
             and not conversation.messages[-1].content:  # asked, never answered
         conversation.messages.pop()

@@ -23,7 +23,13 @@ import sqlite3
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from chainlit import server as chainlit_server
+from chainlit.auth import get_current_user
+from chainlit.data import get_data_layer
 from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
+from chainlit.types import DeleteFeedbackRequest, PageInfo, PaginatedResponse, UpdateFeedbackRequest
+from fastapi import Depends, HTTPException, Request
+from fastapi.routing import APIRoute
 
 from app.backend.conversation import Conversation
 from app.messages import Attachment
@@ -31,6 +37,7 @@ from app.web.attachments import metadata_of
 from app.web.display import plain
 from app.private_files import FILE_MODE, open_private, private_file, private_folder
 from app.web.file_store import FileStore
+from app.web.ownership import NOBODY, Owners, actor, refused
 from app.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
@@ -88,7 +95,9 @@ def create_schema(path: Path) -> None:
 
 
 class SQLiteDataLayer(SQLAlchemyDataLayer):
-    """Chainlit's SQLAlchemy data layer on a SQLite file, elements' bytes in a FileStore.
+    """Chainlit's SQLAlchemy data layer on a SQLite file, elements' bytes in a FileStore, and every row
+    found by its id and its owner (app.web.ownership): a chat, message, file or feedback of another user
+    is not there, whatever id a client sends, and no client id moves another chat's row.
 
     SQLite cannot bind lists or dicts (a step's tags or modes, a thread's tags): they are stored as
     JSON text. Failed statements, which Chainlit only logs, are logged as errors naming the statement.
@@ -97,16 +106,7 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
     def __init__(self, path: Path, store: FileStore | None = None):
         super().__init__(conninfo=f"sqlite+aiosqlite:///{path}", storage_provider=store)
         self.path = path
-
-    async def delete_step(self, step_id: str):
-        """Chainlit deletes a step's elements from the database only: their files go too (a regenerated
-        answer's sources, the messages after an edited one)."""
-        if self.storage_provider is not None:
-            elements = await self.execute_sql('SELECT "objectKey" FROM elements WHERE "forId" = :id', {"id": step_id})
-            for element in elements if isinstance(elements, list) else []:
-                if element["objectKey"]:
-                    await self.storage_provider.delete_file(object_key=element["objectKey"])
-        await super().delete_step(step_id)
+        self.owners = Owners(self.execute_sql)
 
     async def execute_sql(self, query: str, parameters: dict):
         parameters = {k: json.dumps(v) if isinstance(v, list | dict) else v for k, v in parameters.items()}
@@ -114,6 +114,156 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
         if result is None:  # Chainlit logged the exception as a warning
             log.error("history database %s: a statement failed: %s", self.path, " ".join(query.split())[:200])
         return result
+
+    # ---- chats ----
+
+    async def get_thread_author(self, thread_id: str) -> str:
+        """The chat's owner when it is the user's; "" otherwise, which Chainlit's routes answer with 404
+        (an unknown id included: Chainlit's own raises, a 500)."""
+        if await self.owners.readable(thread_id):
+            return actor()
+        log.info("chat %s: not found for user %r", str(thread_id)[:40], actor())
+        return ""
+
+    async def get_thread(self, thread_id: str):
+        """The chat, to its owner. To anyone else, a chat owned by nobody they are (so Chainlit refuses a
+        socket that asks to resume it) when it exists, and None when it does not."""
+        if await self.owners.readable(thread_id):
+            return await super().get_thread(thread_id)
+        if await self.owners.thread_owner(thread_id) is not None:
+            return {"id": thread_id, "userIdentifier": NOBODY, "name": None, "createdAt": None, "metadata": {},
+                    "tags": [], "steps": [], "elements": []}
+        return None
+
+    async def update_thread(self, thread_id: str, name=None, user_id=None, metadata=None, tags=None):
+        if not await self.owners.writable(thread_id):
+            return refused("chat", "that is not the user's", thread_id)
+        if user_id is not None and await self._get_user_identifer_by_id(user_id) != actor():
+            return refused("chat", "for another user", thread_id)
+        await super().update_thread(thread_id, name=name, user_id=user_id, metadata=metadata, tags=tags)
+
+    async def delete_thread(self, thread_id: str):
+        if await self.owners.readable(thread_id):
+            await super().delete_thread(thread_id)
+
+    async def list_threads(self, pagination, filters):
+        """The user's own chats, whatever user the filter names."""
+        user = await self.get_user(actor()) if actor() != NOBODY else None
+        if user is None or filters.userId != user.id:
+            return PaginatedResponse(pageInfo=PageInfo(hasNextPage=False, startCursor=None, endCursor=None), data=[])
+        return await super().list_threads(pagination, filters)
+
+    # ---- messages ----
+
+    async def create_step(self, step_dict):
+        """(update_step comes here too.) A message goes only into the user's chat, and never over a
+        message of another chat that has its id."""
+        thread_id = step_dict.get("threadId")
+        if await self.owners.may_write_row("message", await self.owners.step_thread(step_dict.get("id")), thread_id):
+            await super().create_step(step_dict)
+
+    async def get_step(self, step_id: str):
+        if await self.owners.readable(await self.owners.step_thread(step_id)):
+            return await super().get_step(step_id)
+        return None
+
+    async def delete_step(self, step_id: str):
+        """The user's own message only; its elements' files go too (Chainlit deletes their rows only: a
+        regenerated answer's sources, the messages after an edited one)."""
+        thread_id = await self.owners.step_thread(step_id)
+        if thread_id is None:
+            return
+        if not await self.owners.writable(thread_id):
+            return refused("deletion of a message", "of a chat that is not the user's", thread_id)
+        if self.storage_provider is not None:
+            elements = await self.execute_sql('SELECT "objectKey" FROM elements WHERE "forId" = :id '
+                                              'AND "threadId" = :thread', {"id": step_id, "thread": thread_id})
+            for element in elements if isinstance(elements, list) else []:
+                if element["objectKey"]:
+                    await self.storage_provider.delete_file(object_key=element["objectKey"])
+        await super().delete_step(step_id)
+
+    # ---- files ----
+
+    async def create_element(self, element):
+        """A file goes only into the user's chat, for a message of that chat, never over another chat's file."""
+        thread_id = element.thread_id
+        if not await self.owners.may_write_row("file", await self.owners.element_thread(element.id), thread_id):
+            return
+        if element.for_id and await self.owners.step_thread(element.for_id) not in (None, thread_id):
+            return refused("file", "for a message of another chat", thread_id)
+        await super().create_element(element)
+
+    async def get_element(self, thread_id: str, element_id: str):
+        if await self.owners.readable(thread_id):
+            return await super().get_element(thread_id, element_id)
+        return None
+
+    async def delete_element(self, element_id: str, thread_id: str | None = None):
+        owner_thread = await self.owners.element_thread(element_id)
+        if owner_thread is None:
+            return
+        if thread_id not in (None, owner_thread) or not await self.owners.writable(owner_thread):
+            return refused("deletion of a file", "of a chat that is not the user's", owner_thread)
+        await super().delete_element(element_id, owner_thread)
+
+    async def thread_elements(self, thread_id: str) -> list[dict]:
+        """The files of the user's chat: id and the message each belongs to."""
+        if not await self.owners.readable(thread_id):
+            return []
+        rows = await self.execute_sql('SELECT "id", "forId" FROM elements WHERE "threadId" = :id', {"id": thread_id})
+        return rows if isinstance(rows, list) else []
+
+    # ---- feedback ----
+
+    async def upsert_feedback(self, feedback) -> str:
+        """A feedback on a message of the user's chat only; NotFound otherwise."""
+        if not await self.may_feedback(feedback):
+            refused("feedback", "on a message that is not the user's", feedback.threadId)
+            raise NotFound("no such message")
+        feedback.threadId = await self.owners.step_thread(feedback.forId)
+        return await super().upsert_feedback(feedback)
+
+    async def delete_feedback(self, feedback_id: str) -> bool:
+        if not await self.may_delete_feedback(feedback_id):
+            raise NotFound("no such feedback")
+        return await super().delete_feedback(feedback_id)
+
+    async def may_delete_feedback(self, feedback_id: str) -> bool:
+        thread_id = await self.owners.feedback_thread(feedback_id)
+        return thread_id is not None and await self.owners.writable(thread_id)
+
+    async def may_feedback(self, feedback) -> bool:
+        """Whether a feedback is on a message of the user's chat (and, if it names one, over a feedback of
+        that chat): asked by upsert_feedback, and by the route before Chainlit's, to answer 404."""
+        thread_id = await self.owners.step_thread(feedback.forId)
+        return (thread_id is not None and feedback.threadId in (None, thread_id)
+                and await self.owners.writable(thread_id)
+                and await self.owners.feedback_thread(feedback.id) in (None, thread_id))
+
+
+class NotFound(LookupError):
+    """A row the user asked for that is not theirs (or not there): a 404."""
+
+
+def feedback_routes(data_layer=get_data_layer) -> list[APIRoute]:
+    """PUT and DELETE /feedback, put in front of Chainlit's: a feedback on a message that is not the user's
+    (or a feedback id of another chat) is a 404, asked of the data layer first. (Chainlit's routes write any
+    message's feedback, and answer the data layer's refusal with a 500.) The rest is Chainlit's route."""
+
+    async def put(request: Request, update: UpdateFeedbackRequest, user=Depends(get_current_user)):
+        layer = data_layer()
+        if layer is None or not await layer.may_feedback(update.feedback):
+            raise HTTPException(status_code=404, detail="Not found")
+        return await chainlit_server.update_feedback(request, update, user)
+
+    async def delete(request: Request, payload: DeleteFeedbackRequest, user=Depends(get_current_user)):
+        layer = data_layer()
+        if layer is None or not await layer.may_delete_feedback(payload.feedbackId):
+            raise HTTPException(status_code=404, detail="Not found")
+        return await chainlit_server.delete_feedback(request, payload, user)
+
+    return [APIRoute("/feedback", put, methods=["PUT"]), APIRoute("/feedback", delete, methods=["DELETE"])]
 
 
 def prepare(settings: Settings) -> None:

@@ -30,6 +30,7 @@ from chainlit.session import ws_sessions_sid
 from chainlit.user import User
 from starlette.requests import cookie_parser
 
+from app.web.ownership import ACTOR, NOBODY, request_actor
 from app.web.users import LOCAL_USER, Passwords, utf8
 
 log = logging.getLogger(__name__)
@@ -86,15 +87,17 @@ def request_tokens(headers: list[tuple[bytes, bytes]]) -> list[str]:
 
 
 class Sessions:
-    """ASGI middleware: a request whose sign-in is no longer valid goes on without its token."""
+    """ASGI middleware: a request whose sign-in is no longer valid goes on without its token; the user of
+    a valid one is whom the request acts for, in the history's data layer (app.web.ownership.ACTOR)."""
 
     def __init__(self, app, valid: Valid):
         self.app, self.valid = app, valid
 
     async def __call__(self, scope, receive, send):
         if scope["type"] in ("http", "websocket"):
-            ended = [user for user in map(token_user, request_tokens(scope["headers"]))
-                     if user is not None and not self.valid(user)]
+            users = [user for user in map(token_user, request_tokens(scope["headers"])) if user is not None]
+            ended = [user for user in users if not self.valid(user)]
+            ACTOR.set(NOBODY if ended else request_actor({user.identifier for user in users}))
             if ended:  # all its tokens go: which one Chainlit would read is not ours to guess
                 log.info("a request signed in as %r came with a sign-in that has ended; it goes on signed out",
                          ended[0].identifier)

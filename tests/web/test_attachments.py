@@ -24,6 +24,7 @@ from app.messages import WHOLE, Attachment, FileUse, Source
 from app.settings import Settings
 from app.web import attachments, history
 from app.web.file_store import FileStore
+from app.web.ownership import acting_as
 
 README = "# Notes\n\nThe launch is on Tuesday.\n"
 
@@ -209,13 +210,23 @@ def stored_chat(tmp_path):
         ada = await layer.create_user(cl.User(identifier="ada"))
         eve = await layer.create_user(cl.User(identifier="eve"))
         await layer.update_thread("t1", name="Ada's chat", user_id=ada.id)
+        await layer.create_step({"id": "s1", "threadId": "t1", "type": "user_message", "name": "ada",
+                                 "output": "Read this.", "streaming": False})
         element = cl.File(name="notes.md", content=README.encode(), mime="text/markdown", thread_id="t1",
                           for_id="s1")
         await layer.create_element(element)
         return ada, eve, element
 
-    ada, eve, element = in_chat(write)
+    with acting_as("ada"):
+        ada, eve, element = in_chat(write, chat_of("t1"))
     return layer, store, ada, eve, element
+
+
+def chat_of(thread_id: str) -> Chat:
+    """A tab whose session writes into the chat thread_id (only there may a chat with no owner yet be made)."""
+    chat = Chat(SimpleNamespace())
+    chat.session.thread_id = thread_id
+    return chat
 
 
 def test_a_stored_file_is_served_to_the_owner_of_its_chat_only(stored_chat):
@@ -245,7 +256,11 @@ def test_deleting_a_step_or_a_chat_deletes_its_elements_files(stored_chat):
     layer, store, ada, eve, element = stored_chat
     store.write_text(element.id, README)
     assert (store.folder / element.id / "file").is_file()
-    in_chat(lambda: layer.delete_step("s1"))  # (a regenerated answer's line, the messages after an edited one)
+    with acting_as("eve"):  # not hers
+        in_chat(lambda: layer.delete_step("s1"))
+    assert (store.folder / element.id / "file").is_file()
+    with acting_as("ada"):
+        in_chat(lambda: layer.delete_step("s1"))  # (a regenerated answer's line, the messages after an edited one)
     assert not (store.folder / element.id).exists()
 
     async def another():
@@ -256,7 +271,8 @@ def test_deleting_a_step_or_a_chat_deletes_its_elements_files(stored_chat):
         await layer.delete_thread("t1")
         return again
 
-    again = in_chat(another)
+    with acting_as("ada"):
+        again = in_chat(another)
     assert not (store.folder / again.id).exists()
 
 
@@ -274,20 +290,26 @@ def test_a_resumed_chat_gives_its_files_back_as_they_went_to_the_model(tmp_path)
     store = FileStore(tmp_path / "files")
     store.write_text("e1", README)
     store.write_text("e2", "Page one.\fPage two.")
+    store.write_text("e4", README)
+    store.write_text("e6", "Another chat's secret.")
     steps = [
         user_step("s1", "Summarize these.", [
             {"element": "e1", "name": "notes.md", "size": len(README), "pages": 0, "chosen": WHOLE},
             {"element": "e2", "name": "talk.pdf", "size": 900, "pages": 2, "chosen": [1]}]),
         reply_step("A launch on Tuesday, and a talk."),
         user_step("s2", "", [{"element": "e3", "name": "gone.md", "size": 5, "pages": 0, "chosen": None},
-                             {"element": "e1", "name": "again.md", "size": 3, "pages": 0, "chosen": None}]),
+                             {"element": "e4", "name": "again.md", "size": 3, "pages": 0, "chosen": None}]),
         reply_step("Sent without words."),
         user_step("s3", "", [{"element": "e3", "name": "gone.md", "size": 5, "pages": 0, "chosen": None}]),
         reply_step("A message whose only file is gone is left out, with its reply."),
-        user_step("s4", "And then?", [{"element": "e1", "size": 3}, "not a record"]),  # (no name: no file)
+        user_step("s4", "And then?", [{"element": "e5", "size": 3}, "not a record",  # (no name: no file)
+                                      {"element": "e1", "name": "s1's file.md", "size": 3},  # not this message's
+                                      {"element": "e6", "name": "stolen.md", "size": 3}]),  # not this chat's
     ]
-    conversation = history.conversation_from_steps(steps, model="tiny", system_prompt=None,
-                                                   files=lambda step: attachments.stored_files(step, store))
+    elements = [{"id": "e1", "forId": "s1"}, {"id": "e2", "forId": "s1"}, {"id": "e3", "forId": "s2"},
+                {"id": "e4", "forId": "s2"}, {"id": "e5", "forId": "s4"}]  # the chat's element rows
+    conversation = history.conversation_from_steps(
+        steps, model="tiny", system_prompt=None, files=lambda step: attachments.stored_files(step, store, elements))
     assert [(m.role, m.content) for m in conversation.messages] == [
         ("user", "Summarize these."), ("assistant", "A launch on Tuesday, and a talk."),
         ("user", ""), ("assistant", "Sent without words."),
@@ -302,7 +324,8 @@ def test_a_resumed_chat_gives_its_files_back_as_they_went_to_the_model(tmp_path)
     assert sent[0].files == first.files and sent[1].files is None
     # without a store (history off), the same steps have no files
     assert all(m.files is None for m in history.conversation_from_steps(
-        steps, model="tiny", system_prompt=None, files=lambda step: attachments.stored_files(step, None)).messages)
+        steps, model="tiny", system_prompt=None,
+        files=lambda step: attachments.stored_files(step, None, elements)).messages)
 
 
 def test_a_message_s_files_are_recorded_in_its_step_and_their_text_stored(tmp_path):

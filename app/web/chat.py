@@ -40,7 +40,7 @@ from chainlit.input_widget import Select, Slider, TextInput
 from chainlit.server import app as chainlit_app
 
 from app.api import routes as api, guard
-from app.web import attachments, export, history, http_server, sessions, users
+from app.web import attachments, export, history, http_server, login_page, sessions, users
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote, open_backend
 from app.bounds import reply_seed
 from app.backend.conversation import Conversation, Message
@@ -103,8 +103,10 @@ def start() -> None:
     chainlit_app.router.routes.insert(0, api.health_route(BACKEND))  # before Chainlit's own
     if FILE_STORE is not None:
         chainlit_app.router.routes.insert(0, FILE_STORE.route())
-    if SETTINGS.history:  # feedback only on the user's own messages
-        chainlit_app.router.routes[0:0] = history.feedback_routes()
+    if SETTINGS.history:  # a message's feedback and files: the user's own only
+        chainlit_app.router.routes[0:0] = history.owned_routes()
+    if SIGN_IN:  # the sign-in page says what a shared password opens
+        chainlit_app.router.routes.insert(0, login_page.translations_route(SETTINGS))
     # Chat history and sign-in, as the settings ask
     if SETTINGS.history:
         @cl.data_layer
@@ -153,6 +155,8 @@ async def start_backend():
     """Wait for the engine to list its models; it loads (on first start, prepares) the default one
     meanwhile, and /health says 200 once it is loaded."""
     log.info("%s", ALLOWED.summary())
+    if note := login_page.log_note(SETTINGS):
+        log.warning("%s", note)
     if SIGNING_IN:
         SWEEPING.add(asyncio.create_task(sessions.sweep(SIGNED_IN)))  # open sockets whose sign-in ended
     await BACKEND.start()
@@ -291,7 +295,10 @@ async def update_settings(values: dict):
 
 
 @cl.on_message
-async def on_message(message: cl.Message):
+async def on_message(message: cl.Message | None):
+    if message is None:  # an edit of a message that is not in this chat (Chainlit hands its absence on)
+        await cl.Message(content="That message is not in this chat, so it cannot be edited.").send()
+        return
     conversation = current_conversation()
     if message.command == EXPORT_COMMAND or message.content.strip().lower() == "/export":
         await send_export(conversation)

@@ -27,7 +27,7 @@ from chainlit import server as chainlit_server
 from chainlit.auth import get_current_user
 from chainlit.data import get_data_layer
 from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
-from chainlit.types import DeleteFeedbackRequest, PageInfo, PaginatedResponse, UpdateFeedbackRequest
+from chainlit.types import DeleteFeedbackRequest, ElementRequest, PageInfo, PaginatedResponse, UpdateFeedbackRequest
 from fastapi import Depends, HTTPException, Request
 from fastapi.routing import APIRoute
 
@@ -90,6 +90,7 @@ def create_schema(path: Path) -> None:
                 if name not in present:
                     kind = kind.split()[0]  # SQLite adds columns without constraints
                     db.execute(f'ALTER TABLE {table} ADD COLUMN "{name}" {kind}')
+        db.execute("""UPDATE elements SET "props" = '{}' WHERE "props" IS NULL""")  # see create_element
         db.execute('CREATE INDEX IF NOT EXISTS steps_thread ON steps ("threadId", "createdAt")')
         db.execute('CREATE INDEX IF NOT EXISTS threads_user ON threads ("userId")')
 
@@ -192,6 +193,8 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
             return
         if element.for_id and await self.owners.step_thread(element.for_id) not in (None, thread_id):
             return refused("file", "for a message of another chat", thread_id)
+        if getattr(element, "props", None) is None:  # Chainlit's get_element cannot read a file's NULL props
+            element.props = {}
         await super().create_element(element)
 
     async def get_element(self, thread_id: str, element_id: str):
@@ -207,12 +210,16 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
             return refused("deletion of a file", "of a chat that is not the user's", owner_thread)
         await super().delete_element(element_id, owner_thread)
 
-    async def thread_elements(self, thread_id: str) -> list[dict]:
-        """The files of the user's chat: id and the message each belongs to."""
-        if not await self.owners.readable(thread_id):
-            return []
-        rows = await self.execute_sql('SELECT "id", "forId" FROM elements WHERE "threadId" = :id', {"id": thread_id})
-        return rows if isinstance(rows, list) else []
+    async def may_write_element(self, element: dict) -> bool:
+        """Whether a client's element (a custom element the page updates or removes) names no file or chat
+        of another user: its id is new or in the user's chat, and so is the chat it names."""
+        if not isinstance(element, dict) or not isinstance(element.get("id"), str):
+            return False
+        named = element.get("threadId") or None
+        thread_id = await self.owners.element_thread(element["id"])
+        if thread_id is not None:
+            return named in (None, thread_id) and await self.owners.writable(thread_id)
+        return await self.owners.thread_owner(named) in (None, actor())
 
     # ---- feedback ----
 
@@ -246,24 +253,42 @@ class NotFound(LookupError):
     """A row the user asked for that is not theirs (or not there): a 404."""
 
 
-def feedback_routes(data_layer=get_data_layer) -> list[APIRoute]:
-    """PUT and DELETE /feedback, put in front of Chainlit's: a feedback on a message that is not the user's
-    (or a feedback id of another chat) is a 404, asked of the data layer first. (Chainlit's routes write any
-    message's feedback, and answer the data layer's refusal with a 500.) The rest is Chainlit's route."""
+def owned_routes(data_layer=get_data_layer) -> list[APIRoute]:
+    """Chainlit's routes that take the id of a message, file or feedback and answer 200 (or 500) whatever
+    the data layer did with it, put behind a route of ours that asks the data layer first and answers 404
+    for a row that is not the user's; the rest is Chainlit's route. (The routes that take a chat's id ask
+    get_thread_author, which answers for them.)"""
 
-    async def put(request: Request, update: UpdateFeedbackRequest, user=Depends(get_current_user)):
+    async def may(check) -> None:
         layer = data_layer()
-        if layer is None or not await layer.may_feedback(update.feedback):
+        if layer is None or not await check(layer):
             raise HTTPException(status_code=404, detail="Not found")
+
+    async def put_feedback(request: Request, update: UpdateFeedbackRequest, user=Depends(get_current_user)):
+        await may(lambda layer: layer.may_feedback(update.feedback))
         return await chainlit_server.update_feedback(request, update, user)
 
-    async def delete(request: Request, payload: DeleteFeedbackRequest, user=Depends(get_current_user)):
-        layer = data_layer()
-        if layer is None or not await layer.may_delete_feedback(payload.feedbackId):
-            raise HTTPException(status_code=404, detail="Not found")
+    async def delete_feedback(request: Request, payload: DeleteFeedbackRequest, user=Depends(get_current_user)):
+        await may(lambda layer: layer.may_delete_feedback(payload.feedbackId))
         return await chainlit_server.delete_feedback(request, payload, user)
 
-    return [APIRoute("/feedback", put, methods=["PUT"]), APIRoute("/feedback", delete, methods=["DELETE"])]
+    async def get_element(request: Request, thread_id: str, element_id: str, user=Depends(get_current_user)):
+        await may(lambda layer: layer.get_element(thread_id, element_id))
+        return await chainlit_server.get_thread_element(request, thread_id, element_id, user)
+
+    async def put_element(payload: ElementRequest, user=Depends(get_current_user)):
+        await may(lambda layer: layer.may_write_element(payload.element))
+        return await chainlit_server.update_thread_element(payload, user)
+
+    async def delete_element(payload: ElementRequest, user=Depends(get_current_user)):
+        await may(lambda layer: layer.may_write_element(payload.element))
+        return await chainlit_server.delete_thread_element(payload, user)
+
+    return [APIRoute("/feedback", put_feedback, methods=["PUT"]),
+            APIRoute("/feedback", delete_feedback, methods=["DELETE"]),
+            APIRoute("/project/thread/{thread_id}/element/{element_id}", get_element, methods=["GET"]),
+            APIRoute("/project/element", put_element, methods=["PUT"]),
+            APIRoute("/project/element", delete_element, methods=["DELETE"])]
 
 
 def prepare(settings: Settings) -> None:

@@ -33,11 +33,12 @@ class ChatTab:
         self.events: list[tuple[str, object]] = []
         self.thread_id = thread_id
         self._changed = threading.Condition()
+        self.session_id = str(uuid.uuid4())
         self.sio = socketio.Client(reconnection=False)
         self.sio.on("*", self._record)
         self.sio.connect(url, socketio_path="/ws/socket.io", transports=["websocket"], wait_timeout=30,
-                         headers={"Cookie": "; ".join(f"{k}={v}" for k, v in self.cookies.items())},
-                         auth={"sessionId": str(uuid.uuid4()), "clientType": "webapp", "userEnv": "{}",
+                         headers={"Cookie": self.cookie_header()},
+                         auth={"sessionId": self.session_id, "clientType": "webapp", "userEnv": "{}",
                                "chatProfile": chat_profile, "threadId": thread_id})
         self.sio.emit("connection_successful")
 
@@ -61,17 +62,38 @@ class ChatTab:
                     raise TimeoutError(f"no {event!r} within {timeout:.0f} s; got {[e for e, _ in self.events]}")
                 self._changed.wait(left)
 
-    def send(self, text: str, timeout: float = 90.0) -> None:
-        """Send a message and wait until the server has finished with it (task_end)."""
+    def cookie_header(self) -> str:
+        return "; ".join(f"{k}={v}" for k, v in self.cookies.items())
+
+    def send(self, text: str, timeout: float = 90.0, id: str | None = None, metadata: dict | None = None,
+             files: list[dict] | None = None, event: str = "client_message") -> int:
+        """Send a message (as the page does: its id, metadata and uploaded files' references; or, with
+        event="edit_message", an edit of the message `id`) and wait until the server has finished with it
+        (task_end); the index of the events that answer it."""
         start = len(self.events)
-        self.sio.emit("client_message", {"message": {
-            "id": str(uuid.uuid4()), "threadId": self.thread_id or "", "type": "user_message", "name": "User",
-            "output": text, "createdAt": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")},
-            "fileReferences": None})
+        message = {"id": id or str(uuid.uuid4()), "threadId": self.thread_id or "", "type": "user_message",
+                   "name": "User", "output": text,
+                   "createdAt": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
+        if metadata is not None:
+            message["metadata"] = metadata
+        self.sio.emit(event, {"message": message, "fileReferences": files})
         started, _ = self.wait_for("task_start", after=start, timeout=timeout)
         self.wait_for("task_end", after=started + 1, timeout=timeout)
         if self.thread_id is None:  # the first message makes the thread; the server says so when it is stored
             self.wait_for("first_interaction", after=start, timeout=timeout)
+        return start
+
+    def upload(self, name: str, data: bytes, mime: str = "text/markdown") -> dict:
+        """Upload a file as the page does before sending a message with it: its reference for send(files=...)."""
+        response = httpx.post(f"{self.url}/project/file", params={"session_id": self.session_id},
+                              files={"file": (name, data, mime)}, cookies=self.cookies, timeout=30)
+        response.raise_for_status()
+        return {"id": response.json()["id"], "name": name, "type": mime}
+
+    def outputs(self, start: int = 0) -> list[str]:
+        """The text of every message the server sent or updated since index start."""
+        return [data.get("output", "") for event, data in self.events[start:]
+                if event in ("new_message", "update_message") and isinstance(data, dict)]
 
     def close(self) -> None:
         self.sio.disconnect()

@@ -18,6 +18,11 @@ environment are not passed on) and stops it at the end. Two parts, one after the
   without any answer within --timeout seconds, how long the server took to be ready again after
   each kill, and whether an ordinary request is answered afterwards.
 
+- cross-user: a chat server of its own (`chainlit run app/main.py`, two users in a users file, history in
+  a temporary folder), where one user tries the other's ids on every route and socket event that carries
+  one (tests/support/cross_user.py): the answers by status, the refusals that were not as expected, what
+  of the other user's chat changed (its rows and files) and what leaked into an answer.
+
 Writes bench/results/hostile.json.
 """
 
@@ -32,6 +37,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import psutil
@@ -40,7 +46,7 @@ from common import OPTIONS, RESULTS, ROOT, machine, write_result
 sys.path.insert(0, str(ROOT / "tests"))  # the test suite's servers and corpus
 
 from support.hostile import HOSTILE, corpus  # noqa: E402
-from support.servers import DEFAULT_MODEL, ApiServer, server_env  # noqa: E402
+from support.servers import DEFAULT_MODEL, ApiServer, ChainlitServer, server_env  # noqa: E402
 
 ORDINARY = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16}
 
@@ -197,6 +203,50 @@ def kill_under_load(url: str, server_pid: int, clients: int, kills: int, every: 
             "ordinary_answered_after": ordinary_answered(url, 1, timeout)}
 
 
+def cross_user_part() -> dict:
+    """Two users of a chat server of its own: one tries the other's ids everywhere (tests/support/cross_user.py)."""
+    import tempfile
+
+    from support import cross_user
+    from app.web.users import HASHER
+
+    folder = Path(tempfile.mkdtemp(prefix="cross-user-"))
+    users = folder / "users"
+    users.write_text(f"ada:{HASHER.hash('ada-pw')}\ngrace:{HASHER.hash('grace-pw')}\n")
+    env = server_env(checkpoint=DEFAULT_MODEL, max_new_tokens=16, history_db=folder / "history.db",
+                     users=users, api_key="cross-user-key")
+    env.pop("CHAINLIT_AUTH_SECRET", None)
+    server = ChainlitServer(env, log=RESULTS / "hostile-cross-user.log")
+    try:
+        server.wait_ready(timeout=300)
+
+        def login(name: str) -> dict:
+            return dict(httpx.post(f"{server.url}/login", data={"username": name, "password": f"{name}-pw"},
+                                   timeout=30).cookies)
+
+        grace, ada = login("grace"), login("ada")
+        victim, tab = cross_user.make_victim(server.url, grace)
+        before = cross_user.snapshot(folder / "history.db", folder / "history-files", victim)
+        try:
+            outcomes = cross_user.attack(server.url, ada, victim)
+            time.sleep(1)
+            after = cross_user.snapshot(folder / "history.db", folder / "history-files", victim)
+        finally:
+            tab.close()
+    finally:
+        server.stop()
+    changed = [key for key in before["rows"] if before["rows"][key] != after["rows"][key]]
+    changed += [f"file {name}" for name in set(before["files"]) | set(after["files"])
+                if before["files"].get(name) != after["files"].get(name)]
+    statuses = collections.Counter(str(o.status) for o in outcomes)
+    return {"routes": sum(1 for entry in cross_user.ROUTES.values() if not isinstance(entry, str)),
+            "routes_without_ids": sum(1 for entry in cross_user.ROUTES.values() if isinstance(entry, str)),
+            "attacks": len(outcomes), "answers": dict(statuses),
+            "5xx": sum(n for status, n in statuses.items() if status.startswith("5")),
+            "not_as_expected": [f"{o.name}: {o.status} {o.detail[:120]}" for o in outcomes if not o.ok],
+            "other_users_data_changed": changed}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running server (default: start `python -m app.api --port 8011`)")
@@ -208,7 +258,7 @@ def main() -> int:
     parser.add_argument("--kill-every", type=float, default=10.0,
                         help="seconds from a new engine's being ready to the next kill")
     parser.add_argument("--timeout", type=float, default=180.0, help="a request with no answer by then has none")
-    parser.add_argument("--skip", default="", help="comma-separated: hostile, kill")
+    parser.add_argument("--skip", default="", help="comma-separated: hostile, kill, cross-user")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     server = None
@@ -234,6 +284,9 @@ def main() -> int:
             result["kill_under_load"] = kill_under_load(url, server_pid, args.clients, args.kills, args.kill_every,
                                                         args.timeout)
             print(json.dumps(result["kill_under_load"], indent=2), flush=True)
+        if "cross-user" not in skip:
+            result["cross_user"] = cross_user_part()
+            print(json.dumps(result["cross_user"], indent=2), flush=True)
     finally:
         if server is not None:
             server.stop()

@@ -38,6 +38,8 @@ from chainlit.config import FILES_DIRECTORY
 from chainlit.config import config as chainlit_config
 from chainlit.input_widget import Select, Slider, TextInput
 from chainlit.server import app as chainlit_app
+from chainlit.server import sio
+from chainlit.session import WebsocketSession
 
 from app.api import routes as api, guard
 from app.web import attachments, export, history, http_server, login_page, sessions, users
@@ -99,6 +101,7 @@ def start() -> None:
         http_server.limit_bodies(chainlit_app)  # Chainlit's routes read whole bodies before asking who sent them
         if SIGNING_IN:
             chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
+    only_edits_of_this_chat()
     api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb)
     chainlit_app.router.routes.insert(0, api.health_route(BACKEND))  # before Chainlit's own
     if FILE_STORE is not None:
@@ -295,10 +298,7 @@ async def update_settings(values: dict):
 
 
 @cl.on_message
-async def on_message(message: cl.Message | None):
-    if message is None:  # an edit of a message that is not in this chat (Chainlit hands its absence on)
-        await cl.Message(content="That message is not in this chat, so it cannot be edited.").send()
-        return
+async def on_message(message: cl.Message):
     conversation = current_conversation()
     if message.command == EXPORT_COMMAND or message.content.strip().lower() == "/export":
         await send_export(conversation)
@@ -326,6 +326,28 @@ async def on_message(message: cl.Message | None):
     finally:
         if files and FILE_STORE is not None and asked.files != files:  # the engine chose what to read of them
             await attachments.keep(message, asked.files, FILE_STORE)
+
+
+def only_edits_of_this_chat() -> None:
+    """Chainlit hands an edit that names a message not in the tab's chat (another chat's id, or none) to
+    on_message as None, through a wrapper that fails on it: such an edit is dropped here, with a log line."""
+    handlers = sio.handlers["/"]
+    chainlit_edit = handlers["edit_message"]
+    if getattr(chainlit_edit, "guarded", False):  # (a reload keeps the first one)
+        return
+
+    async def edit_message(sid, payload):
+        session = WebsocketSession.get(sid)
+        message = payload.get("message") if isinstance(payload, dict) else None
+        edited = message.get("id") if isinstance(message, dict) else None
+        if session is None or not any(m.id == edited for m in chat_contexts.get(session.id, [])):
+            log.info("an edit of a message that is not in the chat of user %r was dropped",
+                     session.user.identifier if session and session.user else None)
+            return
+        await chainlit_edit(sid, payload)
+
+    edit_message.guarded = True
+    handlers["edit_message"] = edit_message
 
 
 @cl.action_callback("regenerate")

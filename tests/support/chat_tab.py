@@ -27,13 +27,13 @@ def sign_in(url: str) -> dict[str, str]:
 
 class ChatTab:
     def __init__(self, url: str, cookies: dict[str, str] | None = None, thread_id: str | None = None,
-                 chat_profile: str | None = None):
+                 chat_profile: str | None = None, session_id: str | None = None):
         self.url = url
         self.cookies = cookies or {}
         self.events: list[tuple[str, object]] = []
         self.thread_id = thread_id
         self._changed = threading.Condition()
-        self.session_id = str(uuid.uuid4())
+        self.session_id = session_id or str(uuid.uuid4())
         self.sio = socketio.Client(reconnection=False)
         self.sio.on("*", self._record)
         self.sio.connect(url, socketio_path="/ws/socket.io", transports=["websocket"], wait_timeout=30,
@@ -66,10 +66,10 @@ class ChatTab:
         return "; ".join(f"{k}={v}" for k, v in self.cookies.items())
 
     def send(self, text: str, timeout: float = 90.0, id: str | None = None, metadata: dict | None = None,
-             files: list[dict] | None = None, event: str = "client_message") -> int:
+             files: list[dict] | None = None, event: str = "client_message", wait: bool = True) -> int:
         """Send a message (as the page does: its id, metadata and uploaded files' references; or, with
         event="edit_message", an edit of the message `id`) and wait until the server has finished with it
-        (task_end); the index of the events that answer it."""
+        (task_end), unless not to wait; the index of the events that answer it."""
         start = len(self.events)
         message = {"id": id or str(uuid.uuid4()), "threadId": self.thread_id or "", "type": "user_message",
                    "name": "User", "output": text,
@@ -77,6 +77,8 @@ class ChatTab:
         if metadata is not None:
             message["metadata"] = metadata
         self.sio.emit(event, {"message": message, "fileReferences": files})
+        if not wait:
+            return start
         started, _ = self.wait_for("task_start", after=start, timeout=timeout)
         self.wait_for("task_end", after=started + 1, timeout=timeout)
         if self.thread_id is None:  # the first message makes the thread; the server says so when it is stored

@@ -180,7 +180,7 @@ ROUTES: dict[tuple[str, str], tuple[Callable, tuple[int, ...]] | str] = {
 }
 
 EVENTS: dict[str, str] = {
-    "connect": "resume B's chat: refused (attack_socket)",
+    "connect": "resume B's chat, or B's tab's session: refused (attack_socket)",
     "client_message": "a message with B's message id, and one whose metadata names B's file (attack_socket)",
     "edit_message": "an edit of B's message id (attack_socket)",
     "message_favorite": "B's message id (attack_socket; favorites are off)",
@@ -235,10 +235,17 @@ def attack_socket(url: str, cookies: dict, a: ChatTab, victim: Victim) -> list[O
         outcomes.append(Outcome("connect threadId", "connected", False))
     except socketio.exceptions.ConnectionError as e:
         outcomes.append(Outcome("connect threadId", "refused", True, str(e)))
+    try:  # take over B's open tab
+        other = ChatTab(url, cookies, session_id=victim.session)
+        other.close()
+        outcomes.append(Outcome("connect sessionId", "connected", False))
+    except socketio.exceptions.ConnectionError as e:
+        outcomes.append(Outcome("connect sessionId", "refused", True, str(e)))
     start = a.send("A's words over B's message", id=victim.question)  # a message with B's message id
     outcomes.append(Outcome("client_message id", "answered", not any(leaked(t, victim) for t in a.outputs(start))))
-    start = a.send("A edits B's message", id=victim.answer, event="edit_message")
-    outcomes.append(Outcome("edit_message id", "answered", not any(leaked(t, victim) for t in a.outputs(start))))
+    start = a.send("A edits B's message", id=victim.answer, event="edit_message", wait=False)
+    time.sleep(1)  # (dropped: nothing answers it)
+    outcomes.append(Outcome("edit_message id", "dropped", not any(leaked(t, victim) for t in a.outputs(start))))
     a.sio.emit("message_favorite", {"message": {"id": victim.question, "metadata": {"favorite": True}}})
     outcomes.append(Outcome("message_favorite id", "sent", True))
     # metadata naming B's file: then A resumes her chat and edits that message, which sends its files again

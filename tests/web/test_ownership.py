@@ -215,8 +215,7 @@ def login(url: str, name: str, password: str) -> dict:
     return dict(response.cookies)
 
 
-ALLOWED_LOG = re.compile(r"refused to write|Authorization for the thread failed|not found for user|"
-                         r"Translated markdown file")
+REFUSALS = re.compile(r"Authorization for the (thread|session) failed")  # Chainlit's, logged as errors
 
 
 def test_another_users_ids_reach_nothing_on_any_route_or_event(two_users_server):
@@ -240,7 +239,8 @@ def test_another_users_ids_reach_nothing_on_any_route_or_event(two_users_server)
     assert response.status_code == 200 and cross_user.SECRET in response.text
     log = server.log_path.read_text(errors="replace")
     assert "Traceback" not in log, log[-3000:]
-    problems = [line for line in log.splitlines() if re.search(r" - (ERROR|CRITICAL) - ", line)]
+    problems = [line for line in log.splitlines()
+                if re.search(r" - (ERROR|CRITICAL) - ", line) and not REFUSALS.search(line)]
     assert not problems, problems
     assert len([line for line in log.splitlines() if "not found for user" in line]) >= 3  # one line each
 

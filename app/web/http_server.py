@@ -41,8 +41,12 @@ by default), with uvicorn's own middleware: it takes the nearest address that is
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import os
+import struct
+import termios
 
 import h11
 import uvicorn.config
@@ -63,12 +67,16 @@ STATUS_408 = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset
 
 
 class WriteDeadline:
-    """A protocol mixin: the connection is aborted when its write buffer, past the high-water mark, has not
-    shrunk for write_timeout_s (close() would wait for the buffer to be sent first: for ever)."""
+    """A protocol mixin: once the transport has paused writing (its buffer past the high-water mark), the
+    connection is aborted when write_timeout_s passes without the client taking a byte: neither the
+    transport's buffer nor the kernel's send queue (unsent or unacknowledged bytes) got smaller. The
+    kernel's queue counts because it may hold megabytes (Linux sizes a loopback socket's send buffer up
+    to 4 MB), and it only hands the transport room again once a third of it is free: a client that reads
+    slowly but steadily shows there first. Aborted, not closed: close() waits for the buffer to be sent."""
 
     write_timeout_s = DEFAULT_WRITE_TIMEOUT_S
     stall: asyncio.TimerHandle | None = None
-    stalled_at = 0  # the buffer's size when the deadline was set
+    stalled_at = 0  # the bytes waiting for the client when the deadline was set
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -83,8 +91,17 @@ class WriteDeadline:
         self._unwait()
         super().connection_lost(exc)
 
+    def _waiting(self) -> int:
+        """Bytes written that the client has not taken yet: the transport's buffer and the kernel's send queue."""
+        queued = 0
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):  # (not on Linux, or not a TCP socket: the transport's alone)
+                queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        return self.transport.get_write_buffer_size() + queued
+
     def _wait_for_reader(self) -> None:
-        self.stalled_at = self.transport.get_write_buffer_size()
+        self.stalled_at = self._waiting()
         self.stall = self.loop.call_later(self.write_timeout_s, self._check_reader)
 
     def _unwait(self) -> None:
@@ -94,7 +111,7 @@ class WriteDeadline:
 
     def _check_reader(self) -> None:
         self.stall = None
-        waiting = self.transport.get_write_buffer_size()
+        waiting = self._waiting()
         if waiting < self.stalled_at:  # it reads, slowly: another period
             self._wait_for_reader()
             return

@@ -21,7 +21,7 @@ PLACES = 4  # LLAMA_MAX_BATCH, with no waiting places: one request for n=4 repli
 
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
-    server = ApiServer(server_env(checkpoint=tiny, dtype="fp32", threads=1, max_batch=PLACES, max_waiting=0,
+    server = ApiServer(server_env(checkpoint=tiny, dtype="fp32", threads=1, kernels="off", max_batch=PLACES, max_waiting=0,
                                   write_timeout=WRITE_TIMEOUT_S),
                        log=tmp_path_factory.mktemp("api") / "api.log")
     try:

@@ -45,6 +45,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import socket
 import struct
 import termios
 
@@ -66,17 +67,29 @@ STATUS_408 = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset
               "content-length: {length}\r\n\r\n{text}")
 
 
+SEND_BUFFER_BYTES = 256 * 1024  # the kernel's send buffer of a connection (Linux doubles it; not grown by autotuning)
+
+
 class WriteDeadline:
     """A protocol mixin: once the transport has paused writing (its buffer past the high-water mark), the
     connection is aborted when write_timeout_s passes without the client taking a byte: neither the
     transport's buffer nor the kernel's send queue (unsent or unacknowledged bytes) got smaller. The
-    kernel's queue counts because it may hold megabytes (Linux sizes a loopback socket's send buffer up
-    to 4 MB), and it only hands the transport room again once a third of it is free: a client that reads
-    slowly but steadily shows there first. Aborted, not closed: close() waits for the buffer to be sent."""
+    kernel hands the transport room again only once a third of its buffer is free, so a client that
+    reads slowly but steadily shows in its queue first. That buffer is set to SEND_BUFFER_BYTES: Linux
+    grows a loopback socket's up to 4 MB, which a client that reads nothing fills before the transport
+    pauses (a minute of a fast stream; kernel memory, a few hundred such clients' worth of a gigabyte).
+    Aborted, not closed: close() waits for the buffer to be sent."""
 
     write_timeout_s = DEFAULT_WRITE_TIMEOUT_S
     stall: asyncio.TimerHandle | None = None
     stalled_at = 0  # the bytes waiting for the client when the deadline was set
+
+    def connection_made(self, transport) -> None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        super().connection_made(transport)
 
     def pause_writing(self) -> None:
         super().pause_writing()

@@ -13,10 +13,14 @@ import httpx
 import pytest
 from support.servers import ApiServer, server_env
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(900)
 
 WRITE_TIMEOUT_S = 2
 PLACES = 4  # LLAMA_MAX_BATCH, with no waiting places: one request for n=4 replies takes them all
+# Before the server's writes wait, the reply fills the kernel's buffers (app.web.http_server.SEND_BUFFER_BYTES,
+# doubled, and the client's) and the transport's: about 0.6 MB, a second or two of the tiny model's tokens with
+# their top logprobs on an idle machine, minutes on a busy one. Its reply alone would run for hours.
+CUT_OFF_WITHIN_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +67,9 @@ def test_a_client_that_reads_nothing_is_cut_off_and_its_places_given_back(server
         time.sleep(1)
         assert ask(server).status_code == 429  # its request holds every place
         started = time.monotonic()
-        while (status := ask(server).status_code) == 429 and time.monotonic() - started < 30:
+        while (status := ask(server).status_code) == 429 and time.monotonic() - started < CUT_OFF_WITHIN_S:
             time.sleep(0.5)
-        freed_after = time.monotonic() - started
-        assert status == 200 and freed_after < 30  # (its reply alone would run for minutes)
+        assert status == 200
         connection.settimeout(10)
         received = b""
         try:

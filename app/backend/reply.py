@@ -77,19 +77,19 @@ class Reply:
         if isinstance(event, Done):
             self._open -= 1
         self.ended = self.ended or ends
-        size = len(_encode(event)) if isinstance(event, Text) else 0  # (a Done, bounded by the context, is not held)
         try:
-            self._loop.call_soon_threadsafe(self._queue, event, size)
+            self._loop.call_soon_threadsafe(self._queue, event)
             if self.ended:
                 self._loop.call_soon_threadsafe(self._all_delivered.set)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more, so it stops
             if not self.ended:
                 self.cancel()
 
-    def _queue(self, event: Event, size: int) -> None:
+    def _queue(self, event: Event) -> None:
         """On the caller's loop: queue an event, or cut the reply off when its caller lets too much wait."""
         if self.cut_off:
             return
+        size = len(_encode(event)) if isinstance(event, Text) else 0  # (a Done, bounded by the context, is not held)
         self._waiting_bytes += size
         if self._waiting_bytes <= self.buffer_bytes:
             self._events.put_nowait((event, size))

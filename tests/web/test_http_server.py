@@ -20,7 +20,7 @@ from starlette.websockets import WebSocket
 from support.servers import free_port
 
 from app.web import http_server
-from app.settings import Settings
+from app.settings import Settings, SettingsError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -206,6 +206,19 @@ def test_x_forwarded_for_counts_only_from_a_trusted_proxy(served):
     options = http_server.uvicorn_options(Settings.from_env({"LLAMA_TRUSTED_PROXIES": "127.0.0.1,10.0.0.0/8"}))
     assert options["forwarded_allow_ips"] == "127.0.0.1/32,10.0.0.0/8" and options["proxy_headers"]
     assert http_server.uvicorn_options(Settings.from_env({}))["forwarded_allow_ips"] == ""
+
+
+def test_the_write_deadline_is_llama_write_timeout_for_http_and_websockets(monkeypatch):
+    options = http_server.uvicorn_options(Settings.from_env({"LLAMA_WRITE_TIMEOUT": "7.5"}))
+    assert options["http"].write_timeout_s == options["ws"].write_timeout_s == 7.5
+    assert http_server.uvicorn_options(Settings.from_env({}))["ws"].write_timeout_s == 30
+    with pytest.raises(SettingsError, match="LLAMA_WRITE_TIMEOUT=0"):
+        Settings.from_env({"LLAMA_WRITE_TIMEOUT": "0"})
+    monkeypatch.setitem(uvicorn.config.WS_PROTOCOLS, "auto", uvicorn.config.WS_PROTOCOLS["auto"])
+    monkeypatch.setitem(uvicorn.config.HTTP_PROTOCOLS, "auto", uvicorn.config.HTTP_PROTOCOLS["auto"])
+    monkeypatch.setenv("FORWARDED_ALLOW_IPS", "")
+    http_server.configure_chainlit(Settings.from_env({"LLAMA_WRITE_TIMEOUT": "3"}))  # as `chainlit run` takes them
+    assert uvicorn.config.WS_PROTOCOLS["auto"].write_timeout_s == 3
 
 
 def test_client_gone_is_answered_quietly():

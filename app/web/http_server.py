@@ -12,7 +12,7 @@ connection opening (or of the previous answer on it ending), its body within LLA
 seconds of its headers. Past either, the client is answered 408 (if it sent part of a request) and
 the connection closed; the app, if it was reading the body, sees the client gone (`install` has that
 answered quietly, as for any client that leaves before its body is read). Websockets, once upgraded,
-and answers however long, are not timed.
+and answers however long, are not timed by these two.
 
 Clients that do not read. What a server writes waits in the kernel's socket buffers, then in the
 transport's; past its high-water mark (64 KB) uvicorn holds the app's next write until the buffer
@@ -20,9 +20,9 @@ drains, and nothing else ends the wait: a client that reads nothing (or a socket
 reading: its frames queue in engine.io behind the held write) holds its connection, its task and
 what its reply queues, for ever. `WriteDeadline` (in the h11 protocol, and in the wsproto websocket
 protocol a chat's socket.io runs on) aborts a connection whose buffer has stayed above the mark
-LLAMA_WRITE_TIMEOUT seconds without the client taking a byte of it: the app sees the client gone
-(its request is cancelled), and the buffers are let go. What an API reply queues meanwhile is
-bounded too (app.backend.reply).
+LLAMA_WRITE_TIMEOUT seconds without the client taking a byte of it (the kernel's send buffer, set to
+SEND_BUFFER_BYTES, fills first): the app sees the client gone (its request is cancelled), and the
+buffers are let go. What an API reply queues meanwhile is bounded too (app.backend.reply).
 
 Large bodies. Chainlit's routes read a request's whole body before they look at who sent it: a JSON
 body of 400 MB to one of them, from a client that is not signed in, took the web process from 184 MB

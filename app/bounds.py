@@ -32,6 +32,7 @@ MAX_FILE_BYTES = 20 * 2**20  # one file as uploaded
 MAX_FILE_CHARS = 4_000_000  # one file's text (about a million tokens: far past any context, BM25 picks from it)
 MAX_PDF_PAGES = 500
 FILES_READ_SECONDS = 60.0  # the files of one message (or one API request) are read within this, together
+REPLY_BUFFER_BYTES = 2**20  # a reply's text its reader has not taken yet (app.backend.reply): past it, cut off
 MAX_INT32 = 2**31 - 1
 INT64 = 2**63  # msgspec's bounds, MessagePack's integers and torch's seeds all fit in [-2**63, 2**64)
 

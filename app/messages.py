@@ -269,7 +269,7 @@ class Done(msgspec.Struct, tag=True):
 class Failed(msgspec.Struct, tag=True):
     id: str
     message: str
-    reason: str  # "prompt_too_long", "load", "busy", "bad_request", "engine", "restarting" or "error"
+    reason: str  # "prompt_too_long", "load", "busy", "bad_request", "engine", "restarting", "unread" or "error"
 
 
 class Restarting(msgspec.Struct, tag=True):

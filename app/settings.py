@@ -33,6 +33,7 @@ DEFAULT_PRESETS = PROJECT_ROOT / "presets"  # system-prompt presets (app.web.pre
 AUTH_MODES = ("none", "password")
 DEFAULT_HEADER_TIMEOUT_S = 10.0  # a request's headers must arrive within this (app.web.http_server)
 DEFAULT_BODY_TIMEOUT_S = 30.0  # and its body within this after them
+DEFAULT_WRITE_TIMEOUT_S = 30.0  # a client that takes nothing of its answer (or websocket) this long is cut off
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Settings(ModelOptions):
     trusted_proxies: tuple[str, ...] = ()  # addresses or networks whose X-Forwarded-For is believed
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -93,6 +95,8 @@ class Settings(ModelOptions):
             header_timeout=env.number("LLAMA_HEADER_TIMEOUT", 0.0, 3600.0, low_open=True,
                                       default=DEFAULT_HEADER_TIMEOUT_S),
             body_timeout=env.number("LLAMA_BODY_TIMEOUT", 0.0, 3600.0, low_open=True, default=DEFAULT_BODY_TIMEOUT_S),
+            write_timeout=env.number("LLAMA_WRITE_TIMEOUT", 0.0, 3600.0, low_open=True,
+                                     default=DEFAULT_WRITE_TIMEOUT_S),
         )
         _check_sign_in(settings, auth)
         return settings

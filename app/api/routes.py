@@ -19,7 +19,8 @@ for a missing or wrong key when LLAMA_API_KEY is set, 404 for an unknown model, 
 than LLAMA_MAX_BODY_MB (files in it as base64 included: 4 MB holds a 3 MB file, 28 MB a 20 MB one), 415
 for a body that is not application/json, 429 (with Retry-After) when the
 server's queue is full, 503 (with Retry-After) when the model process stopped or is restarting. A
-client that goes away cancels its request. Sampling values left out are the model's defaults, as in the UI. Every parameter of OpenAI's is either done or refused with a 400
+client that goes away cancels its request; so does one that stops reading its stream (cut off past 1 MB of
+text waiting, app.backend.reply, or LLAMA_WRITE_TIMEOUT seconds of taking nothing, app.web.http_server). Sampling values left out are the model's defaults, as in the UI. Every parameter of OpenAI's is either done or refused with a 400
 that names it (app.api.parse; the shapes read and written are in app.api.openai). Both servers refuse requests from other web sites and host names
 (app.api.guard).
 """

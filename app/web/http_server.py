@@ -1,6 +1,6 @@
 """How uvicorn serves both servers (the chat app, which `chainlit run` starts, and `python -m app.api`):
-slow clients are cut off, the chat app's routes take bodies up to a bound, and a client's address comes
-from X-Forwarded-For only when a trusted proxy sends it.
+clients that send too slowly or do not read are cut off, the chat app's routes take bodies up to a
+bound, and a client's address comes from X-Forwarded-For only when a trusted proxy sends it.
 
 Slow clients. Uvicorn closes a connection idle between requests (its keep-alive timeout) but waits
 for ever on a request that has begun: a client that sends half its headers, or half its body, then
@@ -12,7 +12,17 @@ connection opening (or of the previous answer on it ending), its body within LLA
 seconds of its headers. Past either, the client is answered 408 (if it sent part of a request) and
 the connection closed; the app, if it was reading the body, sees the client gone (`install` has that
 answered quietly, as for any client that leaves before its body is read). Websockets, once upgraded,
-and answers however long, are not timed.
+and answers however long, are not timed by these two.
+
+Clients that do not read. What a server writes waits in the kernel's socket buffers, then in the
+transport's; past its high-water mark (64 KB) uvicorn holds the app's next write until the buffer
+drains, and nothing else ends the wait: a client that reads nothing (or a socket.io page that stopped
+reading: its frames queue in engine.io behind the held write) holds its connection, its task and
+what its reply queues, for ever. `WriteDeadline` (in the h11 protocol, and in the wsproto websocket
+protocol a chat's socket.io runs on) aborts a connection whose buffer has stayed above the mark
+LLAMA_WRITE_TIMEOUT seconds without the client taking a byte of it (the kernel's send buffer, set to
+SEND_BUFFER_BYTES, fills first): the app sees the client gone (its request is cancelled), and the
+buffers are let go. What an API reply queues meanwhile is bounded too (app.backend.reply).
 
 Large bodies. Chainlit's routes read a request's whole body before they look at who sent it: a JSON
 body of 400 MB to one of them, from a client that is not signed in, took the web process from 184 MB
@@ -31,8 +41,13 @@ by default), with uvicorn's own middleware: it takes the nearest address that is
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import os
+import socket
+import struct
+import termios
 
 import h11
 import uvicorn.config
@@ -41,9 +56,10 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.websockets.wsproto_impl import WSProtocol
 
 from app.bounds import MAX_FILE_BYTES
-from app.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, Settings
+from app.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_WRITE_TIMEOUT_S, Settings
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +67,75 @@ STATUS_408 = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset
               "content-length: {length}\r\n\r\n{text}")
 
 
-class Deadlines(H11Protocol):
-    """uvicorn's h11 protocol, with a deadline for each request's headers and one for its body."""
+SEND_BUFFER_BYTES = 256 * 1024  # the kernel's send buffer of a connection (Linux doubles it; not grown by autotuning)
+
+
+class WriteDeadline:
+    """A protocol mixin: once the transport has paused writing (its buffer past the high-water mark), the
+    connection is aborted when write_timeout_s passes without the client taking a byte: neither the
+    transport's buffer nor the kernel's send queue (unsent or unacknowledged bytes) got smaller. The
+    kernel hands the transport room again only once a third of its buffer is free, so a client that
+    reads slowly but steadily shows in its queue first. That buffer is set to SEND_BUFFER_BYTES: Linux
+    grows a loopback socket's up to 4 MB, which a client that reads nothing fills before the transport
+    pauses (a minute of a fast stream; kernel memory, a few hundred such clients' worth of a gigabyte).
+    Aborted, not closed: close() waits for the buffer to be sent."""
+
+    write_timeout_s = DEFAULT_WRITE_TIMEOUT_S
+    stall: asyncio.TimerHandle | None = None
+    stalled_at = 0  # the bytes waiting for the client when the deadline was set
+
+    def connection_made(self, transport) -> None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        super().connection_made(transport)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.stall is None:
+            self._wait_for_reader()
+
+    def resume_writing(self) -> None:
+        self._unwait()
+        super().resume_writing()
+
+    def connection_lost(self, exc) -> None:
+        self._unwait()
+        super().connection_lost(exc)
+
+    def _waiting(self) -> int:
+        """Bytes written that the client has not taken yet: the transport's buffer and the kernel's send queue."""
+        queued = 0
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):  # (not on Linux, or not a TCP socket: the transport's alone)
+                queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        return self.transport.get_write_buffer_size() + queued
+
+    def _wait_for_reader(self) -> None:
+        self.stalled_at = self._waiting()
+        self.stall = self.loop.call_later(self.write_timeout_s, self._check_reader)
+
+    def _unwait(self) -> None:
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+
+    def _check_reader(self) -> None:
+        self.stall = None
+        waiting = self._waiting()
+        if waiting < self.stalled_at:  # it reads, slowly: another period
+            self._wait_for_reader()
+            return
+        log.warning("%s: cut off a client that took nothing of the %d bytes waiting for it in %g s "
+                    "(LLAMA_WRITE_TIMEOUT)", _address(self.client), waiting, self.write_timeout_s)
+        self.transport.abort()
+
+
+class Deadlines(WriteDeadline, H11Protocol):
+    """uvicorn's h11 protocol, with a deadline for each request's headers, one for its body, and one for the
+    client to take what is written to it."""
 
     header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s = DEFAULT_BODY_TIMEOUT_S
@@ -122,6 +205,10 @@ class Deadlines(H11Protocol):
             self.cycle.message_event.set()
         self.awaiting = None
         self.transport.close()
+
+
+class WebSocketDeadline(WriteDeadline, WSProtocol):
+    """uvicorn's wsproto websocket protocol, with the deadline for the client to take what is written to it."""
 
 
 CHAINLIT_BODY_BYTES = 2**20  # sign-in, history, feedback, thread names: small JSON or forms
@@ -213,13 +300,17 @@ def _address(client: tuple[str, int] | None) -> str:
 def uvicorn_options(settings: Settings) -> dict:
     """What uvicorn.run / uvicorn.Config takes for these rules."""
     protocol = type("Deadlines", (Deadlines,), {"header_timeout_s": settings.header_timeout,
-                                                 "body_timeout_s": settings.body_timeout})
-    return {"http": protocol, "proxy_headers": True, "forwarded_allow_ips": ",".join(settings.trusted_proxies)}
+                                                 "body_timeout_s": settings.body_timeout,
+                                                 "write_timeout_s": settings.write_timeout})
+    websocket = type("WebSocketDeadline", (WebSocketDeadline,), {"write_timeout_s": settings.write_timeout})
+    return {"http": protocol, "ws": websocket, "proxy_headers": True,
+            "forwarded_allow_ips": ",".join(settings.trusted_proxies)}
 
 
 def configure_chainlit(settings: Settings) -> None:
     """The same rules for the uvicorn that `chainlit run` starts once it has imported the app: it names no
-    HTTP protocol (so takes uvicorn's "auto" one) and no forwarded_allow_ips (so reads FORWARDED_ALLOW_IPS)."""
+    HTTP or websocket protocol (so takes uvicorn's "auto" ones, unless UVICORN_WS_PROTOCOL names one) and no forwarded_allow_ips (so reads FORWARDED_ALLOW_IPS)."""
     options = uvicorn_options(settings)
     uvicorn.config.HTTP_PROTOCOLS["auto"] = options["http"]  # uvicorn resolves the name to a class: ours
+    uvicorn.config.WS_PROTOCOLS["auto"] = options["ws"]
     os.environ["FORWARDED_ALLOW_IPS"] = options["forwarded_allow_ips"]

@@ -80,3 +80,49 @@ def test_a_failure_ends_the_request_at_once():
         return r.ends_with(Failed(r.id, "boom", "error"))
 
     assert asyncio.run(scenario())
+
+
+def test_a_reader_that_takes_nothing_is_cut_off_past_the_bound(monkeypatch, caplog):
+    """Text left untaken past Reply.buffer_bytes (app.bounds.REPLY_BUFFER_BYTES) is let go, the request cancelled
+    once, and the reader finds a Failed "unread" next; what arrives after that is not queued."""
+    monkeypatch.setattr(Reply, "buffer_bytes", 10_000, raising=False)
+    cancelled = []
+
+    async def scenario():
+        r = Reply(Conversation(), ReplySettings(), "tiny", on_cancel=cancelled.append, stream_interval=0)
+        piece = "x" * 1000
+        for _ in range(9):
+            r.deliver(Text(r.id, piece))
+        await asyncio.sleep(0.01)  # (delivered through the loop)
+        kept = (list(cancelled), r._events.qsize())
+        for _ in range(100):  # past the bound: cut off at the first
+            r.deliver(Text(r.id, piece))
+        await asyncio.sleep(0.01)
+        was_cancelled = list(cancelled)
+        r.deliver(Done(r.id, "", "cancelled", Stats()))  # the backend's answer to the cancel
+        await asyncio.sleep(0.01)
+        return r, kept, was_cancelled, r._events.qsize(), await r.events()
+
+    r, kept, was_cancelled, queued, events = asyncio.run(scenario())
+    assert kept == ([], 9)
+    assert was_cancelled == cancelled == [r] and queued == 1
+    assert [type(e) for e in events] == [Failed] and events[0].reason == "unread"
+    assert "cut off and cancelled" in caplog.text
+
+
+def test_a_reader_that_keeps_up_is_never_cut_off(monkeypatch):
+    monkeypatch.setattr(Reply, "buffer_bytes", 10_000, raising=False)
+    cancelled = []
+
+    async def scenario():
+        r = Reply(Conversation(), ReplySettings(), "tiny", on_cancel=cancelled.append, stream_interval=0)
+        taken = []
+        for _ in range(100):  # ten times the bound in all, never more than a piece waiting
+            r.deliver(Text(r.id, "x" * 1000))
+            taken.append(await r.__anext__())
+        r.deliver(Done(r.id, "", "stop", Stats()))
+        return r, taken + await r.events()
+
+    _, events = asyncio.run(scenario())
+    assert not cancelled and sum(len(e.text) for e in events if isinstance(e, Text)) == 100_000
+    assert isinstance(events[-1], Done)

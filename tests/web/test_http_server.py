@@ -1,6 +1,6 @@
 """uvicorn as both servers run it (app.web.http_server): the deadlines for a request's headers and body,
-on a small app served in this process, byte by byte over a raw socket; and the forwarded-address
-rule. (tests/test_sessions.py has the same on the real chat server.)"""
+and for a client to take what is written to it (a stream, a websocket), on a small app served in this
+process, byte by byte over a raw socket; and the forwarded-address rule. (tests/test_sessions.py has the same on the real chat server.)"""
 
 from __future__ import annotations
 
@@ -14,20 +14,43 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse
-from starlette.routing import Route
+from starlette.responses import PlainTextResponse, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
 from support.servers import free_port
 
 from app.web import http_server
-from app.settings import Settings
+from app.settings import Settings, SettingsError
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
 def served():
-    """An app that echoes the body it read, with 1 s deadlines; yields (port, what the app saw)."""
+    """An app that echoes the body it read, and streams without end over HTTP and a websocket, with 1 s
+    deadlines; yields (port, what the app saw)."""
     seen: list[str] = []
+
+    async def endless(request: Request) -> StreamingResponse:
+        async def chunks():
+            try:
+                while True:
+                    yield b"x" * 16384
+                    await asyncio.sleep(0.001)  # (as a reply waits for its next piece)
+            finally:
+                seen.append("stream ended")
+        return StreamingResponse(chunks())
+
+    async def endless_websocket(websocket: WebSocket) -> None:
+        await websocket.accept()
+        try:
+            while True:
+                await websocket.send_bytes(b"x" * 16384)
+                await asyncio.sleep(0.001)
+        except Exception:  # (the client is gone: how it says so differs between protocols)
+            pass
+        finally:
+            seen.append("websocket ended")
 
     async def echo(request: Request) -> PlainTextResponse:
         try:
@@ -36,9 +59,10 @@ def served():
             seen.append("read")  # the body, or that the client is gone
         return PlainTextResponse(body.decode(), headers={"x-client": request.client.host})
 
-    app = Starlette(routes=[Route("/", echo, methods=["GET", "POST"])])
+    app = Starlette(routes=[Route("/", echo, methods=["GET", "POST"]), Route("/endless", endless),
+                            WebSocketRoute("/ws", endless_websocket)])
     http_server.install(app)
-    settings = Settings.from_env({"LLAMA_HEADER_TIMEOUT": "1", "LLAMA_BODY_TIMEOUT": "1",
+    settings = Settings.from_env({"LLAMA_HEADER_TIMEOUT": "1", "LLAMA_BODY_TIMEOUT": "1", "LLAMA_WRITE_TIMEOUT": "1",
                                   "LLAMA_TRUSTED_PROXIES": "10.9.9.9"})
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,  # logs reach caplog
@@ -107,6 +131,74 @@ def test_a_connection_that_sends_nothing_is_closed_without_a_word(served):
     assert talk(port) == b""
 
 
+def unread(port: int, request: bytes) -> socket.socket:
+    """A connection with a 4 KB receive buffer that sends a request and reads nothing."""
+    connection = socket.socket()
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    connection.connect(("127.0.0.1", port))
+    connection.sendall(request)
+    return connection
+
+
+def wait_for(seen: list[str], what: str, timeout: float) -> float | None:
+    started = time.monotonic()
+    while what not in seen:
+        if time.monotonic() - started > timeout:
+            return None
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def read_to_the_end(connection: socket.socket, within: float) -> bool:
+    """Whether the connection ends (closed or reset) while read for at most `within` seconds."""
+    connection.settimeout(within)
+    deadline = time.monotonic() + within
+    try:
+        while connection.recv(65536):
+            if time.monotonic() > deadline:
+                return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+WEBSOCKET = (b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+             b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+
+
+@pytest.mark.parametrize("request_bytes, ended", [(b"GET /endless HTTP/1.1\r\nHost: x\r\n\r\n", "stream ended"),
+                                                  (WEBSOCKET, "websocket ended")], ids=["stream", "websocket"])
+def test_a_client_that_reads_nothing_is_cut_off(served, caplog, request_bytes, ended):
+    port, seen = served
+    with caplog.at_level(logging.WARNING, "app.web.http_server"):
+        connection = unread(port, request_bytes)
+        try:
+            waited = wait_for(seen, ended, timeout=20)
+            assert waited is not None  # the app's writing ended: the client is gone for it
+            seen.remove(ended)
+            assert read_to_the_end(connection, within=5)  # the server let go of it
+        finally:
+            connection.close()
+    assert caplog.text.count("cut off a client that took nothing of the") == 1
+    assert "(LLAMA_WRITE_TIMEOUT)" in caplog.text and "Traceback" not in caplog.text
+
+
+def test_a_client_that_reads_slowly_is_not_cut_off(served):
+    """Each second (the deadline) it takes a little: never cut off, however long it takes."""
+    port, seen = served
+    connection = unread(port, b"GET /endless HTTP/1.1\r\nHost: x\r\n\r\n")
+    try:
+        time.sleep(0.5)  # the buffers fill (within the deadline)
+        for _ in range(12):
+            assert connection.recv(4096)
+            time.sleep(0.25)
+        assert "stream ended" not in seen
+    finally:
+        connection.close()
+    assert wait_for(seen, "stream ended", timeout=10) is not None
+    seen.remove("stream ended")
+
+
 def test_x_forwarded_for_counts_only_from_a_trusted_proxy(served):
     port, _ = served
     answer = talk(port, b"GET / HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 203.0.113.9\r\nConnection: close\r\n\r\n")
@@ -114,6 +206,19 @@ def test_x_forwarded_for_counts_only_from_a_trusted_proxy(served):
     options = http_server.uvicorn_options(Settings.from_env({"LLAMA_TRUSTED_PROXIES": "127.0.0.1,10.0.0.0/8"}))
     assert options["forwarded_allow_ips"] == "127.0.0.1/32,10.0.0.0/8" and options["proxy_headers"]
     assert http_server.uvicorn_options(Settings.from_env({}))["forwarded_allow_ips"] == ""
+
+
+def test_the_write_deadline_is_llama_write_timeout_for_http_and_websockets(monkeypatch):
+    options = http_server.uvicorn_options(Settings.from_env({"LLAMA_WRITE_TIMEOUT": "7.5"}))
+    assert options["http"].write_timeout_s == options["ws"].write_timeout_s == 7.5
+    assert http_server.uvicorn_options(Settings.from_env({}))["ws"].write_timeout_s == 30
+    with pytest.raises(SettingsError, match="LLAMA_WRITE_TIMEOUT=0"):
+        Settings.from_env({"LLAMA_WRITE_TIMEOUT": "0"})
+    monkeypatch.setitem(uvicorn.config.WS_PROTOCOLS, "auto", uvicorn.config.WS_PROTOCOLS["auto"])
+    monkeypatch.setitem(uvicorn.config.HTTP_PROTOCOLS, "auto", uvicorn.config.HTTP_PROTOCOLS["auto"])
+    monkeypatch.setenv("FORWARDED_ALLOW_IPS", "")
+    http_server.configure_chainlit(Settings.from_env({"LLAMA_WRITE_TIMEOUT": "3"}))  # as `chainlit run` takes them
+    assert uvicorn.config.WS_PROTOCOLS["auto"].write_timeout_s == 3
 
 
 def test_client_gone_is_answered_quietly():

@@ -98,10 +98,10 @@ def start() -> None:
         chainlit_app.add_middleware(users.ClientAddress)  # failed sign-ins are slowed per address too
         http_server.install(chainlit_app)
         http_server.limit_bodies(chainlit_app)  # Chainlit's routes read whole bodies before asking who sent them
+        chainlit_app.add_middleware(uploads.Tracked)  # uploads bounded per session; those not sent are deleted
         if SIGNING_IN:
             chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
     api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb, stored=lambda: dict(uploads.STORED))
-    uploads.track(chainlit_app)  # an upload no message takes is deleted within minutes
     chainlit_app.router.routes.insert(0, api.health_route(BACKEND))  # before Chainlit's own
     if FILE_STORE is not None:
         chainlit_app.router.routes.insert(0, FILE_STORE.route())

@@ -4,7 +4,7 @@ them; and what the app keeps on disk, measured for /metrics.
 Chainlit writes each upload (POST /project/file: the page sends a file as soon as it is attached) into the
 session's folder, .files/<session id>/<file id><extension>, and deletes that folder only when the session
 ends, an hour after its tab closed: ten uploads of 20 MB, never sent, took 200 MB in 2.2 s, for that hour.
-Here the route is wrapped (`track`), so that an upload is pending from its answer until a message takes it
+Here a middleware on that route (`Tracked`) makes an upload pending from its answer until a message takes it
 (`take`, as on_message begins, before its files are read). A session holds at most MAX_PENDING_FILES
 pending, MAX_PENDING_BYTES together: past either the route answers 429 and keeps nothing. Every
 SWEEP_SECONDS, `sweep` deletes the uploads pending for longer than KEEP_SECONDS, and the folders of
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -29,11 +28,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import parse_qs
 
 from chainlit.config import FILES_DIRECTORY
 from chainlit.session import WebsocketSession, ws_sessions_id
-from fastapi import FastAPI, HTTPException
-from fastapi.routing import APIRoute
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.bounds import MAX_PENDING_BYTES, MAX_PENDING_FILES
 
@@ -57,34 +57,49 @@ PENDING: dict[str, Upload] = {}  # uploads no message took yet, by Chainlit's fi
 STORED: dict[str, int] = {}  # bytes on disk by part: history (the database), history_files, uploads
 
 
-def track(app: FastAPI) -> None:
-    """Wrap Chainlit's upload route: each upload is pending (and bounded) until a message takes it."""
-    for index, route in enumerate(app.router.routes):
-        if isinstance(route, APIRoute) and route.path == ROUTE and "POST" in route.methods:
-            if not getattr(route.endpoint, "tracked", False):  # (`chainlit run -w` starts the app again)
-                app.router.routes[index] = APIRoute(ROUTE, _tracked(route.endpoint), methods=["POST"],
-                                                    name=route.name)
+class Tracked:
+    """ASGI middleware on Chainlit's upload route: an upload that a session has no room for is answered 429 (before
+    its body is read, or once it is in and its bytes are too many: then it is deleted); one taken is pending.
+    (The route's answer, a small JSON object naming the file, is held until then.)"""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        path = path[len(root):] if root and path.startswith(root) else path  # (served under a prefix)
+        if scope["type"] != "http" or scope["method"] != "POST" or path.rstrip("/") != ROUTE:
+            await self.app(scope, receive, send)
             return
-    raise RuntimeError(f"Chainlit has no POST {ROUTE} route to track uploads on")
-
-
-def _tracked(upload):
-    @functools.wraps(upload)  # FastAPI reads the parameters of the route it wraps
-    async def tracked(**parameters):
-        session_id = parameters["session_id"]
+        session_id = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("session_id", [""])[0]
         if problem := crowded(session_id, coming=1):
-            raise HTTPException(status_code=429, detail=problem)
-        answer = await upload(**parameters)
+            await JSONResponse({"detail": problem}, status_code=429)(scope, receive, send)
+            return
+        answer: list[Message] = []
+
+        async def held(message: Message) -> None:
+            answer.append(message)
+
+        await self.app(scope, receive, held)
+        if answer and answer[0].get("status") == 200 and (problem := self.pending(session_id, answer)):
+            await JSONResponse({"detail": problem}, status_code=429)(scope, receive, send)
+            return
+        for message in answer:
+            await send(message)
+
+    @staticmethod
+    def pending(session_id: str, answer: list[Message]) -> str | None:
+        """Count the upload the route answered for as pending; why it cannot stay (it is deleted), or None."""
         session = WebsocketSession.get_by_id(session_id)
-        file = session.files[json.loads(answer.body)["id"]]
+        try:
+            file = session.files[json.loads(b"".join(m.get("body", b"") for m in answer[1:]))["id"]]
+        except (AttributeError, KeyError, TypeError, ValueError):  # not an answer naming a file of the session
+            return None
         PENDING[file["id"]] = Upload(session_id, Path(file["path"]), file["size"], time.monotonic())
         if problem := crowded(session_id):  # this one took the session past its bytes
             delete(file["id"], session)
-            raise HTTPException(status_code=429, detail=problem)
-        return answer
-
-    tracked.tracked = True
-    return tracked
+            return problem
+        return None
 
 
 def crowded(session_id: str, coming: int = 0) -> str | None:

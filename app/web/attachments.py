@@ -94,10 +94,11 @@ def _read(element, deadline: float) -> Attachment:
     if element.path:
         try:
             data = Path(element.path).read_bytes()
-        except FileNotFoundError:
-            raise FileRefused(clean_name(element.name), "the upload is gone (a file not sent within "
-                                                        f"{KEEP_SECONDS / 60:.0f} minutes of its upload is deleted, "
-                                                        "as is one a message was refused for); attach it again.") from None
+        except FileNotFoundError:  # (app.web.uploads deleted it)
+            minutes = f"{KEEP_SECONDS / 60:.0f}"
+            raise FileRefused(clean_name(element.name), f"the upload is gone (a file not sent within {minutes} "
+                                                        "minutes of its upload is deleted, as is one a message was "
+                                                        "refused for); attach it again.") from None
         except OSError as e:
             raise FileRefused(clean_name(element.name), f"the upload could not be read ({e.strerror}); "
                                                         "attach it again.") from None

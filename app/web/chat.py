@@ -318,7 +318,7 @@ async def on_message(message: cl.Message):
             await cl.ErrorMessage(content=problem).send()
             return
         layer = get_data_layer()
-        if isinstance(layer, history.SQLiteDataLayer):  # Chainlit left them to us (history.SQLiteDataLayer)
+        if isinstance(layer, history.SQLiteDataLayer):  # its create_element left the uploads to this
             await layer.keep_uploads(message)
         await attachments.keep(message, files, FILE_STORE)
     asked = conversation.add("user", message.content, id=message.id, files=files)

@@ -94,7 +94,7 @@ class FileStore(BaseStorageClient):
             return None
 
     def holds_text(self, element_id: str) -> bool:
-        return (self.element_folder(element_id) / TEXT).is_file()
+        return bool(ELEMENT_ID.fullmatch(element_id)) and (self.folder / element_id / TEXT).is_file()
 
     async def user_bytes(self, layer, user_id: str) -> int:
         """The bytes the chats of a user hold here (as the history database, layer, says which elements are

@@ -29,6 +29,7 @@ DEFAULT_KEEP_ALIVE_S = 300.0  # a model idle this long is unloaded (the default 
 DEFAULT_MAX_WAITING = 32  # replies waiting for a place in the batch; past it the server says it is busy
 DEFAULT_MAX_BODY_MB = 4  # an API request's body; past it, 413
 DEFAULT_HISTORY_DB = PROJECT_ROOT / "data" / "history.db"
+DEFAULT_MAX_USER_FILES_MB = 500  # files a user's stored chats hold (app.web.attachments); past it, a message is refused
 DEFAULT_PRESETS = PROJECT_ROOT / "presets"  # system-prompt presets (app.web.presets)
 AUTH_MODES = ("none", "password")
 DEFAULT_HEADER_TIMEOUT_S = 10.0  # a request's headers must arrive within this (app.web.http_server)
@@ -50,6 +51,7 @@ class Settings(ModelOptions):
     max_body_mb: int = DEFAULT_MAX_BODY_MB
     history: bool = True
     history_db: Path = DEFAULT_HISTORY_DB
+    max_user_files_mb: int = DEFAULT_MAX_USER_FILES_MB
     auth: str = "none"  # "none": one local user, no login form; "password": a login form
     password: str | None = None
     users_file: Path | None = None
@@ -82,6 +84,7 @@ class Settings(ModelOptions):
             max_body_mb=env.integer("LLAMA_MAX_BODY_MB", low=1, default=DEFAULT_MAX_BODY_MB),
             history=env.switch("LLAMA_HISTORY", default=True),
             history_db=env.path("LLAMA_HISTORY_DB", DEFAULT_HISTORY_DB),
+            max_user_files_mb=env.integer("LLAMA_MAX_USER_FILES_MB", low=1, default=DEFAULT_MAX_USER_FILES_MB),
             auth=auth or ("password" if password or users_file else "none"),  # a password or users file: sign-in
             password=password,
             users_file=users_file,

@@ -10,6 +10,8 @@
     llama_kv_cache_bytes, llama_kv_caches_kept   now: KV cache memory written, and finished replies' caches kept
     llama_places_taken                       now: places in the web side's queue taken (n for a request of n)
     llama_engine_restarts_total              engine processes started again after one stopped
+    llama_stored_bytes{part}                 now: bytes on disk: history (the database), history_files, uploads
+                                             (measured by app.web.uploads' sweep, every 30 s; the chat app only)
 
 Replies are counted as the backend hands their last event to the web side (`observe`); the gauges are
 read from the backend when scraped. Each Metrics has its own registry, so a process may hold several.
@@ -28,12 +30,13 @@ SPEED_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 250)
 
 
 class Metrics:
-    def __init__(self, stats=lambda: EngineStats(), backend=None):
+    def __init__(self, stats=lambda: EngineStats(), backend=None, stored=dict):
         """stats: returns the backend's EngineStats now (read at each scrape); backend: its places_taken and
-        restarts are read at each scrape too."""
+        restarts are read at each scrape too; stored: returns the bytes on disk by part, as last measured."""
         self.registry = CollectorRegistry()
         self._stats = stats
         self._backend = backend
+        self._stored = stored
         self.requests = Counter("llama_requests", "Replies ended, by outcome", ["outcome"], registry=self.registry)
         self.prompt_tokens = Counter("llama_prompt_tokens", "Prompt tokens of ended replies", registry=self.registry)
         self.cached_tokens = Counter("llama_prompt_tokens_cached",
@@ -86,3 +89,9 @@ class _Gauges:
                                     "(a request for n replies takes n)", value=backend.places_taken)
             yield CounterMetricFamily("llama_engine_restarts", "Engine processes started again after one stopped",
                                       value=backend.restarts)
+        if stored := self.metrics._stored():
+            family = GaugeMetricFamily("llama_stored_bytes", "Bytes on disk: the history database, its files, "
+                                       "uploads", labels=["part"])
+            for part, size in sorted(stored.items()):
+                family.add_metric([part], size)
+            yield family

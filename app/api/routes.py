@@ -172,8 +172,9 @@ async def json_body(http_request: HttpRequest, max_mb: int = DEFAULT_MAX_BODY_MB
         raise ApiError(400, f"The request body is not valid JSON: {e}.") from None
 
 
-def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> APIRouter:
-    """The /v1 routes over a backend (`app.backend.protocol.Backend`)."""
+def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
+                  stored=dict) -> APIRouter:
+    """The /v1 routes over a backend (`app.backend.protocol.Backend`); stored() gives the bytes on disk by part."""
     started = int(time.time())
 
     def check_key(http_request: HttpRequest) -> None:
@@ -197,7 +198,7 @@ def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int
         loaded = backend.in_memory(name)  # None: not known (a remote server's): not said
         return ModelCard(name, created=created, loaded=UNSET if loaded is None else loaded)
 
-    metrics = Metrics(lambda: backend.stats, backend)
+    metrics = Metrics(lambda: backend.stats, backend, stored)
     backend.observers.append(metrics.observe)
 
     @router.get("/metrics")
@@ -370,10 +371,11 @@ def sse(shape: Struct) -> str:
     return f"data: {msgspec.json.encode(shape).decode()}\n\n"
 
 
-def mount(app: FastAPI, backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> None:
+def mount(app: FastAPI, backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
+          stored=dict) -> None:
     """Add the API's routes to an app, in front of its own: Chainlit's catch-all GET route would
-    otherwise answer /v1/models with its web page."""
-    app.router.routes[0:0] = create_router(backend, api_key, max_body_mb).routes
+    otherwise answer /v1/models with its web page. stored: the bytes on disk by part, for /metrics."""
+    app.router.routes[0:0] = create_router(backend, api_key, max_body_mb, stored).routes
     app.add_exception_handler(ApiError, answer_error)
 
 

@@ -38,6 +38,7 @@ from app.files.read import (
 )
 from app.messages import WHOLE, Attachment, FileUse
 from app.web.file_store import FileStore
+from app.web.uploads import KEEP_SECONDS
 
 FILES = "files"  # the key of a user message's files in its step's metadata
 PROSE = (".md", ".markdown", ".txt", ".text", ".pdf", ".rst")  # sources shown as Markdown; others as code
@@ -93,6 +94,11 @@ def _read(element, deadline: float) -> Attachment:
     if element.path:
         try:
             data = Path(element.path).read_bytes()
+        except FileNotFoundError:  # (app.web.uploads deleted it)
+            minutes = f"{KEEP_SECONDS / 60:.0f}"
+            raise FileRefused(clean_name(element.name), f"the upload is gone (a file not sent within {minutes} "
+                                                        "minutes of its upload is deleted, as is one a message was "
+                                                        "refused for); attach it again.") from None
         except OSError as e:
             raise FileRefused(clean_name(element.name), f"the upload could not be read ({e.strerror}); "
                                                         "attach it again.") from None
@@ -101,6 +107,21 @@ def _read(element, deadline: float) -> Attachment:
     else:
         raise FileRefused(clean_name(element.name), "it is a link, not an uploaded file.")
     return read_file(element.name, data, deadline)
+
+
+def over_quota(files: list[Attachment], used: int, limit_mb: int) -> str | None:
+    """The note for the user when storing files (their bytes and their text) would take the files of the user's
+    chats (used bytes) past LLAMA_MAX_USER_FILES_MB; None when they fit."""
+    adding = sum(file.size + len(file.text.encode()) for file in files)
+    if used + adding <= limit_mb * 2**20:
+        return None
+    return (f"Your message was not sent to the model: its files ({megabytes(adding)}, with their text) would take "
+            f"the files kept with your chats past your limit: they hold {megabytes(used)} of at most "
+            f"{limit_mb:,} MB. Delete chats you no longer need (in the sidebar) to make room, then send it again.")
+
+
+def megabytes(size: int) -> str:
+    return f"{size / 2**20:,.1f} MB"
 
 
 def with_chosen(files: list[Attachment], uses: list[FileUse]) -> list[Attachment]:

@@ -23,6 +23,7 @@ included. The OpenAI-compatible API (app.api) is served on the same server, by t
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -36,13 +37,14 @@ import chainlit as cl
 from chainlit.chat_context import chat_contexts
 from chainlit.config import FILES_DIRECTORY
 from chainlit.config import config as chainlit_config
+from chainlit.data import get_data_layer
 from chainlit.input_widget import Select, Slider, TextInput
 from chainlit.server import app as chainlit_app
 from chainlit.server import sio
 from chainlit.session import WebsocketSession
 
 from app.api import routes as api, guard
-from app.web import attachments, export, history, http_server, login_page, sessions, users
+from app.web import attachments, export, history, http_server, login_page, sessions, uploads, users
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote, open_backend
 from app.bounds import reply_seed
 from app.backend.conversation import Conversation, Message
@@ -99,10 +101,11 @@ def start() -> None:
         chainlit_app.add_middleware(users.ClientAddress)  # failed sign-ins are slowed per address too
         http_server.install(chainlit_app)
         http_server.limit_bodies(chainlit_app)  # Chainlit's routes read whole bodies before asking who sent them
+        chainlit_app.add_middleware(uploads.Tracked)  # uploads bounded per session; those not sent are deleted
         if SIGNING_IN:
             chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
     only_edits_of_this_chat()
-    api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb)
+    api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb, stored=lambda: dict(uploads.STORED))
     chainlit_app.router.routes.insert(0, api.health_route(BACKEND))  # before Chainlit's own
     if FILE_STORE is not None:
         chainlit_app.router.routes.insert(0, FILE_STORE.route())
@@ -142,7 +145,8 @@ EXPORT_COMMAND = "Export"
 COMMANDS = [{"id": EXPORT_COMMAND, "icon": "download", "description": "Download this chat as Markdown and JSON",
              "button": False, "persistent": False}]
 DESCRIPTIONS: dict[str, str] = {}  # model name -> describe(name)
-SWEEPING: set[asyncio.Task] = set()  # the task that closes sockets whose sign-in ended (held: tasks are weak)
+SWEEPING: set[asyncio.Task] = set()  # the tasks that close sockets whose sign-in ended and delete uploads not sent
+# (held: tasks are weak)
 STARTERS = [
     ("Capital of France", "What is the capital of France?"),
     ("Prime numbers in Python", "Write a Python function that checks whether a number is prime."),
@@ -162,6 +166,8 @@ async def start_backend():
         log.warning("%s", note)
     if SIGNING_IN:
         SWEEPING.add(asyncio.create_task(sessions.sweep(SIGNED_IN)))  # open sockets whose sign-in ended
+    SWEEPING.add(asyncio.create_task(uploads.sweeping(
+        functools.partial(history.stored_bytes, SETTINGS.history_db) if SETTINGS.history else dict)))
     await BACKEND.start()
     for name, path in BACKEND.profiles.items():  # where each model comes from, symbolic links followed
         log.info("model %s%s: %s", name, " (default)" if name == BACKEND.default else "",
@@ -307,9 +313,11 @@ async def on_message(message: cl.Message):
     if edited is None:  # what the page sent: the app's own keys in it are not the client's to set
         message.metadata = attachments.client_metadata(message.metadata)
     conversation.truncate(message.id)  # an edited message: answer again from there
+    uploads.take(message.elements)  # never swept from now on: they are read, then stored
     try:
         files = await attachments.read(message.elements) if message.elements else None
     except attachments.Refused as refused:
+        uploads.discard(message.elements, cl.context.session)
         await cl.ErrorMessage(content=str(refused)).send()
         return
     if files is None and edited is not None and edited.files:  # an edit of a resumed chat's message
@@ -318,6 +326,13 @@ async def on_message(message: cl.Message):
         await cl.Message(content="Please type a message.").send()
         return
     if files and FILE_STORE is not None:
+        if problem := await over_quota(message, files):
+            uploads.discard(message.elements, cl.context.session)
+            await cl.ErrorMessage(content=problem).send()
+            return
+        layer = get_data_layer()
+        if isinstance(layer, history.SQLiteDataLayer):  # its create_element left the uploads to this
+            await layer.keep_uploads(message)
         await attachments.keep(message, files, FILE_STORE)
     asked = conversation.add("user", message.content, id=message.id, files=files)
     cl.user_session.set("regenerated", 0)
@@ -326,6 +341,16 @@ async def on_message(message: cl.Message):
     finally:
         if files and FILE_STORE is not None and asked.files != files:  # the engine chose what to read of them
             await attachments.keep(message, asked.files, FILE_STORE)
+
+
+async def over_quota(message: cl.Message, files) -> str | None:
+    """The note refusing a message whose new files would take its user's stored files past
+    LLAMA_MAX_USER_FILES_MB (files already stored, as an edited message's, are not counted twice)."""
+    user_id, layer = getattr(cl.context.session.user, "id", None), get_data_layer()
+    new = [file for file, element in zip(files, message.elements) if not FILE_STORE.holds_text(element.id)]
+    if user_id is None or layer is None or not new:
+        return None
+    return attachments.over_quota(new, await FILE_STORE.user_bytes(layer, user_id), SETTINGS.max_user_files_mb)
 
 
 def only_edits_of_this_chat() -> None:
@@ -416,6 +441,7 @@ async def end_chat():
     session = cl.context.session
     if getattr(session, "to_clear", False):  # a new chat replaces this one for good
         chat_contexts.pop(session.id, None)
+        uploads.end_session(session.id)
 
 
 def chat_user() -> str:

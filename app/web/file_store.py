@@ -33,10 +33,13 @@ from fastapi.responses import FileResponse
 from fastapi.routing import APIRoute
 
 from app.private_files import open_private, private_folder
+from app.web.uploads import file_bytes
 
 ROUTE = "/history-files"
 DATA, TEXT = "file", "text"
 ELEMENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # Chainlit's are UUIDs
+USER_ELEMENTS = ('SELECT e."id" AS id FROM elements e JOIN threads t ON t."id" = e."threadId" '
+                 'WHERE t."userId" = :user_id')
 OWNER = ('SELECT t."userId" AS owner FROM elements e JOIN threads t ON t."id" = e."threadId" '
          'WHERE e."id" = :element_id')
 
@@ -89,6 +92,17 @@ class FileStore(BaseStorageClient):
             return (self.element_folder(element_id) / TEXT).read_text(encoding="utf-8")
         except (FileNotFoundError, ValueError):
             return None
+
+    def holds_text(self, element_id: str) -> bool:
+        return bool(ELEMENT_ID.fullmatch(element_id)) and (self.folder / element_id / TEXT).is_file()
+
+    async def user_bytes(self, layer, user_id: str) -> int:
+        """The bytes the chats of a user hold here (as the history database, layer, says which elements are
+        theirs): what LLAMA_MAX_USER_FILES_MB bounds."""
+        rows = await layer.execute_sql(USER_ELEMENTS, {"user_id": user_id})
+        ids = [row["id"] for row in rows if ELEMENT_ID.fullmatch(str(row["id"]))] if isinstance(rows, list) else []
+        return await asyncio.to_thread(lambda: sum(file_bytes(self.folder / element_id / name)
+                                                   for element_id in ids for name in (DATA, TEXT)))
 
     def _write(self, path: Path, data: bytes) -> None:
         private_folder(self.folder)

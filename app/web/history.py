@@ -38,6 +38,7 @@ from app.web.display import plain
 from app.private_files import FILE_MODE, open_private, private_file, private_folder
 from app.web.file_store import FileStore
 from app.web.ownership import NOBODY, Owners, actor, refused
+from app.web.uploads import file_bytes, folder_bytes, is_upload
 from app.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,19 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
     # ---- files ----
 
     async def create_element(self, element):
+        """Chainlit stores a message's uploads as the message arrives, before on_message has read them: here
+        they wait for `keep_uploads`, so that a file the message is refused for is never stored."""
+        if not is_upload(element):
+            await self._create_element(element)
+
+    async def keep_uploads(self, message) -> None:
+        """Store the uploads of a message whose files were taken (each element's row, its bytes in the store)."""
+        for element in message.elements:
+            if is_upload(element):
+                element.for_id = element.for_id or message.id  # (Chainlit sets it as it sends the element)
+                await self._create_element(element)
+
+    async def _create_element(self, element):
         """A file goes only into the user's chat, for a message of that chat, never over another chat's file."""
         thread_id = element.thread_id
         if not await self.owners.may_write_row("file", await self.owners.element_thread(element.id), thread_id):
@@ -307,6 +321,12 @@ def data_layer(settings: Settings, store: FileStore | None = None) -> SQLiteData
     layer = SQLiteDataLayer(settings.history_db, store)
     log.info("chat history in %s, its files in %s", settings.history_db, store.folder)
     return layer
+
+
+def stored_bytes(db: Path) -> dict[str, int]:
+    """Bytes on disk of the history: the database (with SQLite's files beside it), and its files."""
+    return {"history": sum(file_bytes(db.with_name(db.name + suffix)) for suffix in ("", *SQLITE_COMPANIONS)),
+            "history_files": folder_bytes(FileStore.beside(db).folder)}
 
 
 # ---- sign-in ------------------------------------------------------------------------------------

@@ -92,7 +92,8 @@ def test_files_that_cannot_be_read_are_each_named_with_the_reason(tmp_path):
     note = str(refused.value)
     assert note.startswith("Your message was not sent to the model: these files cannot be read.")
     assert "- **report.pdf**: the file is not a PDF" in note and "- **empty.txt**: the file is empty." in note
-    assert "- **gone.txt**: the upload could not be read" in note and "fine.md" not in note
+    assert "- **gone.txt**: the upload is gone (a file not sent within 5 minutes of its upload is deleted" in note
+    assert "fine.md" not in note
 
 
 def test_a_message_s_slow_pdfs_share_one_reading_time(tmp_path, monkeypatch):

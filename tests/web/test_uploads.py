@@ -52,7 +52,7 @@ def chat_of(main, user_id: str | None = None) -> Chat:
     chat._uploads = uploads.FOLDER / chat.session.id  # where Chainlit keeps the session's uploads
     chat._uploads.mkdir(parents=True)
     chat.session.has_first_interaction = True
-    chat.session.user = SimpleNamespace(id=user_id, identifier=user_id) if user_id else None
+    chat.session.user = SimpleNamespace(id=user_id or "u-local", identifier=user_id or "local")  # (whose chat)
     return chat
 
 

@@ -173,7 +173,8 @@ def test_editing_a_resumed_message_keeps_its_files_for_the_new_question(main, se
     thread = {"id": "t1", "steps": [
         {"id": "s1", "type": "user_message", "output": "Which barn had plums?", "metadata": json.dumps(
             {attachments.FILES: records})},
-        {"id": "r1", "type": "assistant_message", "output": "Barn 4.", "metadata": {"kind": history.REPLY}}]}
+        {"id": "r1", "type": "assistant_message", "output": "Barn 4.", "metadata": {"kind": history.REPLY}}],
+        "elements": [{"id": "e1", "forId": "s1"}]}  # (a record naming an element not of its message is not read)
     chat = Chat(main)
 
     async def scenario():

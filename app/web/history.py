@@ -27,7 +27,7 @@ from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
 
 from app.backend.conversation import Conversation
 from app.messages import Attachment
-from app.web.attachments import metadata_of
+from app.web.attachments import metadata_of, shown_as_chips
 from app.web.display import plain
 from app.private_files import FILE_MODE, open_private, private_file, private_folder
 from app.web.file_store import FileStore
@@ -97,6 +97,11 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
     def __init__(self, path: Path, store: FileStore | None = None):
         super().__init__(conninfo=f"sqlite+aiosqlite:///{path}", storage_provider=store)
         self.path = path
+
+    async def get_thread(self, thread_id: str):
+        """A stored chat, its messages' files shown as chips (app.web.attachments) as in the live chat."""
+        thread = await super().get_thread(thread_id)
+        return shown_as_chips(thread) if thread else thread
 
     async def delete_step(self, step_id: str):
         """Chainlit deletes a step's elements from the database only: their files go too (a regenerated

@@ -216,10 +216,14 @@ def chips_id(message_id: str) -> str:
 
 
 def upload_size(element) -> int | None:
+    """An upload's bytes: its file's (as uploaded), or its content's; None when neither is there."""
     try:
-        return Path(element.path).stat().st_size if element.path else None
+        if element.path:
+            return Path(element.path).stat().st_size
     except OSError:
         return None
+    content = element.content
+    return None if content is None else len(content.encode() if isinstance(content, str) else content)
 
 
 def file_size(size: int) -> str:

@@ -7,6 +7,7 @@ computes every reply, or a remote server. What a session keeps in cl.user_sessio
                      with their files), system prompt
     reply_settings   app.messages.ReplySettings from the settings panel
     preset           the system-prompt preset the panel shows (app.web.presets); choosing another fills the prompt
+    panel            the open settings panel's values at its last change, before Confirm (None after Confirm)
     request          the app.backend.reply.Reply being answered, for the Stop button
     told_trimmed     whether the user was told that older messages were left out
     told_near_full   whether the user was told that the context is nearly full

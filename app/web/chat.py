@@ -284,8 +284,9 @@ async def update_settings(values: dict):
     settings, problem = read_settings(values)
     cl.user_session.set("reply_settings", settings)
     conversation = current_conversation()
-    preset = values.get("preset")
-    typed = (values.get("system_prompt") or "").strip() or None
+    preset = values.get("preset") if isinstance(values.get("preset"), str) else None
+    prompt = values.get("system_prompt")
+    typed = (prompt.strip() or None) if isinstance(prompt, str) else None
     if preset in PRESETS and preset != cl.user_session.get("preset", CUSTOM) and typed == conversation.system_prompt:
         conversation.system_prompt = PRESETS[preset]
         values["system_prompt"] = PRESETS[preset]
@@ -304,10 +305,12 @@ async def edit_settings(values: dict):
     box at once. The page sends the whole panel at each change, so a preset was chosen when it is the only
     value that differs from the last change's (or, the panel just opened, from the confirmed values); a
     change of the text itself leaves it as typed. Nothing applies until Confirm (Cancel puts the panel back)."""
+    if not isinstance(values, dict):  # (what a page sends: not ours to trust)
+        return
     last, confirmed = cl.user_session.get("panel"), cl.user_session.get("chat_settings") or {}
     cl.user_session.set("panel", values)
     preset = values.get("preset")
-    if preset not in PRESETS or not any(changed(values, before) == {"preset"} for before in (last, confirmed)
+    if not isinstance(preset, str) or preset not in PRESETS or not any(changed(values, before) == {"preset"} for before in (last, confirmed)
                                         if before is not None):
         return
     values = {**values, "system_prompt": PRESETS[preset]}

@@ -283,6 +283,12 @@ def test_a_preset_chosen_in_the_open_panel_shows_its_text_before_confirm(main):
         await main.edit_settings({**confirmed, "preset": "Terse"})
         assert len(panels()) == 4 and panels()[-1]["system_prompt"]["initial"] == SYSTEM_PROMPT
         assert chat.conversation().system_prompt == "Talk like a cat."
+        # what no page sends: ignored, or taken as blank, never an error
+        for hostile in ["a string", None, {"preset": ["Pirate"]}, {"preset": {"a": 1}, "system_prompt": 5}]:
+            await main.edit_settings(hostile)
+        assert len(panels()) == 4
+        await main.update_settings({"preset": ["Pirate"], "system_prompt": 5})
+        assert chat.conversation().system_prompt is None and not chat.errors()
 
     run(scenario())
 

@@ -1,9 +1,10 @@
 """Files in the chat as a user meets them: `chainlit run app/main.py` driven by headless Chromium.
 
-A Markdown file and a PDF are attached with the clip button's file input, asked about, and the line under
+A Markdown file and a PDF are attached with the clip button's file input, asked about, and shown with the
+question as chips (name, kind, pages, size), the PDF beside the chat when its chip is clicked; the line under
 the reply tells each file's tokens and links the parts of them the model read; one opens beside the chat.
 A file too big is refused by the page, a renamed binary by the app, each with a message naming it. The
-chat, opened again from the history, shows its files (the PDF downloads from the history's store) and
+chat, opened again from the history, shows its files as chips (the PDF opens from the history's store) and
 sends them to the model again. A file dragged onto the chat and dropped is attached as one chosen with the
 clip button, and read. The default model (SmolLM2-135M-Instruct) answers greedily, in a context of
 2,048 tokens, so the PDF (12 pages) goes in as the parts nearest the question. Screenshots go to
@@ -24,6 +25,7 @@ from support.servers import DEFAULT_MODEL, ROOT, ChainlitServer, server_env
 from support.special_checkpoints import default_model
 
 from app.bounds import MAX_FILE_BYTES
+from app.web.attachments import file_size
 
 SHOTS = ROOT / "test-output" / "e2e-files"
 ERRORS = '.step[data-step-type="assistant_message"] .message-content'
@@ -136,9 +138,14 @@ def test_files_are_attached_asked_about_and_their_sources_opened(page, server, f
     shot(page, "01-attached")
     answer, stats = ask(page, "When is the Falcon launch?")
     assert answer.strip()
+    # the files are shown with the message as chips, small, the PDF not drawn until asked for
     question = page.locator(USER_MESSAGES).last
-    assert "notes.md" in question.inner_text()  # the files are shown with the message
-    assert question.locator("canvas, .react-pdf__Document").count() >= 1  # the PDF, in the page's viewer
+    chips = question.locator(".file-chip")
+    assert [re.sub(r"\s+", " ", text) for text in chips.all_inner_texts()] == [
+        f"notes.md MD · {len(NOTES)} bytes", f"report.pdf PDF · 12 pages · {file_size(files['report.pdf'].stat().st_size)}"]
+    assert question.locator("canvas, .react-pdf__Document").count() == 0
+    assert all(chip.bounding_box()["height"] < 60 for chip in chips.all())
+    assert question.bounding_box()["height"] < 150  # the chips and the question
     # the line under the reply: each file's tokens, and the parts read of the PDF, those nearest the question
     notes, report = file_tokens(stats, "notes.md"), file_tokens(stats, "report.pdf")
     assert 10 < notes < 60 and 300 < report < 2048, stats
@@ -150,6 +157,10 @@ def test_files_are_attached_asked_about_and_their_sources_opened(page, server, f
     # the part about the launch is among them; opened, it shows beside the chat, alone
     names = sources.all_text_contents()  # (as written: the page shows links in capitals)
     assert "report.pdf, page 7" in names, names
+    chips.filter(has_text="report.pdf").click()  # the PDF, beside the chat
+    page.wait_for_function("() => document.querySelector('#side-view-title')?.innerText === 'report.pdf'")
+    page.locator("#side-view-content canvas").first.wait_for()
+    shot(page, "02-pdf-beside")
     sources.filter(has_text="report.pdf, page 7").first.click()
     page.wait_for_function("() => document.querySelector('#side-view-title')?.innerText === 'report.pdf, page 7'"
                            " && !document.querySelector('#side-view-content').innerText.includes('Page 1:')")
@@ -188,8 +199,10 @@ def test_a_resumed_chat_shows_its_files_and_sends_them_again(page, server, files
     page.locator('#thread-history a[href^="/thread/"]').first.click()
     question = page.locator(USER_MESSAGES).filter(has_text="When is the Falcon launch?")
     question.wait_for()
-    assert "notes.md" in question.inner_text()
-    question.locator("canvas").first.wait_for()  # the PDF, drawn from the history's store
+    assert question.locator(".file-chip").count() == 2 and "12 pages" in question.inner_text()
+    assert question.locator("canvas").count() == 0
+    question.locator(".file-chip", has_text="report.pdf").click()
+    page.locator("#side-view-content canvas").first.wait_for()  # the PDF, drawn from the history's store
     assert page.locator(STATS).first.locator("a", has_text="report.pdf, page 7").count() == 1
     shot(page, "06-resumed")
     with page.expect_download() as download:

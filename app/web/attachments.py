@@ -12,6 +12,12 @@ later turns send the file as it went the first time, and `note()` shows it under
 source to open. With history on, a message's files are recorded in its step's metadata (name, size,
 pages, chosen, the element that holds the file) and their text in the file store (app.web.file_store):
 `stored_files()` gives them back to a resumed chat.
+
+On the page, a message's files are a row of chips, each with the file's name, kind, size and pages
+(public/elements/FileChips.jsx): a PDF opens beside the chat when its chip is clicked, another file
+downloads. Chainlit would show each upload inline, a PDF as its first page as wide as a reply: `show()` turns
+the uploads of a live message into elements shown only on demand ("page") and sends the chips;
+`shown_as_chips()` does the same to a stored chat as the page gets it.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from app.web.file_store import FileStore
 from app.web.uploads import KEEP_SECONDS
 
 FILES = "files"  # the key of a user message's files in its step's metadata
+FILE_CHIPS = "FileChips"  # the custom element in public/elements/ that shows a message's files
 PROSE = (".md", ".markdown", ".txt", ".text", ".pdf", ".rst")  # sources shown as Markdown; others as code
 
 
@@ -173,6 +180,80 @@ def source_names(use: FileUse) -> list[str]:
 
 def plural(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+# ---- on the page --------------------------------------------------------------------------------
+
+async def show(message: cl.Message, files: list[Attachment] | None = None) -> None:
+    """Show a live user message's uploads as chips: at once (name, kind, size), and again with their pages
+    once they are read (files, in the order of the uploads)."""
+    uploads = [element for element in message.elements if element.type != "custom"]
+    if not uploads:
+        return
+    for element in uploads:
+        if element.display != "page":
+            element.display = "page"  # not inline: the chip opens it
+            await element.send(for_id=message.id, persist=False)  # (stored as it came: shown_as_chips() reads it)
+    read = files if files is not None and len(files) == len(uploads) else [None] * len(uploads)
+    chips = [chip(element.id, element.name, file.size if file else upload_size(element), file.pages if file else 0)
+             for element, file in zip(uploads, read)]
+    await cl.CustomElement(id=chips_id(message.id), name=FILE_CHIPS, display="inline",
+                           props={"files": chips}).send(for_id=message.id, persist=False)
+
+
+def shown_as_chips(thread: dict) -> dict:
+    """A stored chat as the page is to show it: the files of its user messages as chips (with what their steps
+    recorded of them), the uploads themselves shown on demand."""
+    elements = thread.get("elements") or []
+    for step in thread.get("steps") or []:
+        uploads = [e for e in elements if e.get("forId") == step.get("id") and e.get("type") != "custom"]
+        if step.get("type") != "user_message" or not uploads:
+            continue
+        recorded = {str(entry.get("element")): entry for entry in metadata_of(step.get("metadata")).get(FILES) or []
+                    if isinstance(entry, dict)}
+        chips = []
+        for element in uploads:
+            element["display"] = "page"
+            entry = recorded.get(element.get("id"), {})
+            size, pages = entry.get("size"), entry.get("pages")
+            chips.append(chip(element.get("id"), element.get("name") or "file",
+                              size if isinstance(size, int) else None, pages if isinstance(pages, int) else 0))
+        elements.append({"id": chips_id(step["id"]), "threadId": thread.get("id"), "type": "custom",
+                         "name": FILE_CHIPS, "display": "inline", "forId": step["id"], "mime": "application/json",
+                         "props": {"files": chips}})
+    thread["elements"] = elements
+    return thread
+
+
+def chip(element_id: str, name: str, size: int | None, pages: int) -> dict:
+    """One file's chip: the element it opens, its name, and "PDF · 12 pages · 1.4 MB"."""
+    kind = Path(name).suffix[1:].upper() or "File"
+    details = [kind] + ([plural(pages, "page")] if pages else []) + ([file_size(size)] if size is not None else [])
+    return {"element": element_id, "name": name, "details": " · ".join(details)}
+
+
+def chips_id(message_id: str) -> str:
+    return f"{message_id}-files"
+
+
+def upload_size(element) -> int | None:
+    """An upload's bytes: its file's (as uploaded), or its content's; None when neither is there."""
+    try:
+        if element.path:
+            return Path(element.path).stat().st_size
+    except OSError:
+        return None
+    content = element.content
+    return None if content is None else len(content.encode() if isinstance(content, str) else content)
+
+
+def file_size(size: int) -> str:
+    """812 bytes, 12 KB, 1.4 MB (2^10 bytes a kilobyte, as app.files.read counts)."""
+    if size < 2**10:
+        return plural(size, "byte")
+    if size < 2**20:
+        return f"{size / 2**10:.0f} KB"
+    return f"{size / 2**20:.1f} MB"
 
 
 # ---- stored with the chat -----------------------------------------------------------------------

@@ -7,6 +7,7 @@ computes every reply, or a remote server. What a session keeps in cl.user_sessio
                      with their files), system prompt
     reply_settings   app.messages.ReplySettings from the settings panel
     preset           the system-prompt preset the panel shows (app.web.presets); choosing another fills the prompt
+    panel            the open settings panel's values at its last change, before Confirm (None after Confirm)
     request          the app.backend.reply.Reply being answered, for the Stop button
     told_trimmed     whether the user was told that older messages were left out
     told_near_full   whether the user was told that the context is nearly full
@@ -37,14 +38,16 @@ import chainlit as cl
 from chainlit.chat_context import chat_contexts
 from chainlit.config import FILES_DIRECTORY
 from chainlit.config import config as chainlit_config
+from chainlit.context import init_ws_context
 from chainlit.data import get_data_layer
 from chainlit.input_widget import Select, Slider, TextInput
 from chainlit.server import app as chainlit_app
 from chainlit.server import sio
 from chainlit.session import WebsocketSession
+from chainlit.utils import wrap_user_function
 
 from app.api import routes as api, guard
-from app.web import attachments, export, history, http_server, login_page, sessions, uploads, users
+from app.web import attachments, export, history, http_server, login_page, page, sessions, uploads, users
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote, open_backend
 from app.bounds import reply_seed
 from app.backend.conversation import Conversation, Message
@@ -93,6 +96,7 @@ def start() -> None:
         private_folder(FILES_DIRECTORY)  # Chainlit keeps there the files it sends and those uploaded
         chainlit_config.features.spontaneous_file_upload = attachments.upload_feature()
         http_server.configure_chainlit(SETTINGS)  # slow clients cut off; X-Forwarded-For only from trusted proxies
+        page.install()  # the page asks no other site for anything
     except SettingsError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -128,6 +132,8 @@ def start() -> None:
         @cl.header_auth_callback
         async def local_user(headers):
             return sessions.local_user()
+
+        chainlit_app.router.routes.insert(0, sessions.local_sign_in())  # the page's first question: who is it
 
 
 TRIMMED_NOTE = ("*Older messages of this chat no longer fit the model's context, so they were left out; "
@@ -285,22 +291,59 @@ async def start_chat():
 
 @cl.on_settings_update
 async def update_settings(values: dict):
+    """Confirm: the panel's values apply to the next reply. A preset chosen since the last Confirm, whose text
+    the panel did not show yet (a page that sends no edits), fills the system prompt now."""
     values = {**(cl.user_session.get("chat_settings") or {}), **values}  # the whole panel, not only changes
+    cl.user_session.set("panel", None)  # the next edits are compared with these values
     settings, problem = read_settings(values)
     cl.user_session.set("reply_settings", settings)
     conversation = current_conversation()
-    preset = values.get("preset")
-    if preset in PRESETS and preset != cl.user_session.get("preset", CUSTOM):  # just chosen: it fills the text
+    preset = values.get("preset") if isinstance(values.get("preset"), str) else None
+    prompt = values.get("system_prompt")
+    typed = (prompt.strip() or None) if isinstance(prompt, str) else None
+    if preset in PRESETS and preset != cl.user_session.get("preset", CUSTOM) and typed == conversation.system_prompt:
         conversation.system_prompt = PRESETS[preset]
         values["system_prompt"] = PRESETS[preset]
         defaults = BACKEND.reply_defaults(conversation.model)
         await cl.ChatSettings(settings_widgets(defaults, conversation.system_prompt,
                                                BACKEND.context_limit(conversation.model), values)).send()
     else:
-        conversation.system_prompt = (values.get("system_prompt") or "").strip() or None
+        conversation.system_prompt = typed
     cl.user_session.set("preset", preset)  # as the panel shows it
     if problem:
         await cl.Message(content=problem).send()
+
+
+async def edit_settings(values: dict):
+    """A change in the open panel, before Confirm: a preset just chosen shows its text in the system prompt's
+    box at once. The page sends the whole panel at each change, so a preset was chosen when it is the only
+    value that differs from the last change's (or, the panel just opened, from the confirmed values); a
+    change of the text itself leaves it as typed. Nothing applies until Confirm (Cancel puts the panel back)."""
+    if not isinstance(values, dict):  # (what a page sends: not ours to trust)
+        return
+    last, confirmed = cl.user_session.get("panel"), cl.user_session.get("chat_settings") or {}
+    cl.user_session.set("panel", values)
+    preset = values.get("preset")
+    if not isinstance(preset, str) or preset not in PRESETS or not any(changed(values, before) == {"preset"} for before in (last, confirmed)
+                                        if before is not None):
+        return
+    values = {**values, "system_prompt": PRESETS[preset]}
+    cl.user_session.set("panel", values)
+    conversation = current_conversation()
+    await cl.ChatSettings(settings_widgets(BACKEND.reply_defaults(conversation.model), PRESETS[preset],
+                                           BACKEND.context_limit(conversation.model), values)).refresh()
+
+
+# Registered without Chainlit's task: a task's end would take the Stop button away from a reply that is running.
+chainlit_config.code.on_settings_edit = wrap_user_function(edit_settings)
+
+
+def changed(values: dict, before: dict) -> set[str]:
+    """The panel's fields whose values differ (blank and None are the same: the page sends one, Confirm the other)."""
+    def value(panel: dict, key: str):
+        return None if panel.get(key) == "" else panel.get(key)
+
+    return {key for key in values.keys() | before.keys() if value(values, key) != value(before, key)}
 
 
 @cl.on_message
@@ -312,14 +355,19 @@ async def on_message(message: cl.Message):
     edited = conversation.message(message.id)
     if edited is None:  # what the page sent: the app's own keys in it are not the client's to set
         message.metadata = attachments.client_metadata(message.metadata)
+    elif conversation.messages[0] is edited and edited.content != message.content:
+        await rename_chat(message.content)  # the chat is named after its first message
     conversation.truncate(message.id)  # an edited message: answer again from there
     uploads.take(message.elements)  # never swept from now on: they are read, then stored
+    await attachments.show(message)  # its files as chips, not as Chainlit's previews
     try:
         files = await attachments.read(message.elements) if message.elements else None
     except attachments.Refused as refused:
         uploads.discard(message.elements, cl.context.session)
         await cl.ErrorMessage(content=str(refused)).send()
         return
+    if files:
+        await attachments.show(message, files)  # with their pages
     if files is None and edited is not None and edited.files:  # an edit of a resumed chat's message
         files = [msgspec.structs.replace(file, chosen=None) for file in edited.files]  # another question
     if not message.content.strip() and not files:
@@ -373,6 +421,16 @@ def only_edits_of_this_chat() -> None:
 
     edit_message.guarded = True
     handlers["edit_message"] = edit_message
+
+
+async def rename_chat(name: str) -> None:
+    """Name the chat in the history (Chainlit names it after its first message, when it is sent), and have the
+    page list the chats again: it does when it is told of a chat's first message."""
+    session = cl.context.session
+    if (data_layer := get_data_layer()) is None or not session.thread_id:
+        return
+    await data_layer.update_thread(thread_id=session.thread_id, name=name)
+    await cl.context.emitter.emit("first_interaction", {"interaction": name, "thread_id": session.thread_id})
 
 
 @cl.action_callback("regenerate")
@@ -430,6 +488,18 @@ async def stop_reply():
     request = cl.user_session.get("request")
     if request is not None:
         request.cancel()
+
+
+@sio.on("stop")
+async def stop(sid):
+    """The Stop button, as Chainlit's own handler (which this replaces) takes it, less the "Task manually
+    stopped." message that one adds to the chat: the stopped answer's line says "stopped by user"."""
+    if session := WebsocketSession.get(sid):
+        init_ws_context(session)
+        if session.current_task:
+            session.current_task.cancel()
+        if chainlit_config.code.on_stop:
+            await chainlit_config.code.on_stop()
 
 
 @cl.on_chat_end

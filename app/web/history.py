@@ -33,7 +33,7 @@ from fastapi.routing import APIRoute
 
 from app.backend.conversation import Conversation
 from app.messages import Attachment
-from app.web.attachments import metadata_of
+from app.web.attachments import metadata_of, shown_as_chips
 from app.web.display import plain
 from app.private_files import FILE_MODE, open_private, private_file, private_folder
 from app.web.file_store import FileStore
@@ -130,8 +130,9 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
     async def get_thread(self, thread_id: str):
         """The chat, to its owner. To anyone else, a chat owned by nobody they are (so Chainlit refuses a
         socket that asks to resume it) when it exists, and None when it does not."""
-        if await self.owners.readable(thread_id):
-            return await super().get_thread(thread_id)
+        if await self.owners.readable(thread_id):  # its messages' files shown as chips, as in the live chat
+            thread = await super().get_thread(thread_id)
+            return shown_as_chips(thread) if thread else thread
         if await self.owners.thread_owner(thread_id) is not None:
             return {"id": thread_id, "userIdentifier": NOBODY, "name": None, "createdAt": None, "metadata": {},
                     "tags": [], "steps": [], "elements": []}

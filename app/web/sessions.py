@@ -23,11 +23,13 @@ import hmac
 import logging
 from collections.abc import Callable
 
-from chainlit.auth import get_token_from_cookies
+from chainlit.auth import authenticate_user, create_jwt, get_token_from_cookies, set_auth_cookie
 from chainlit.auth.jwt import decode_jwt
 from chainlit.server import sio
 from chainlit.session import ws_sessions_sid
 from chainlit.user import User
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
 from starlette.requests import cookie_parser
 
 from app.web.ownership import ACTOR, NOBODY, request_actor
@@ -49,6 +51,19 @@ def password_user(name: str, passwords: Passwords) -> User:
 def local_user() -> User:
     """The one user when sign-in is off."""
     return User(identifier=LOCAL_USER, metadata={"provider": "local"})
+
+
+def local_sign_in() -> APIRoute:
+    """GET /user, with sign-in off: the local user, signed in on the way, as POST /auth/header signs them in.
+    The page asks who is signed in before it signs in: Chainlit answered a new browser 401 (written in its
+    console) and the page went by its login page to /auth/header; now the first answer is the user."""
+
+    async def signed_in_user(request: Request, response: Response):
+        token = create_jwt(local_user())
+        set_auth_cookie(request, response, token)
+        return await authenticate_user(token)  # as Chainlit's GET /user answers: the user of the database
+
+    return APIRoute("/user", signed_in_user, methods=["GET"])
 
 
 def still_signed_in(passwords: Passwords | None) -> Valid:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import sqlite3
 import stat
 from types import SimpleNamespace
 
@@ -351,3 +352,63 @@ def test_a_message_s_files_are_recorded_in_its_step_and_their_text_stored(tmp_pa
     in_chat(lambda: attachments.keep(message, attachments.with_chosen(files, [FileUse("notes.md", 9, WHOLE)]), store),
             chat)
     assert chat.emitter.update_step.await_count == 2  # nothing new: not sent again
+
+
+# ---- on the page --------------------------------------------------------------------------------
+
+def test_a_live_message_s_files_are_chips_and_its_uploads_shown_on_demand(tmp_path):
+    pdf = tmp_path / "upload-1"
+    pdf.write_bytes(make_pdf([["Page one."], ["Page two."]]))
+    chat = Chat(SimpleNamespace())
+    message = in_chat(lambda: cl.Message(content="Read these", type="user_message", id="m1", elements=[
+        cl.Pdf(name="report.pdf", path=str(pdf), id="e1", display="inline", chainlit_key="k1"),
+        cl.File(name="notes.md", content=README, id="e2", display="inline", chainlit_key="k2")]), chat)
+
+    in_chat(lambda: attachments.show(message), chat)  # as soon as it comes
+    sent = [c.args[0] for c in chat.emitter.send_element.await_args_list]
+    assert [(e["id"], e["display"], e["forId"]) for e in sent[:2]] == [("e1", "page", "m1"), ("e2", "page", "m1")]
+    chips = sent[2]
+    assert (chips["id"], chips["type"], chips["name"], chips["display"], chips["forId"]) == \
+        ("m1-files", "custom", "FileChips", "inline", "m1")
+    size = pdf.stat().st_size
+    assert chips["props"]["files"] == [
+        {"element": "e1", "name": "report.pdf", "details": f"PDF · {attachments.file_size(size)}"},
+        {"element": "e2", "name": "notes.md", "details": "MD · " + attachments.file_size(len(README))}]
+
+    files = [Attachment(name="report.pdf", text="Page one.\fPage two.", size=size, pages=2),
+             Attachment(name="notes.md", text=README, size=len(README))]
+    in_chat(lambda: attachments.show(message, files), chat)  # read: with their pages
+    sent = [c.args[0] for c in chat.emitter.send_element.await_args_list]
+    assert len(sent) == 4  # the uploads are not sent again, the chips are (the same element)
+    assert sent[3]["id"] == "m1-files" and sent[3]["props"]["files"][0]["details"] == \
+        f"PDF · 2 pages · {attachments.file_size(size)}"
+
+
+def test_file_sizes_and_kinds_as_a_chip_says_them():
+    assert [attachments.file_size(n) for n in (0, 1, 1023, 1024, 12_345, 2**20 - 1, 2**20, 20 * 2**20)] == [
+        "0 bytes", "1 byte", "1023 bytes", "1 KB", "12 KB", "1024 KB", "1.0 MB", "20.0 MB"]
+    assert attachments.chip("e", "Makefile", None, 0) == {"element": "e", "name": "Makefile", "details": "File"}
+    assert attachments.chip("e", "a.tar.gz", 5, 1)["details"] == "GZ · 1 page · 5 bytes"
+
+
+def test_a_stored_chat_shows_its_messages_files_as_chips(stored_chat):
+    layer, store, ada, eve, element = stored_chat
+    records = [{"element": element.id, "name": "notes.md", "size": len(README), "pages": 0, "chosen": WHOLE}]
+    with sqlite3.connect(layer.path) as db:  # the user's message that sent it, and a reply with a source
+        for id, type, metadata in [("s1", "user_message", {attachments.FILES: records}),
+                                   ("s2", "assistant_message", {"kind": history.REPLY})]:
+            db.execute('INSERT INTO steps ("id", "name", "type", "threadId", "streaming", "output", "metadata", '
+                       '"createdAt") VALUES (?, ?, ?, ?, 0, ?, ?, ?)',
+                       (id, "User", type, "t1", "Read this", json.dumps(metadata), f"2026-01-01T00:00:0{id[1]}Z"))
+    source = cl.Text(name="notes.md, lines 1-3", content="The launch", display="side", thread_id="t1", for_id="s2")
+    in_chat(lambda: layer.create_element(source))
+
+    thread = in_chat(lambda: layer.get_thread("t1"))
+    elements = {e["id"]: e for e in thread["elements"]}
+    assert elements[element.id]["display"] == "page"  # the upload, shown when its chip is clicked
+    assert elements[source.id]["display"] == "side"  # a reply's source: as it was
+    chips = elements["s1-files"]
+    assert (chips["type"], chips["name"], chips["display"], chips["forId"]) == ("custom", "FileChips", "inline", "s1")
+    assert chips["props"]["files"] == [{"element": element.id, "name": "notes.md",
+                                        "details": "MD · " + attachments.file_size(len(README))}]
+    assert "s2-files" not in elements

@@ -227,6 +227,72 @@ def test_editing_a_message_answers_again_from_there(main):
     assert messages[0].id == first.id
 
 
+def test_an_edit_of_the_first_message_renames_the_chat(main, monkeypatch):
+    """Chainlit names a chat after its first message when it is sent; edited, the name follows it, in the
+    history and on the page (which lists the chats again when told of a first message)."""
+    from unittest.mock import AsyncMock
+    data_layer = AsyncMock()
+    monkeypatch.setattr(main, "get_data_layer", lambda: data_layer)
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        first = await chat.send("What is the capital of Spain?")
+        second = await chat.send("And of France?")
+        await chat.send("And of Germany?", id=second.id)  # not the first: the name stays
+        assert data_layer.update_thread.await_count == 0
+        await chat.send("What is the capital of Italy?", id=first.id)
+
+    run(scenario())
+    data_layer.update_thread.assert_awaited_once_with(thread_id=chat.session.thread_id,
+                                                      name="What is the capital of Italy?")
+    told = [c.args[1] for c in chat.emitter.emit.await_args_list if c.args[0] == "first_interaction"]
+    assert told == [{"interaction": "What is the capital of Italy?", "thread_id": chat.session.thread_id}]
+
+
+def test_a_preset_chosen_in_the_open_panel_shows_its_text_before_confirm(main):
+    chat = Chat(main)
+
+    def panels():
+        return [{w["id"]: w for w in c.args[1]} for c in chat.emitter.emit.await_args_list
+                if c.args[0] == "chat_settings"]
+
+    async def scenario():
+        await chat.start()
+        chat.enter()
+        opened = {id: widget["initial"] for id, widget in panels()[-1].items()}
+        chat.session.chat_settings = dict(opened)  # as Chainlit keeps the panel's values
+        # the page sends the whole panel at each change: here the preset, Pirate
+        await main.edit_settings({**opened, "preset": "Pirate"})
+        panel = panels()[-1]
+        assert len(panels()) == 2 and panel["system_prompt"]["initial"] == PIRATE
+        assert panel["preset"]["initial"] == "Pirate" and panel["temperature"]["initial"] == opened["temperature"]
+        assert chat.conversation().system_prompt == SYSTEM_PROMPT  # nothing applies before Confirm
+        # the text typed over, then another value: neither fills the box again
+        typed = {**opened, "preset": "Pirate", "system_prompt": "Talk like a cat."}
+        await main.edit_settings(typed)
+        await main.edit_settings({**typed, "temperature": 0.3})
+        assert len(panels()) == 2
+        await main.update_settings({**typed, "temperature": 0.3})  # Confirm: the box as it is
+        assert chat.conversation().system_prompt == "Talk like a cat."
+        assert len(panels()) == 2
+        confirmed = chat.session.chat_settings = {**typed, "temperature": 0.3}  # (Chainlit keeps them)
+        await main.edit_settings({**confirmed, "preset": "Terse"})
+        assert len(panels()) == 3 and panels()[-1]["system_prompt"]["initial"] == SYSTEM_PROMPT
+        # Cancel (the page puts the confirmed panel back, and says nothing), opened again, Terse again
+        await main.edit_settings({**confirmed, "preset": "Terse"})
+        assert len(panels()) == 4 and panels()[-1]["system_prompt"]["initial"] == SYSTEM_PROMPT
+        assert chat.conversation().system_prompt == "Talk like a cat."
+        # what no page sends: ignored, or taken as blank, never an error
+        for hostile in ["a string", None, {"preset": ["Pirate"]}, {"preset": {"a": 1}, "system_prompt": 5}]:
+            await main.edit_settings(hostile)
+        assert len(panels()) == 4
+        await main.update_settings({"preset": ["Pirate"], "system_prompt": 5})
+        assert chat.conversation().system_prompt is None and not chat.errors()
+
+    run(scenario())
+
+
 def test_regenerate_replaces_the_last_answer_with_another_sample(main):
     chat = Chat(main)
 

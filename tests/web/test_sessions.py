@@ -128,6 +128,22 @@ def test_who_is_still_signed_in(tmp_path, secret):
     assert local(sessions.local_user()) and not local(sessions.password_user("ada", passwords))
 
 
+def test_without_sign_in_the_page_s_first_question_signs_the_local_user_in(secret):
+    """GET /user, asked by a new browser before it signs in: the local user (with a cookie of theirs), not a
+    401 that the browser writes in its console."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    app = FastAPI()
+    app.router.routes.insert(0, sessions.local_sign_in())
+    client = TestClient(app)  # (not `with`: see CHAINLIT_NOTES)
+    response = client.get("/user")
+    assert response.status_code == 200 and response.json()["identifier"] == users.LOCAL_USER
+    token = response.cookies.get("access_token")
+    assert sessions.token_user(token).identifier == users.LOCAL_USER
+    assert sessions.still_signed_in(None)(sessions.token_user(token))
+
+
 # ---- whose API request it is ----------------------------------------------------------------------
 
 class Recording:

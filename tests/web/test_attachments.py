@@ -397,13 +397,13 @@ def test_a_stored_chat_shows_its_messages_files_as_chips(stored_chat):
     with sqlite3.connect(layer.path) as db:  # the user's message that sent it, and a reply with a source
         for id, type, metadata in [("s1", "user_message", {attachments.FILES: records}),
                                    ("s2", "assistant_message", {"kind": history.REPLY})]:
-            db.execute('INSERT INTO steps ("id", "name", "type", "threadId", "streaming", "output", "metadata", '
-                       '"createdAt") VALUES (?, ?, ?, ?, 0, ?, ?, ?)',
+            db.execute('INSERT OR REPLACE INTO steps ("id", "name", "type", "threadId", "streaming", "output", '
+                       '"metadata", "createdAt") VALUES (?, ?, ?, ?, 0, ?, ?, ?)',
                        (id, "User", type, "t1", "Read this", json.dumps(metadata), f"2026-01-01T00:00:0{id[1]}Z"))
     source = cl.Text(name="notes.md, lines 1-3", content="The launch", display="side", thread_id="t1", for_id="s2")
-    in_chat(lambda: layer.create_element(source))
-
-    thread = in_chat(lambda: layer.get_thread("t1"))
+    with acting_as("ada"):
+        in_chat(lambda: layer.create_element(source), chat_of("t1"))
+        thread = in_chat(lambda: layer.get_thread("t1"))
     elements = {e["id"]: e for e in thread["elements"]}
     assert elements[element.id]["display"] == "page"  # the upload, shown when its chip is clicked
     assert elements[source.id]["display"] == "side"  # a reply's source: as it was

@@ -103,7 +103,8 @@ def test_a_refused_message_leaves_none_of_its_files_stored_and_an_accepted_one_k
     assert rows(tmp_path / "history.db", 'SELECT "id", "forId" FROM elements') == [(element.id, taken.id)]
     assert stored(tmp_path) == [f"{element.id}/file", f"{element.id}/text"]
     assert [p.name for p in chat.uploads().iterdir()] == [Path(element.path).name]  # the refused ones: deleted
-    assert set(chat.session.files) == {element.id} and not uploads.PENDING
+    assert element.id in chat.session.files and not uploads.PENDING
+    assert not {e.id for e in refused.elements} & set(chat.session.files)  # (the rest: the chips the page shows)
 
 
 def test_files_past_the_users_limit_are_refused_saying_how_much_is_used(main, tmp_path):

@@ -141,9 +141,18 @@ def ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
                                   eos_token=sorted(tokenizer.stop_ids))
 
 
+class Format:
+    """A compiled schema: a matcher at the start of its document, which each reply copies, and why a reply of
+    it failed, once one did: the copies share one lexer, which llguidance leaves broken after a failure, so
+    later replies of the schema are refused before they start."""
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher, self.failure = matcher, ""
+
+
 @lru_cache(maxsize=MAX_FORMATS)
-def compiled_format(tokenizer, schema: str) -> llguidance.LLMatcher:
-    """A matcher at the start of a document of `schema` (JSON text); each reply takes a copy."""
+def compiled_format(tokenizer, schema: str) -> Format:
+    """`schema` (JSON text) compiled, its document's first mask and openings tried (SchemaError)."""
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": WHITESPACE})
     except ValueError as e:
@@ -163,7 +172,7 @@ def compiled_format(tokenizer, schema: str) -> llguidance.LLMatcher:
         if opened.is_error():
             raise SchemaError(f"response_format: the JSON schema is not supported (after the document's first "
                               f"'{opening}': {failure(opened)})")
-    return matcher
+    return Format(matcher)
 
 
 def failure(matcher: llguidance.LLMatcher) -> str:
@@ -196,9 +205,14 @@ class JsonConstraint:
                              f"{self.n_tokens} ids")
         self.stop_ids = sorted(tokenizer.stop_ids if stop_ids is None else stop_ids)
         self.schema = schema
-        self._matcher = compiled_format(tokenizer, schema_text(schema)).deep_copy()
+        self._format = compiled_format(tokenizer, schema_text(schema))
+        if self._format.failure:
+            raise SchemaError(f"response_format: the JSON schema is not supported (an earlier reply of it failed: "
+                              f"{self._format.failure})")
+        self._matcher = self._format.matcher.deep_copy()
         self._stopped = False  # a stop id was taken
         self._taken = 0  # ids of the document so far
+        self._allowed: torch.Tensor | None = None  # the last mask
 
     @property
     def complete(self) -> bool:
@@ -218,6 +232,9 @@ class JsonConstraint:
             self._check()
             mask[:self.n_tokens] = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.n_tokens])
         mask[self.stop_ids] = self.complete
+        if not mask.any():
+            self._fail("its mask allows no id")
+        self._allowed = mask
         return mask
 
     def advance(self, token: int) -> None:
@@ -229,6 +246,8 @@ class JsonConstraint:
         taken = (not self._stopped and 0 <= token < self.n_tokens and token not in self.stop_ids
                  and self._matcher.try_consume_tokens([token]) == 1)
         self._check()
+        if not taken and self._allowed is not None and 0 <= token < self.vocab_size and self._allowed[token]:
+            self._fail(f"it refused the id {token}, which its mask allowed")
         if not taken:
             raise ValueError(f"token {token} does not continue the JSON reply (complete={self.complete}, "
                              f"finished={self.finished})")
@@ -236,6 +255,10 @@ class JsonConstraint:
 
     def _check(self) -> None:
         if self._matcher.is_error():
-            raise ConstraintFailed(f"response_format: the JSON schema could not be followed after {self._taken} "
-                                   f"tokens of the reply ({failure(self._matcher)}): simplify it (fewer optional "
-                                   "properties or alternatives, shorter patterns)")
+            self._fail(failure(self._matcher))
+
+    def _fail(self, why: str):
+        self._format.failure = self._format.failure or why
+        raise ConstraintFailed(f"response_format: the JSON schema could not be followed after {self._taken} tokens "
+                               f"of the reply ({why}): simplify it (fewer optional properties or alternatives, "
+                               "shorter patterns)")

@@ -11,6 +11,7 @@ request is answered at the end. The API runs in this process (`app.api.routes.cr
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -194,15 +195,24 @@ def test_a_schema_that_failed_at_its_first_token_is_a_400_before_the_reply(api, 
                      "code": "invalid_json_schema"}
 
 
-def test_a_schema_that_fails_midway_is_a_400_or_a_streams_last_event(api):
-    body = schema_body("tiny", HOSTILE_SCHEMAS["slow pattern, nested"])
-    error = refused(api, body)
+def test_a_schema_that_fails_midway_is_a_400_or_a_streams_last_event_then_refused_at_once(api):
+    """Before any text, or not streamed, a 400; after some text, a stream ends with the error. A schema whose
+    reply failed is refused before the next reply starts (the schemas are new here: a title of their own)."""
+    nested = HOSTILE_SCHEMAS["slow pattern, nested"] | {"title": "nested, not seen before"}
+    error = refused(api, schema_body("tiny", nested))
     assert (error["param"], error["code"]) == ("response_format", "json_schema_failed")
-    assert error["message"].startswith("response_format: the JSON schema could not be followed after "), error
-    streamed = post(api, "/v1/chat/completions", json.dumps(body | {"stream": True, "n": 2}))
+    assert re.fullmatch(r"response_format: the JSON schema could not be followed after \d+ tokens of the reply "
+                        r"\(lexer error: too many expressions constructed\): simplify it .*", error["message"])
+    assert refused(api, schema_body("tiny", nested, stream=True)) == {
+        "message": "response_format: the JSON schema is not supported (an earlier reply of it failed: lexer error: "
+                   "too many expressions constructed)", "type": "invalid_request_error", "param": "response_format",
+        "code": "invalid_json_schema"}
+    named = HOSTILE_SCHEMAS["slow pattern, after a name"] | {"title": "named, not seen before"}
+    streamed = post(api, "/v1/chat/completions", json.dumps(schema_body("tiny", named, n=2, stream=True)))
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
-    assert [e["code"] for e in stream_errors(streamed.text)] == ["json_schema_failed"]
-    assert "lexer error" in stream_errors(streamed.text)[0]["message"]
+    assert '"delta":{"content":"{' in streamed.text, streamed.text[:500]  # the document's start came first
+    [error] = stream_errors(streamed.text)
+    assert (error["param"], error["code"]) == ("response_format", "json_schema_failed") and "lexer" in error["message"]
     assert_engine_untouched(api)
 
 

@@ -278,6 +278,11 @@ def test_a_constraint_that_fails_midway_ends_its_reply_with_what_it_wrote(smollm
                         r"\(lexer error: too many expressions constructed\): simplify it .*", reply.error), reply.error
     with pytest.raises(ConstraintFailed):  # and the constraint stays failed
         constraint.mask()
+    # llguidance's copies of a compiled schema share its lexer, which the failure broke: the next reply of the
+    # schema is refused before it starts (it refused the next reply's first tokens, or its mask allowed none)
+    with pytest.raises(SchemaError, match=r"^response_format: the JSON schema is not supported \(an earlier reply "
+                                          r"of it failed: lexer error: too many expressions constructed\)$"):
+        JsonConstraint(smollm2.tokenizer, schema)
 
 
 # ---- replies of the default model -------------------------------------------------------------------------

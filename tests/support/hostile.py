@@ -61,6 +61,9 @@ HOSTILE_SCHEMAS = {  # JSON schemas llguidance compiles and then fails on, or th
     "slow pattern": {"type": "string", "pattern": SLOW_PATTERN},
     "slow pattern, nested": {"type": "object", "properties": {"code": {"type": "string", "pattern": SLOW_PATTERN}},
                              "required": ["code"], "additionalProperties": False},  # fails in the reply
+    "slow pattern, after a name": {"type": "object", "properties": {  # fails after the reply wrote a name
+        "name": {"type": "string", "maxLength": 8}, "code": {"type": "string", "pattern": SLOW_PATTERN}},
+        "required": ["name", "code"], "additionalProperties": False},
     "huge minLength": {"type": "string", "minLength": 10**9},
     "float range": {"type": "number", "exclusiveMinimum": -5.5, "maximum": 1e300},
 }

@@ -17,7 +17,7 @@ A schema is refused (SchemaError, an HTTP 400 at the API) before its reply start
 (`check_shape`: llguidance fails midway past them), when llguidance cannot compile it, or when it fails at
 the document's first token or right after the document opens (`{`, `[`, `"`: where every alternative
 of the top level is open at once). A failure later (a resource limit at some token of the reply) raises
-ConstraintFailed: the reply ends there (model/decoding.py).
+ConstraintFailed: the reply ends there (model/decoding.py), and the schema is refused from then on (Format).
 """
 
 from __future__ import annotations

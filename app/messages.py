@@ -62,7 +62,7 @@ from app.bounds import (
 from app.settings import DEFAULT_KV_CACHE_MB, DEFAULT_KV_DISK_MB, DEFAULT_MAX_BATCH
 
 FINISH_REASONS = {"stop": "stop token", "length": "length limit (Max new tokens, in the settings)",
-                  "cancelled": "stopped by user"}
+                  "cancelled": "stopped by user", "constraint_failed": "the JSON schema could not be followed"}
 
 
 class ReplySettings(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -239,12 +239,13 @@ class Context(msgspec.Struct, frozen=True, omit_defaults=True):
 class Done(msgspec.Struct, tag=True):
     id: str
     text: str
-    finish_reason: str  # "stop", "length" or "cancelled"
+    finish_reason: str  # "stop", "length", "cancelled" or "constraint_failed" (error says why)
     stats: Stats = msgspec.field(default_factory=Stats)
     token_ids: list[int] = []  # the reply as generated (a follow-up's prompt reuses them)
     index: int = 0  # which of the request's n replies (each ends with its own Done)
     tool_calls: list[dict] = []  # the calls the reply makes (a request with tools), as OpenAI writes them
     context: Context = Context()
+    error: str = ""  # why the reply ended early: its JSON schema's constraint failed midway (model/structured.py)
 
     @property
     def context_used(self) -> int:
@@ -269,7 +270,8 @@ class Done(msgspec.Struct, tag=True):
 class Failed(msgspec.Struct, tag=True):
     id: str
     message: str
-    reason: str  # "prompt_too_long", "load", "busy", "bad_request", "engine", "restarting", "unread" or "error"
+    reason: str  # "prompt_too_long", "load", "busy", "bad_request", "bad_schema", "engine", "restarting", "unread" or
+    # "error"
 
 
 class Restarting(msgspec.Struct, tag=True):

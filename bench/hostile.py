@@ -1,13 +1,15 @@
 """Hostile requests, and the engine killed under load, against a running API server.
 
     python bench/hostile.py [--url http://127.0.0.1:8011 --server-pid PID] [--workers 4] [--clients 6] [--kills 4]
+    python bench/hostile.py --skip kill --fields response_format    # a quick part: the JSON schemas' requests
 
 Without --url it starts `python -m app.api --port 8011` on the default model (LLAMA_* from the
 environment are not passed on) and stops it at the end. Two parts, one after the other:
 
 - hostile: the corpus of tests/support/hostile.py, every field of both routes replaced in turn by
   each hostile value (integers past 64 bits, lone surrogates, NaN, Infinity, 1e400, deep nesting, 200 kB
-  strings, 5,000-item arrays, wrong types), alone and with n: 4, sent by --workers threads: the count
+  strings, 5,000-item arrays, wrong types), alone and with n: 4, and JSON schemas that llguidance
+  compiles and then fails on (streamed or not), sent by --workers threads: the count
   of answers by status, the engine's restarts (llama_engine_restarts_total in /metrics, and the engine
   processes seen as the server's child), the places still taken once all have ended
   (llama_places_taken), and how many of 5 ordinary requests are answered afterwards;
@@ -105,8 +107,9 @@ class EngineWatch:
         return max(len(self.pids) - 1, 0) if self.watched else None
 
 
-def hostile(url: str, model: str, workers: int, timeout: float, server_pid: int | None) -> dict:
-    requests = corpus(model, HOSTILE)
+def hostile(url: str, model: str, workers: int, timeout: float, server_pid: int | None,
+            fields: tuple[str, ...] = ()) -> dict:
+    requests = [r for r in corpus(model, HOSTILE) if not fields or r[1].startswith(fields)]
     restarts = metric(url, "llama_engine_restarts_total")
     watch = EngineWatch(server_pid)
     statuses: collections.Counter = collections.Counter()
@@ -259,6 +262,8 @@ def main() -> int:
                         help="seconds from a new engine's being ready to the next kill")
     parser.add_argument("--timeout", type=float, default=180.0, help="a request with no answer by then has none")
     parser.add_argument("--skip", default="", help="comma-separated: hostile, kill, cross-user")
+    parser.add_argument("--fields", default="", help="comma-separated: only the hostile requests whose field "
+                                                     "starts so (e.g. response_format; default: all)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     server = None
@@ -276,7 +281,8 @@ def main() -> int:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         result = {"machine": machine(), "url": url, "model": model}
         if "hostile" not in skip:
-            result["hostile"] = hostile(url, model, args.workers, args.timeout, server_pid)
+            result["hostile"] = hostile(url, model, args.workers, args.timeout, server_pid,
+                                        tuple(filter(None, args.fields.split(","))))
             print(json.dumps(result["hostile"], indent=2), flush=True)
         if "kill" not in skip:
             if server_pid is None:

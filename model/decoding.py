@@ -24,6 +24,10 @@ accept() applies the rules in this order:
    `max_new_tokens`. A reply completed by its last allowed token ended by rule 4, not by its length.
 6. With tools declared, text that may still be a call is held back; at the end a call to a declared
    tool becomes `tool_calls` (the text is then the content around it), anything else is given out.
+
+A constraint that cannot go on (its grammar engine fails at some token: model/structured.py) raises
+ConstraintFailed from mask() or advance(): the reply ends there ("constraint_failed", `error` says why), its
+text so far kept; sample() then gives NO_TOKEN, which accept() takes as nothing. Only that reply ends.
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ from .sampling import Sampler, SamplingParams, token_logprobs
 from .stats import Stats
 from .tool_parser import may_be_tool_call, parse_tool_calls
 from .tools import ToolCall
+
+NO_TOKEN = -1  # what sample() gives once the reply ended without a token (its constraint failed)
+
+
+class ConstraintFailed(RuntimeError):
+    """A constraint whose grammar engine failed midway (a resource limit): its reply cannot go on. The message
+    says what failed and where, for the reply's reader."""
 
 
 class TextStream:
@@ -139,6 +150,7 @@ class Decoding:
         self.tool_calls: list[ToolCall] = []  # once ended
         self.stats = Stats(prompt_tokens=len(prompt))
         self.finish_reason: str | None = "length" if self.max_new_tokens == 0 else None
+        self.error = ""  # why the reply ended early (finish_reason "constraint_failed")
         self._stream = TextStream(tokenizer)
         self._stop_strings = StopScanner([stop] if isinstance(stop, str) else stop)
         self._pieces: list[str] = []  # the reply's text, given out or held
@@ -165,7 +177,12 @@ class Decoding:
         """The next token from the logits of the model at the reply's next position (vocab,)."""
         masked = logits
         if self.constraint is not None:
-            masked = logits.masked_fill(~self.constraint.mask().to(logits.device), float("-inf"))
+            try:
+                allowed = self.constraint.mask()
+            except ConstraintFailed as e:
+                self._failed(e)
+                return NO_TOKEN
+            masked = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
         token = self.sampler.sample(masked)
         if self.top_logprobs is not None:
             self._logprob = Logprob(token, *token_logprobs(logits, token, self.top_logprobs))
@@ -174,12 +191,18 @@ class Decoding:
     def accept(self, token: int) -> str:
         """Take the sampled token: the text it adds now (often "": a partial character, a possible stop
         string or tool call). Afterwards `finish_reason` says whether and why the reply ended."""
+        if self.finished:  # NO_TOKEN: sample() ended the reply
+            return ""
         if self._first:
             self._first = False
             self.stats.time_to_first_token = time.perf_counter() - self.started
         logprob, self._logprob = self._logprob, None
         if self.constraint is not None:
-            self.constraint.advance(token)
+            try:
+                self.constraint.advance(token)
+            except ConstraintFailed as e:  # the token is not the reply's: the reply ends before it
+                self._failed(e)
+                return ""
         if token in self.stop_ids:
             self.finish_reason = "stop"
             return self._emit(self._rest())
@@ -201,6 +224,9 @@ class Decoding:
         """End the reply where it is (end() gives out what it held back)."""
         if self.finish_reason is None:
             self.finish_reason = "cancelled"
+
+    def _failed(self, e: ConstraintFailed) -> None:
+        self.finish_reason, self.error = "constraint_failed", str(e)
 
     def end(self) -> str:
         """Close the reply (as "cancelled" if no rule ended it): the text not given out yet, which is

@@ -29,7 +29,8 @@ class Generation:
     The decoding rules (stop ids and strings, the constraint, the token limit, logprobs, tool calls) are
     model/decoding.py's, as the engine's. finish_reason: "stop" (a stop token, a stop string, or a
     `constraint` after which only a stop token may come), "length" (max_new_tokens or the context
-    limit), "cancelled" (should_stop() returned True, or the caller stopped reading).
+    limit), "cancelled" (should_stop() returned True, or the caller stopped reading), "constraint_failed"
+    (the constraint's grammar engine failed midway; `error` says how).
 
     Sampling comes from `sampling` or from the shorthand `temperature`, `top_k`, `top_p` (not both);
     `seed`, when given, replaces the seed of either. Neither given: greedy. `stop`: strings that end the
@@ -126,6 +127,10 @@ class Generation:
     @property
     def finish_reason(self) -> str | None:
         return self.decoding.finish_reason
+
+    @property
+    def error(self) -> str:
+        return self.decoding.error
 
     @property
     def stats(self) -> Stats:

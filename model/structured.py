@@ -12,6 +12,12 @@ The grammar work is llguidance's (an Earley parser over the vocabulary's token t
 compiles a schema in about a millisecond, and mask() + advance() take about 0.2 ms per token inside
 generation (2% of a default-model decode step). Why it and not xgrammar or outlines-core, and the
 figures: docs/structured.md.
+
+A schema is refused (SchemaError, an HTTP 400 at the API) before its reply starts when it is past a limit
+(`check_shape`: llguidance fails midway past them), when llguidance cannot compile it, or when it fails at
+the document's first token or right after the document opens (`{`, `[`, `"`: where every alternative
+of the top level is open at once). A failure later (a resource limit at some token of the reply) raises
+ConstraintFailed: the reply ends there (model/decoding.py), and the schema is refused from then on (Format).
 """
 
 from __future__ import annotations
@@ -23,11 +29,28 @@ import llguidance
 import numpy as np
 import torch
 
+from .decoding import ConstraintFailed
+
 ANY_OBJECT = {"type": "object"}  # json_object mode: any JSON object, as OpenAI's
 # JSON whitespace, at most 16 characters between two tokens of the document: room for pretty-printing,
 # none for the endless run of newlines a model can fall into when it does not know JSON is wanted.
 WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
 MAX_FORMATS = 64  # compiled (tokenizer, schema) pairs kept; an API client may send a new schema per request
+# What a schema may hold, checked before compiling. llguidance's parser keeps at most 2,000 items in a row of
+# its chart: an object with 499 optional properties (4 items each), or an anyOf of 2,000 objects, compiles
+# and then fails at the reply's first "{". Patterns build the lexer's automata as the reply goes, and a long
+# one makes each mask slow (20,000 characters: 10 ms a token, as long as a decode step of the default model).
+MAX_SCHEMA_BYTES = 100_000  # the schema as JSON text, UTF-8
+MAX_SCHEMA_DEPTH = 64  # nesting of its objects and arrays (llguidance reads JSON 128 levels deep)
+MAX_PROPERTIES = 256  # properties of one object
+MAX_ALTERNATIVES = 1_000  # schemas of one anyOf or oneOf, values of one enum
+MAX_PATTERN = 1_000  # characters of one pattern (or patternProperties key)
+DATA_KEYWORDS = ("enum", "const", "default", "examples")  # their values are JSON documents, not schemas
+NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+# A lexer that would build more than this (~2 ms of work) fails instead of taking seconds at one token:
+# ^(x{1000}){1000}$ took 4 s with llguidance's default of 1,000,000. verbose_errors=False: a failure's
+# message is one line, without the parser's state (which holds the reply so far).
+LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=100_000, verbose_errors=False)
 
 
 class SchemaError(ValueError):
@@ -40,10 +63,59 @@ def schema_text(schema: dict | None) -> str:
         schema = ANY_OBJECT
     if not isinstance(schema, dict):
         raise SchemaError(f"response_format: expected a JSON schema object, found {type(schema).__name__}")
+    check_shape(schema)
     try:
-        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
+        text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise SchemaError(f"response_format: the JSON schema is not JSON ({e})") from None
+    if (size := len(text.encode("utf-8", "surrogatepass"))) > MAX_SCHEMA_BYTES:
+        raise SchemaError(f"response_format: the JSON schema is {size:,} bytes of JSON; at most "
+                          f"{MAX_SCHEMA_BYTES:,} are taken")
+    return text
+
+
+def check_shape(schema: dict) -> None:
+    """SchemaError for the first place past a limit (MAX_SCHEMA_DEPTH, MAX_PROPERTIES, MAX_ALTERNATIVES,
+    MAX_PATTERN), named by its path in the schema. Walked without recursion, so any depth is measured."""
+    todo: list[tuple[object, str, int, str]] = [(schema, "", 1, "schema")]  # (value, where, depth, what it is)
+    while todo:
+        value, where, depth, kind = todo.pop()
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise SchemaError(f"response_format: the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels "
+                              f"(at '{where}')")
+        if isinstance(value, list):
+            todo += [(item, f"{where}[{i}]", depth + 1, kind) for i, item in enumerate(value)]
+            continue
+        if kind == "schema":
+            check_keywords(value, where)
+        todo += [(item, at(where, key), depth + 1, inner(kind, key)) for key, item in value.items()]
+
+
+def inner(kind: str, key: str) -> str:
+    """What the value at `key` of a dict of this kind is: a schema, a dict of named schemas, or JSON data."""
+    if kind == "schema":
+        return "data" if key in DATA_KEYWORDS else "names" if key in NAMED_SCHEMAS else "schema"
+    return "data" if kind == "data" else "schema"
+
+
+def check_keywords(schema: dict, where: str) -> None:
+    for keyword, limit, what in [("properties", MAX_PROPERTIES, "properties"), ("anyOf", MAX_ALTERNATIVES, "schemas"),
+                                 ("oneOf", MAX_ALTERNATIVES, "schemas"), ("enum", MAX_ALTERNATIVES, "values")]:
+        found = schema.get(keyword)
+        if isinstance(found, dict | list) and len(found) > limit:
+            raise SchemaError(f"response_format: the JSON schema's '{at(where, keyword)}' has {len(found):,} {what}; "
+                              f"at most {limit:,} are taken")
+    named = schema.get("patternProperties")
+    for pattern in [schema.get("pattern"), *(named if isinstance(named, dict) else ())]:
+        if isinstance(pattern, str) and len(pattern) > MAX_PATTERN:
+            raise SchemaError(f"response_format: a pattern in the JSON schema's '{where or '(top)'}' has "
+                              f"{len(pattern):,} characters; at most {MAX_PATTERN:,} are taken")
+
+
+def at(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
 
 
 class LLVocabulary:
@@ -69,17 +141,43 @@ def ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
                                   eos_token=sorted(tokenizer.stop_ids))
 
 
+class Format:
+    """A compiled schema: a matcher at the start of its document, which each reply copies, and why a reply of
+    it failed, once one did: the copies share one lexer, which llguidance leaves broken after a failure, so
+    later replies of the schema are refused before they start."""
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher, self.failure = matcher, ""
+
+
 @lru_cache(maxsize=MAX_FORMATS)
-def compiled_format(tokenizer, schema: str) -> llguidance.LLMatcher:
-    """A matcher at the start of a document of `schema` (JSON text); each reply takes a copy."""
+def compiled_format(tokenizer, schema: str) -> Format:
+    """`schema` (JSON text) compiled, its document's first mask and openings tried (SchemaError)."""
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": WHITESPACE})
     except ValueError as e:
         raise SchemaError(f"response_format: the JSON schema is not supported ({e})") from None
-    matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar, log_level=0)
+    matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar, log_level=0, limits=LIMITS)
     if matcher.is_error():
-        raise SchemaError(f"response_format: the JSON schema is not supported ({matcher.get_error()})")
-    return matcher
+        raise SchemaError(f"response_format: the JSON schema is not supported ({failure(matcher)})")
+    matcher.compute_bitmask()  # the first mask: where a schema that refers only to itself fails
+    if matcher.is_error():
+        raise SchemaError(f"response_format: the JSON schema is not supported (at the document's start: "
+                          f"{failure(matcher)})")
+    for opening in '{["':
+        opened = matcher.deep_copy()
+        ids = tokenizer.encode(opening)
+        if opened.try_consume_tokens(ids) == len(ids):  # (a document of this schema may open so)
+            opened.compute_bitmask()
+        if opened.is_error():
+            raise SchemaError(f"response_format: the JSON schema is not supported (after the document's first "
+                              f"'{opening}': {failure(opened)})")
+    return Format(matcher)
+
+
+def failure(matcher: llguidance.LLMatcher) -> str:
+    """llguidance's error, its first line (the rest is advice for grammar writers, or its state)."""
+    return matcher.get_error().strip().splitlines()[0].split("; consider ")[0]
 
 
 def forget_compiled() -> None:
@@ -107,8 +205,14 @@ class JsonConstraint:
                              f"{self.n_tokens} ids")
         self.stop_ids = sorted(tokenizer.stop_ids if stop_ids is None else stop_ids)
         self.schema = schema
-        self._matcher = compiled_format(tokenizer, schema_text(schema)).deep_copy()
+        self._format = compiled_format(tokenizer, schema_text(schema))
+        if self._format.failure:
+            raise SchemaError(f"response_format: the JSON schema is not supported (an earlier reply of it failed: "
+                              f"{self._format.failure})")
+        self._matcher = self._format.matcher.deep_copy()
         self._stopped = False  # a stop id was taken
+        self._taken = 0  # ids of the document so far
+        self._allowed: torch.Tensor | None = None  # the last mask
 
     @property
     def complete(self) -> bool:
@@ -121,23 +225,40 @@ class JsonConstraint:
         return self._stopped or self._matcher.is_stopped()
 
     def mask(self) -> torch.Tensor:
-        """(vocab_size,) bool: True for each id that may come next."""
+        """(vocab_size,) bool: True for each id that may come next. ConstraintFailed where llguidance fails."""
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
         if not self._stopped:
             bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)  # one bit per id, little-endian
+            self._check()
             mask[:self.n_tokens] = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.n_tokens])
-            if self._matcher.is_error():
-                raise RuntimeError(f"JSON constraint: {self._matcher.get_error()}")
         mask[self.stop_ids] = self.complete
+        if not mask.any():
+            self._fail("its mask allows no id")
+        self._allowed = mask
         return mask
 
     def advance(self, token: int) -> None:
-        """Take the sampled id. One the mask did not allow raises ValueError and changes nothing."""
+        """Take the sampled id. One the mask did not allow raises ValueError and changes nothing;
+        ConstraintFailed where llguidance fails on one it allowed."""
         if token in self.stop_ids and self.complete:
             self._stopped = True
             return
         taken = (not self._stopped and 0 <= token < self.n_tokens and token not in self.stop_ids
                  and self._matcher.try_consume_tokens([token]) == 1)
+        self._check()
+        if not taken and self._allowed is not None and 0 <= token < self.vocab_size and self._allowed[token]:
+            self._fail(f"it refused the id {token}, which its mask allowed")
         if not taken:
             raise ValueError(f"token {token} does not continue the JSON reply (complete={self.complete}, "
                              f"finished={self.finished})")
+        self._taken += 1
+
+    def _check(self) -> None:
+        if self._matcher.is_error():
+            self._fail(failure(self._matcher))
+
+    def _fail(self, why: str):
+        self._format.failure = self._format.failure or why
+        raise ConstraintFailed(f"response_format: the JSON schema could not be followed after {self._taken} tokens "
+                               f"of the reply ({why}): simplify it (fewer optional properties or alternatives, "
+                               "shorter patterns)")

@@ -11,12 +11,13 @@ request is answered at the end. The API runs in this process (`app.api.routes.cr
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.hostile import EDGES, HOSTILE, ROUTES, body_for, with_value
+from support.hostile import EDGES, HOSTILE, HOSTILE_SCHEMAS, ROUTES, body_for, schema_body, schema_corpus, with_value
 
 from app.api.routes import create_app
 from app.bounds import json_problem, reply_seed
@@ -59,7 +60,13 @@ def assert_well_answered(response, text: str) -> None:
         assert set(error) == {"message", "type", "param", "code"} and error["message"], error
     elif response.headers["content-type"].startswith("text/event-stream"):
         assert response.text.rstrip().endswith("data: [DONE]"), response.text[-300:]
-        assert '"error"' not in response.text, response.text[-500:]
+        assert [error["code"] for error in stream_errors(response.text)] in ([], ["json_schema_failed"]), \
+            response.text[-500:]  # the one error a stream may end with: its schema could not be followed
+
+
+def stream_errors(text: str) -> list[dict]:
+    return [json.loads(line.removeprefix("data: "))["error"] for line in text.splitlines()
+            if line.startswith('data: {"error"')]
 
 
 def wait_for_free_places(backend, timeout: float = 10.0) -> int:
@@ -164,6 +171,48 @@ def test_bodies_too_large_too_deep_or_not_json_are_refused_cleanly(api):
     assert refused(api, '{"messages": [{"role": "user", "content": "x"}], "seed": 1e400}')["param"] == "seed"
     assert refused(api, '{"prompt": "x", "max_tokens": 123456789012345678901234567890}', "/v1/completions")[
         "param"] == "max_tokens"
+    assert_engine_untouched(api)
+
+
+# ---- JSON schemas that compile and then failed in the reply ------------------------------------
+
+@pytest.mark.parametrize("route, field, name, n, text", schema_corpus("tiny"), ids=lambda v: v if isinstance(v, str) and
+                         len(v) < 40 else str(v) if isinstance(v, int) else "")
+def test_hostile_schemas_are_answered_or_refused_without_a_5xx(api, route, field, name, n, text):
+    assert_well_answered(post(api, route, text), text)
+    assert api.backend.restarts == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name, message", [
+    ("$ref to itself", "response_format: the JSON schema is not supported (at the document's start: NoExtensionBias)"),
+    ("499 optional properties", "response_format: the JSON schema's 'properties' has 499 properties; at most 256 "
+                                "are taken"),
+])
+def test_a_schema_that_failed_at_its_first_token_is_a_400_before_the_reply(api, name, message, stream):
+    error = refused(api, schema_body("tiny", HOSTILE_SCHEMAS[name], stream=stream))
+    assert error == {"message": message, "type": "invalid_request_error", "param": "response_format",
+                     "code": "invalid_json_schema"}
+
+
+def test_a_schema_that_fails_midway_is_a_400_or_a_streams_last_event_then_refused_at_once(api):
+    """Before any text, or not streamed, a 400; after some text, a stream ends with the error. A schema whose
+    reply failed is refused before the next reply starts (the schemas are new here: a title of their own)."""
+    nested = HOSTILE_SCHEMAS["slow pattern, nested"] | {"title": "nested, not seen before"}
+    error = refused(api, schema_body("tiny", nested))
+    assert (error["param"], error["code"]) == ("response_format", "json_schema_failed")
+    assert re.fullmatch(r"response_format: the JSON schema could not be followed after \d+ tokens of the reply "
+                        r"\(lexer error: too many expressions constructed\): simplify it .*", error["message"])
+    assert refused(api, schema_body("tiny", nested, stream=True)) == {
+        "message": "response_format: the JSON schema is not supported (an earlier reply of it failed: lexer error: "
+                   "too many expressions constructed)", "type": "invalid_request_error", "param": "response_format",
+        "code": "invalid_json_schema"}
+    named = HOSTILE_SCHEMAS["slow pattern, after a name"] | {"title": "named, not seen before"}
+    streamed = post(api, "/v1/chat/completions", json.dumps(schema_body("tiny", named, n=2, stream=True)))
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    assert '"delta":{"content":"{' in streamed.text, streamed.text[:500]  # the document's start came first
+    [error] = stream_errors(streamed.text)
+    assert (error["param"], error["code"]) == ("response_format", "json_schema_failed") and "lexer" in error["message"]
     assert_engine_untouched(api)
 
 

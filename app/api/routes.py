@@ -14,7 +14,9 @@
 The chat app mounts these routes on Chainlit's server (`mount`), so API requests are computed by
 the same engine, in the same batches, as the chats. `python -m app.api --port 8001` serves them
 alone. Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
-parameter (named in `param`) or a prompt too long for the context (code context_length_exceeded), 401
+parameter (named in `param`), a prompt too long for the context (code context_length_exceeded) or a JSON
+schema refused (code invalid_json_schema) or not followed to the reply's end (code json_schema_failed; a
+stream ends with that error event), 401
 for a missing or wrong key when LLAMA_API_KEY is set, 404 for an unknown model, 413 for a body larger
 than LLAMA_MAX_BODY_MB (files in it as base64 included: 4 MB holds a 3 MB file, 28 MB a 20 MB one), 415
 for a body that is not application/json, 429 (with Retry-After) when the
@@ -101,7 +103,8 @@ class Finish:
 async def pieces(request) -> AsyncIterator[Piece | Finish | Usage]:
     """The replies' text in pieces (the engine cuts it at a stop string), a Finish for each, then the
     Usage of them all. Raises ApiError when the request cannot be answered (before any text, except
-    for a failure midway)."""
+    for a failure midway). A reply whose JSON schema could not be followed to its end is a 400 naming
+    response_format: the schema, not the server, is what failed, and the same request would fail again."""
     prompt_tokens, completion_tokens = 0, 0
     async for event in request:
         if isinstance(event, Text):
@@ -109,6 +112,8 @@ async def pieces(request) -> AsyncIterator[Piece | Finish | Usage]:
         elif isinstance(event, Failed):
             raise failure_error(event)
         elif isinstance(event, Done):
+            if event.finish_reason == "constraint_failed":
+                raise ApiError(400, event.error, param="response_format", code="json_schema_failed")
             prompt_tokens = max(prompt_tokens, event.stats.prompt_tokens)  # the n replies share one prompt
             completion_tokens += event.stats.new_tokens
             reason = "tool_calls" if event.tool_calls else "length" if event.finish_reason == "length" else "stop"
@@ -127,6 +132,8 @@ def failure_error(failed: Failed) -> ApiError:
         return ApiError(400, failed.message, param="messages", code="context_length_exceeded")
     if failed.reason == "bad_request":
         return ApiError(400, failed.message)
+    if failed.reason == "bad_schema":
+        return ApiError(400, failed.message, param="response_format", code="invalid_json_schema")
     return ApiError(500 if failed.reason == "error" else 503, failed.message, type="server_error")
 
 

@@ -20,7 +20,8 @@ restart (app/engine/kv_disk.py).
 
 A fault stays with its request: whatever one request's building (prompt, chat template, tools, JSON
 schema), prefill, sampling, end or sending raises ends that request with a Failed event, and the
-loop goes on with the others. A forward pass shared by a batch fails the requests of that batch.
+loop goes on with the others. A forward pass shared by a batch fails the requests of that batch. A JSON
+constraint that fails midway is no fault: it ends its own reply (Done, finish_reason "constraint_failed").
 """
 
 from __future__ import annotations
@@ -385,8 +386,8 @@ class Engine:
             raise Refused(f"The request cannot be answered: {e}", "bad_request") from e
         try:
             constraints = [self._constraint(request, checkpoint) for _ in range(n)]
-        except (ValueError, TypeError, RecursionError) as e:  # a schema that cannot be compiled (SchemaError)
-            raise Refused(str(e), "bad_request") from e
+        except (ValueError, TypeError, RecursionError) as e:  # a schema past a limit or failing at once (SchemaError)
+            raise Refused(str(e), "bad_schema") from e
         return prompt, context, constraints
 
     def _take_prompts(self) -> None:
@@ -458,6 +459,8 @@ class Engine:
         if sequence.unsent:  # held back to the end (a possible tool call, and not one; a cancel's last piece)
             self.emit(Text(sequence.id, sequence.unsent, sequence.index))
         self.emit(done)
+        if done.error:
+            log.warning("request %s, reply %d: %s", sequence.id, sequence.index, done.error)
         if sequence.cache is not None:
             cache = sequence.cache
             if cache.slot is not None and cache.length >= cache.chunk:  # a static slot is for running sequences:

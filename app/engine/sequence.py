@@ -15,7 +15,8 @@ A sequence's `state` changes only in its own methods:
     NEW         follow()         -> DECODING     a follower: a copy of its leader's prefilled prompt
     READY       take_cache()     -> PREFILLING   a fresh or kept cache (a kept one leaves a prompt token to run)
     PREFILLING  computed(ids)    -> DECODING     the prompt's last chunk is in its cache
-    DECODING    accept(token)    -> FINISHED     a stop id or string, the token limit, the end of the JSON
+    DECODING    accept(token)    -> FINISHED     a stop id or string, the token limit, the end of the JSON,
+                                                 a JSON constraint that failed (at sample(): accept takes NO_TOKEN)
     any         cancel(), done() -> FINISHED     the reply ends where it is
 
 start() finishes a reply with no room for a token at once; a sequence cancelled while NEW stays FINISHED.
@@ -234,7 +235,7 @@ class Sequence:
         self.unsent = decoding.end()
         calls = [call.to_openai() for call in decoding.tool_calls]
         return Done(self.id, decoding.text, decoding.finish_reason, decoding.stats, list(decoding.tokens),
-                    self.index, calls, self.context)
+                    self.index, calls, self.context, decoding.error)
 
     def _move(self, to: State) -> None:
         if to not in _NEXT[self.state]:

@@ -32,6 +32,7 @@ from app.messages import (
 )
 import model.checkpoint
 from model.checkpoint import load_checkpoint
+from model.decoding import ConstraintFailed
 from model.generation import PREFILL_CHUNK
 from model.kernels import kernels
 from model.options import DEFAULT_MODEL_NAME
@@ -451,6 +452,50 @@ def test_a_failing_step_fails_only_its_sequences(tiny, checkpoint, monkeypatch):
     events = h.ask(r := request("Hi", GREEDY))[r.id]
     assert last(events).reason == "error" and "out of memory" in last(events).message
     assert isinstance(last(h.ask(r := request("Hi", GREEDY))[r.id]), Done)
+
+
+class FailingConstraint:
+    """A JSON constraint whose grammar engine fails at its mask once `after` ids were taken (it allows any id
+    but a stop id before)."""
+
+    complete = finished = False
+
+    def __init__(self, checkpoint, after: int):
+        self.vocab_size, self.stop_ids, self.after, self.taken = checkpoint.config.vocab_size, checkpoint.stop_ids, after, 0
+
+    def mask(self) -> torch.Tensor:
+        if self.taken == self.after:
+            raise ConstraintFailed(f"response_format: failed after {self.taken} tokens")
+        mask = torch.ones(self.vocab_size, dtype=torch.bool)
+        mask[sorted(self.stop_ids)] = False
+        return mask
+
+    def advance(self, token: int) -> None:
+        self.taken += 1
+
+
+def test_a_constraint_that_fails_midway_ends_its_own_reply_alone(tiny, checkpoint, monkeypatch):
+    """Neither the request's other reply nor another request of the batch notices; nothing is a Failed."""
+    h = harness(tiny, checkpoint)
+    made = set()
+
+    def constraint(self, request, checkpoint):  # the first reply of a JSON request fails at its 4th token
+        if not request.json_object or request.id in made:
+            return None
+        made.add(request.id)
+        return FailingConstraint(checkpoint, after=3)
+
+    monkeypatch.setattr(core.Engine, "_constraint", constraint)
+    json_request, other = request("Hi", GREEDY, json_object=True, n=2), request(QUESTIONS[1], GREEDY)
+    events = h.ask(json_request, other)
+    assert not any(isinstance(e, Failed) for e in h.events)
+    failed, whole = sorted((e for e in events[json_request.id] if isinstance(e, Done)), key=lambda d: d.index)
+    expected = reference(checkpoint, json_request, GREEDY)
+    assert (failed.finish_reason, failed.error) == ("constraint_failed", "response_format: failed after 3 tokens")
+    assert failed.token_ids == expected.tokens[:3] and failed.text == checkpoint.tokenizer.decode(expected.tokens[:3])
+    assert (whole.finish_reason, whole.error, whole.token_ids) == ("length", "", expected.tokens)
+    done = last(events[other.id])
+    assert (done.finish_reason, done.token_ids) == ("length", reference(checkpoint, other, GREEDY).tokens)
 
 
 def test_n_replies_share_one_prefill_and_each_is_the_reply_its_seed_gives(tiny, checkpoint):

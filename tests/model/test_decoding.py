@@ -18,7 +18,7 @@ from support.engine import EngineHarness, last, request
 from app.messages import Done, ReplySettings, Text
 from app.engine.prompt import dialog
 from model import load_checkpoint, load_tokenizer
-from model.decoding import Decoding, Logprob, StopScanner
+from model.decoding import ConstraintFailed, Decoding, Logprob, StopScanner
 from model.generation import Generation
 from model.sampling import SamplingParams
 from model.stats import Stats
@@ -115,17 +115,24 @@ def test_the_stop_scanner_holds_back_what_may_begin_a_stop_string():
 # ---- the constraint -----------------------------------------------------------------------------
 
 class Script:
-    """A constraint that allows the ids of `allowed` in turn (then stop ids), finished after `finish_after`."""
+    """A constraint that allows the ids of `allowed` in turn (then stop ids), finished after `finish_after`.
+    fails: ("mask" or "advance", k): its grammar engine fails there once k ids were taken."""
 
-    def __init__(self, allowed: list[int], vocab: int, stop_ids, finish_after: int):
+    def __init__(self, allowed: list[int], vocab: int, stop_ids, finish_after: int, fails=("", 0)):
         self.allowed, self.vocab, self.stop_ids, self.finish_after = allowed, vocab, set(stop_ids), finish_after
         self.taken: list[int] = []
+        self.fails = fails
+
+    def _fail(self, where: str) -> None:
+        if self.fails == (where, len(self.taken)):
+            raise ConstraintFailed(f"the grammar failed in {where} after {len(self.taken)} ids")
 
     @property
     def finished(self) -> bool:
         return len(self.taken) >= self.finish_after
 
     def mask(self) -> torch.Tensor:
+        self._fail("mask")
         mask = torch.zeros(self.vocab, dtype=torch.bool)
         if len(self.taken) < len(self.allowed):
             mask[self.allowed[len(self.taken)]] = True
@@ -135,6 +142,7 @@ class Script:
 
     def advance(self, token: int) -> None:
         assert self.mask()[token], f"token {token} was not allowed"
+        self._fail("advance")
         self.taken.append(token)
 
 
@@ -160,6 +168,20 @@ def test_a_finished_document_ends_the_reply_as_stop_even_at_the_token_limit(toke
     d = decoding(tokenizer, stop=["1}"], max_new_tokens=len(ids))
     feed(d, ids)
     assert d.finish_reason == "stop" and d.text == '{"a": '  # a stop string at the last token: "stop" too
+
+
+@pytest.mark.parametrize("where", ["mask", "advance"])
+def test_a_constraint_that_fails_midway_ends_the_reply_with_its_text_so_far(tokenizer, where):
+    ids = pieces_of(tokenizer, '{"a": "', "caf", "é", '"}')
+    constraint = Script(ids, 128256, tokenizer.stop_ids, finish_after=len(ids) + 1, fails=(where, len(ids) - 2))
+    d = decoding(tokenizer, constraint=constraint)
+    texts = []
+    while not d.finished:
+        texts.append(d.accept(d.sample(torch.zeros(128256))))
+    texts.append(d.end())
+    assert d.finish_reason == "constraint_failed" and d.error == f"the grammar failed in {where} after {len(ids) - 2} ids"
+    assert d.tokens == ids[:-2] and "".join(texts) == d.text == '{"a": "caf'  # not the id it failed at
+    assert d.accept(ids[-2]) == "" and d.tokens == ids[:-2]  # nothing is taken once it ended
 
 
 # ---- the token limit, cancelling ----------------------------------------------------------------

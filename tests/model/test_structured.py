@@ -2,6 +2,7 @@
 
 import json
 import random
+import re
 
 import jsonschema
 import pytest
@@ -12,6 +13,7 @@ from support.special_checkpoints import default_model
 from model.checkpoint import load_checkpoint
 from model.generation import generate, sampling_defaults
 from model.sampling import SamplingParams
+from model.decoding import ConstraintFailed
 from model.structured import JsonConstraint, SchemaError, compiled_format
 from model.tokenizer import HFTokenizer, Tokenizer, TokenizerError, meta_tokenizer_model
 
@@ -220,6 +222,67 @@ def test_a_bad_schema_is_a_value_error_that_says_what_is_wrong(smollm2, schema, 
     with pytest.raises(SchemaError, match=message) as caught:
         JsonConstraint(smollm2.tokenizer, schema)
     assert isinstance(caught.value, ValueError)
+
+
+def optional_properties(n: int, first: int = 0) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(first, first + n)}}
+
+
+def nested(levels: int, kind: str = "array") -> dict:
+    schema = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema} if kind == "array" else {"anyOf": [schema, {"type": "null"}]}
+    return schema
+
+
+SLOW_PATTERN = "^(x{1000}){1000}$"  # a lexer of a million states: llguidance gives up building it
+# Each compiles, and failed at the reply's first token (the first two) or at its first "{" or '"' before
+# the limits and the opening masks (an HTTP 500, or a 4 s stall of every stream for the last).
+@pytest.mark.parametrize("schema, message", [
+    ({"$ref": "#"}, r"not supported \(at the document's start: NoExtensionBias\)$"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, r"NoExtensionBias"),
+    (optional_properties(499), r"schema's 'properties' has 499 properties; at most 256 are taken$"),
+    ({"type": "object", "properties": {"inner": optional_properties(300)}},
+     r"schema's 'properties.inner.properties' has 300 properties; at most 256 are taken$"),
+    ({"anyOf": [optional_properties(250), optional_properties(250, 1000)]},
+     r"after the document's first '\{': Parser Error: Current row has 2014 items; max is 2000\)$"),
+    ({"anyOf": [{"const": i} for i in range(1001)]}, r"'anyOf' has 1,001 schemas; at most 1,000 are taken$"),
+    ({"type": "object", "properties": {"default": {"enum": list(range(1001))}}},  # a property, not a keyword
+     r"'properties.default.enum' has 1,001 values; at most 1,000 are taken$"),
+    ({"type": "string", "pattern": "a" * 1001}, r"a pattern in the JSON schema's '\(top\)' has 1,001 characters"),
+    ({"type": "string", "pattern": SLOW_PATTERN}, r"after the document's first '\"': lexer error: too many expressions"),
+    (nested(64), r"nests deeper than 64 levels \(at 'items(\.items)+'\)$"),
+    ({"enum": ["x" * 1000] * 101}, r"the JSON schema is 101,414 bytes of JSON; at most 100,000 are taken$"),
+])
+def test_a_schema_that_would_fail_in_the_reply_is_refused_before_it(smollm2, schema, message):
+    with pytest.raises(SchemaError, match="^response_format: .*" + message):
+        JsonConstraint(smollm2.tokenizer, schema)
+
+
+def test_what_the_limits_leave_is_served(smollm2):
+    """Past each limit a schema is refused; at it, replies of it run (llguidance takes about twice as much)."""
+    tokenizer = smollm2.tokenizer
+    for schema in [optional_properties(256), {"anyOf": [{"const": i} for i in range(1000)]}, nested(31),
+                   {"enum": [f"value {i}" for i in range(1000)]}, {"type": "string", "pattern": "a" * 1000},
+                   {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}]:
+        walk(JsonConstraint(tokenizer, schema), tokenizer, random.Random(2), max_steps=40)  # no ConstraintFailed
+
+
+def test_a_constraint_that_fails_midway_ends_its_reply_with_what_it_wrote(smollm2):
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": SLOW_PATTERN}},
+              "required": ["code"], "additionalProperties": False}
+    text, reply, constraint = constrained_reply(smollm2, "Give me a code.", schema, max_new_tokens=20)
+    assert reply.finish_reason == "constraint_failed" and text == reply.text
+    assert re.fullmatch(r'\{\s*"code"\s*:\s*"', text), text  # up to the string whose lexer failed
+    assert re.fullmatch(r"response_format: the JSON schema could not be followed after \d+ tokens of the reply "
+                        r"\(lexer error: too many expressions constructed\): simplify it .*", reply.error), reply.error
+    with pytest.raises(ConstraintFailed):  # and the constraint stays failed
+        constraint.mask()
+    # llguidance's copies of a compiled schema share its lexer, which the failure broke: the next reply of the
+    # schema is refused before it starts (it refused the next reply's first tokens, or its mask allowed none)
+    with pytest.raises(SchemaError, match=r"^response_format: the JSON schema is not supported \(an earlier reply "
+                                          r"of it failed: lexer error: too many expressions constructed\)$"):
+        JsonConstraint(smollm2.tokenizer, schema)
 
 
 # ---- replies of the default model -------------------------------------------------------------------------

@@ -34,6 +34,39 @@ EDGES = {  # in range, at its edges: answered
     "int32 max": 2**31 - 1, "int64 max": 2**63 - 1, "int64 min": -(2**63), "tiny float": 1e-300,
     "NUL text": "\x00\x00", "control tokens": "<|eot_id|><|start_header_id|>assistant", "emoji": "\U0001F600" * 50,
 }
+
+def _nested(levels: int, make) -> dict:
+    schema = {"type": "integer"}
+    for _ in range(levels):
+        schema = make(schema)
+    return schema
+
+
+SCHEMA_FIELD = "response_format.json_schema.schema"
+SLOW_PATTERN = "^(x{1000}){1000}$"  # 15 characters, a million lexer states
+HOSTILE_SCHEMAS = {  # JSON schemas llguidance compiles and then fails on, or that come near its limits
+    "$ref to itself": {"$ref": "#"},
+    "$refs in a circle": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    "allOf of itself": {"allOf": [{"$ref": "#"}]},
+    "recursive, required": {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                                            "required": ["c"]}}, "$ref": "#/$defs/n"},  # no document ends
+    "499 optional properties": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(499)}},
+    "2 x 250 optional properties": {"anyOf": [{"type": "object", "properties": {
+        f"p{j}{i}": {"type": "integer"} for i in range(250)}} for j in range(2)]},
+    "2,500 objects in an enum": {"enum": [{"k": i} for i in range(2500)]},
+    "5,000 enum values": {"enum": [f"v{i}" for i in range(5000)]},
+    "59 nested arrays": _nested(59, lambda inner: {"type": "array", "items": inner}),  # 64 with the body's
+    "29 nested anyOf": _nested(29, lambda inner: {"anyOf": [inner, {"type": "null"}]}),  # 63 with the body's
+    "5,000-character pattern": {"type": "string", "pattern": "a" * 5000},
+    "slow pattern": {"type": "string", "pattern": SLOW_PATTERN},
+    "slow pattern, nested": {"type": "object", "properties": {"code": {"type": "string", "pattern": SLOW_PATTERN}},
+                             "required": ["code"], "additionalProperties": False},  # fails in the reply
+    "slow pattern, after a name": {"type": "object", "properties": {  # fails after the reply wrote a name
+        "name": {"type": "string", "maxLength": 8}, "code": {"type": "string", "pattern": SLOW_PATTERN}},
+        "required": ["name", "code"], "additionalProperties": False},
+    "huge minLength": {"type": "string", "minLength": 10**9},
+    "float range": {"type": "number", "exclusiveMinimum": -5.5, "maximum": 1e300},
+}
 CHAT_FIELDS = [
     "model", "messages", "messages[0]", "messages[0].role", "messages[0].content", "messages[0].content[0].text",
     "messages[0].name", "messages[0].content[1]", "messages[0].content[1].type", "messages[0].content[1].file",
@@ -114,8 +147,9 @@ def to_json(value) -> str:
 
 def corpus(model: str, values: dict = HOSTILE, max_tokens: int = 3) -> list[tuple[str, str, str, int, str]]:
     """(route, field, value's name, n, JSON text) for every field of both routes and every value, alone
-    (n: 1) and with n: 4."""
-    requests = []
+    (n: 1) and with n: 4; then each of HOSTILE_SCHEMAS as a chat's JSON schema, streamed or not, with room
+    for the reply to reach where a schema fails."""
+    requests = schema_corpus(model)
     for route, fields in ROUTES.items():
         for field in fields:
             for name, value in values.items():
@@ -125,3 +159,15 @@ def corpus(model: str, values: dict = HOSTILE, max_tokens: int = 3) -> list[tupl
                         body["n"] = n
                     requests.append((route, field, name, n, with_value(body, field, value)))
     return requests
+
+
+def schema_body(model: str, schema: dict, n: int = 1, stream: bool = False, max_tokens: int = 60) -> dict:
+    body = body_for("/v1/chat/completions", SCHEMA_FIELD, model, max_tokens)
+    body["response_format"]["json_schema"]["schema"] = schema
+    return body | ({"n": n} if n > 1 else {}) | ({"stream": True} if stream else {})
+
+
+def schema_corpus(model: str) -> list[tuple[str, str, str, int, str]]:
+    return [("/v1/chat/completions", SCHEMA_FIELD + (" (streamed)" if stream else ""), name, n,
+             json.dumps(schema_body(model, schema, n, stream)))
+            for name, schema in HOSTILE_SCHEMAS.items() for n in (1, 4) for stream in (False, True)]

@@ -145,7 +145,9 @@ BUSY_NOTE = ("The server is busy: as many replies are running and waiting as it 
              "message again in a moment.")
 LOADED, NOT_LOADED = "loaded", "not loaded — loads on first use"  # the model picker's line
 RESTARTING_NOTE = "The model is restarting after a failure; your message is answered as soon as it is back…"
-STOPPED_WAIT_S = 2.0  # how long a stopped reply may take to hand back its last tokens and stats
+STOPPED_WAIT_S = 10.0  # how long a stopped reply may take to hand back its last tokens and stats (a busy server
+# takes seconds: without them the line under the answer only says it was stopped)
+STOPPED_LINE = "*stopped by user*"
 SESSION_STATE = {"request": None, "actions": [], "regenerated": 0, "stats_line": None}  # a resumed chat starts with these
 EXPORT_COMMAND = "Export"
 COMMANDS = [{"id": EXPORT_COMMAND, "icon": "download", "description": "Download this chat as Markdown and JSON",
@@ -606,6 +608,8 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
             answer.content = display.end()  # with a last "$..." held back, if any
             await answer.send()
             conversation.add("assistant", display.raw, id=answer.id)  # as written, not as shown (app.web.display)
+            if answer.content:  # the stats never came: the line under it still says what happened
+                await below(cl.Message(content=STOPPED_LINE, author="stats"))
         raise
     finally:
         request.cancel()  # a no-op once it is done

@@ -162,6 +162,93 @@ def test_a_chat_that_ends_with_an_unanswered_message_resumes_ready_for_the_next(
     assert [(m.role, m.content) for m in conversation.messages] == [("user", "Hi"), ("assistant", "")]
 
 
+def test_a_reply_cut_short_leaves_its_question_out_as_a_failed_one_does():
+    """Cut by a failure (CUT), or left streaming by a server that was killed (STREAMING, marked CUT at the next
+    start): no error follows it, and the question is to be sent again all the same."""
+    def cut(output: str, kind: str, **more) -> dict:
+        return {"id": f"id-{output}", "type": "assistant_message", "name": "Llama Chat", "output": output,
+                "metadata": json.dumps({"kind": kind, **more})}
+
+    steps = [step("user_message", "My name is Ada.", name="User"), step("assistant_message", "Hello Ada.", reply=True),
+             step("user_message", "Tell me a story.", name="User"), cut("Once upon", history.CUT),
+             step("user_message", "Tell me another.", name="User"), cut("Long ago", history.STREAMING, pid=1),
+             step("user_message", "And one more.", name="User"),
+             cut(history.cut_short("There was"), history.CUT)]
+    conversation = history.conversation_from_steps(steps, model=None, system_prompt=None)
+    assert [(m.role, m.content) for m in conversation.messages] == [("user", "My name is Ada."),
+                                                                    ("assistant", "Hello Ada.")]
+
+
+def streaming_steps(db: Path, rows: list[tuple[str, str, dict]]) -> None:
+    with sqlite3.connect(db) as connection:
+        for id, output, metadata in rows:
+            connection.execute('INSERT INTO steps (id, name, type, "threadId", streaming, output, metadata) '
+                               "VALUES (?, 'Llama Chat', 'assistant_message', 't', 1, ?, ?)",
+                               (id, output, json.dumps(metadata)))
+
+
+def test_at_start_replies_left_streaming_by_a_server_that_stopped_are_marked_cut_short(tmp_path):
+    import subprocess
+    import sys
+
+    stopped = subprocess.Popen([sys.executable, "-c", "pass"])
+    stopped.wait()
+    db = tmp_path / "history.db"
+    history.create_schema(db)
+    streaming = {"kind": history.STREAMING}
+    streaming_steps(db, [
+        ("killed", "The answer so far", streaming | {"pid": stopped.pid}),
+        ("in-code", "Look:\n```python\nprint(", streaming | {"pid": stopped.pid}),
+        ("no-pid", "Written by whom?", streaming),
+        ("running", "Another server, still writing", streaming | {"pid": os.getpid()}),
+        ("whole", "A whole reply mentioning streaming", {"kind": history.REPLY})])
+    history.prepare(Settings.from_env({"LLAMA_HISTORY_DB": str(db)}))
+    with sqlite3.connect(db) as connection:
+        found = {id: (output, json.loads(metadata), streaming) for id, output, metadata, streaming
+                 in connection.execute("SELECT id, output, metadata, streaming FROM steps")}
+    note = "\n\n*(cut short: the server stopped; send the message again to have it answered)*"
+    cut = {"kind": history.CUT}
+    assert found == {"killed": ("The answer so far" + note, cut, 0),
+                     "in-code": ("Look:\n```python\nprint(\n```" + note, cut, 0),  # the code block closed first
+                     "no-pid": ("Written by whom?" + note, cut, 0),
+                     "running": ("Another server, still writing", streaming | {"pid": os.getpid()}, 1),
+                     "whole": ("A whole reply mentioning streaming", {"kind": history.REPLY}, 1)}
+    assert history.mark_cut_short(db) == 0  # once
+
+
+def test_a_streaming_reply_is_written_at_its_first_piece_then_at_most_every_interval(monkeypatch):
+    import chainlit as cl
+    from chainlit.context import ChainlitContext, context_var
+    from support.handlers import Session, mock_emitter
+
+    written: list[dict] = []
+
+    class Layer:
+        async def create_step(self, step_dict):
+            await asyncio.sleep(0.01)
+            written.append(step_dict)
+
+    monkeypatch.setattr(history, "get_data_layer", lambda: Layer())
+
+    async def scenario():
+        context_var.set(ChainlitContext(Session(), mock_emitter()))
+        answer = cl.Message(content="", metadata={"kind": history.REPLY})
+        saved = history.StreamedReply(answer, every=0.3)
+        for i in range(40):  # 1.2 s of pieces
+            await answer.stream_token(f"w{i} ")
+            saved.grew()
+            await asyncio.sleep(0.03)
+        await saved.settled()
+        return answer
+
+    answer = asyncio.run(scenario())
+    assert 3 <= len(written) <= 5, [w["output"] for w in written]  # not one write per piece
+    assert written[0]["output"] == "w0 "
+    assert all(w["metadata"] == {"kind": history.STREAMING, "pid": os.getpid()} and w["streaming"] for w in written)
+    assert all(w["id"] == answer.id and w["createdAt"] == answer.created_at for w in written)
+    assert answer.metadata == {"kind": history.REPLY}  # what its send() writes over them
+
+
 # ---- sign-in ------------------------------------------------------------------------------------
 
 def test_the_auth_secret_is_made_once_and_kept_private(tmp_path, monkeypatch):

@@ -16,9 +16,14 @@ import json
 import logging
 import os
 import re
+import shutil
+import signal
 import sqlite3
 import stat
+import tempfile
 import time
+import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -27,7 +32,7 @@ import socketio
 import torch
 from chainlit.user import User
 from support.chat_tab import ChatTab, sign_in
-from support.servers import ChainlitServer, server_env
+from support.servers import ApiServer, ChainlitServer, server_env
 
 from app.web import history
 from app.settings import Settings, SettingsError
@@ -475,6 +480,86 @@ def test_the_sidebar_lists_the_chat_and_opens_it(first_chat, restarted):
             page.wait_for_selector("#chat-input")
         finally:
             browser.close()
+    assert_clean_log(restarted)
+
+
+# ---- a server killed mid-reply ------------------------------------------------------------------
+
+def socket_folders(folder: Path) -> dict[int, list[str]]:
+    """The engines' socket folders in a temporary directory, by the pid of the web process they belong to."""
+    found: dict[int, list[str]] = {}
+    for path in folder.glob("llama-engine-*"):
+        found.setdefault(int(path.name.split("-")[2]), []).append(path.name)
+    return found
+
+
+def test_a_server_killed_mid_reply_keeps_the_text_so_far_marked_cut_short_and_its_socket_folder_goes(tiny, tmp_path):
+    """kill -9 of the web process while a reply streams: the next start on the same database shows the text
+    written so far, marked cut short, and a resumed chat leaves it (and its question) out; the socket folder the
+    killed process left is removed at that start, while the folder of another server that runs is kept."""
+    temp = Path(tempfile.mkdtemp(prefix="kill-"))  # the servers' TMPDIR, short: socket paths have a length limit
+    db = tmp_path / "history.db"
+    common = dict(checkpoint=tiny, weights_dir=tiny.parent, temperature=0, dtype="fp32", threads=1,
+                  kernels="off")  # (what is tested here does not need the decode kernel's build)
+    env = server_env(**common, max_context=32768, max_new_tokens=30000, history_db=db) | {"TMPDIR": str(temp)}
+    env.pop("CHAINLIT_AUTH_SECRET", None)
+    other = ApiServer(server_env(**common, max_new_tokens=4) | {"TMPDIR": str(temp)}, log=tmp_path / "other.log")
+    killed = ChainlitServer(env, log=tmp_path / "killed.log")
+    restarted = None
+    try:
+        other.wait_ready()
+        killed.wait_ready()
+        tab = ChatTab(killed.url, sign_in(killed.url))
+        tab.wait_for("chat_settings")
+        sent = len(tab.events)
+        tab.sio.emit("client_message", {"message": {
+            "id": str(uuid.uuid4()), "threadId": "", "type": "user_message", "name": "User", "output": FIRST,
+            "createdAt": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}, "fileReferences": None})
+        begun, _ = tab.wait_for("task_start", after=sent)
+        started, _ = tab.wait_for("stream_start", after=begun)
+        time.sleep(history.SAVE_EVERY_S + 1.5)  # past the first write and the next
+        streamed = "".join(data["output"] if event == "stream_start" else data["token"]
+                           for event, data in tab.events[started:] if event in ("stream_start", "stream_token"))
+        assert "task_end" not in [event for event, _ in tab.events[begun:]], "the reply ended before the kill"
+        os.kill(killed.process.pid, signal.SIGKILL)  # the web process alone (its engine sees it go, and stops)
+        killed.process.wait(timeout=10)
+        tab.sio.disconnect()
+        thread_id = tab.thread_id
+        assert sorted(socket_folders(temp)) == sorted([killed.process.pid, other.process.pid])  # left behind
+
+        [(kind, partial, metadata)] = [s for s in stored_steps(db, thread_id) if s[0] == "assistant_message"]
+        assert metadata == {"kind": history.STREAMING, "pid": killed.process.pid}
+        assert len(partial) > 20 and streamed.startswith(partial), (partial[:80], streamed[:80])
+
+        restarted = ChainlitServer(env, log=tmp_path / "restarted.log")
+        restarted.wait_ready()
+        answered = httpx.post(f"{other.url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert answered.status_code == 200, answered.text  # the other server's engine still talks to it
+        folders = socket_folders(temp)
+        assert sorted(folders) == sorted([other.process.pid, restarted.process.pid])  # the killed one's went
+        assert f"web process {other.process.pid}," not in restarted.log()  # (not removed and made again)
+
+        steps = stored_steps(db, thread_id)
+        assert [(kind, output) for kind, output, _ in steps if kind == "user_message"] == [("user_message", FIRST)]
+        [(_, output, metadata)] = [s for s in steps if s[0] == "assistant_message"]
+        assert metadata == {"kind": history.CUT} and output == history.cut_short(partial)
+        resumed = ChatTab(restarted.url, sign_in(restarted.url), thread_id=thread_id)
+        try:
+            _, thread = resumed.wait_for("resume_thread")
+            [shown] = [s for s in thread["steps"] if s["type"] == "assistant_message"]
+            assert shown["output"].endswith(history.CUT_SHORT_NOTE) and not shown["streaming"]
+        finally:
+            resumed.close()
+        deadline = time.monotonic() + 10
+        while f"resumed chat {thread_id}" not in restarted.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert f"resumed chat {thread_id} with 0 messages" in restarted.log()  # the question is to be sent again
+    finally:
+        for server in (killed, restarted, other):
+            if server is not None:
+                server.stop()
+        shutil.rmtree(temp, ignore_errors=True)
     assert_clean_log(restarted)
 
 

@@ -28,10 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +58,7 @@ from app.messages import (
     Restarting,
     Started,
 )
+from app.backend import socket_folder
 from app.backend.reply import STREAM_INTERVAL, Reply
 
 log = logging.getLogger(__name__)
@@ -110,6 +109,7 @@ class EngineClient:
         self._check = msgspec.msgpack.Decoder(Generate).decode
         self._decode = msgspec.msgpack.Decoder(list[FromEngine]).decode
         self._decode_one = msgspec.msgpack.Decoder(FromEngine).decode
+        socket_folder.remove_stale()  # those of web processes killed before they could remove theirs
         self._spawn()
         self._reader = threading.Thread(target=self._read, name="engine events", daemon=True)
         self._reader.start()
@@ -258,7 +258,7 @@ class EngineClient:
 
     def _spawn(self) -> None:
         """Start an engine process with fresh sockets (nothing queued for a dead one reaches it)."""
-        self._folder = tempfile.mkdtemp(prefix="llama-engine-")  # mode 0700: only this user connects
+        self._folder = socket_folder.make()
         inbox, outbox = f"ipc://{self._folder}/requests", f"ipc://{self._folder}/events"
         self._events = self._context.socket(zmq.PULL)
         self._events.bind(outbox)
@@ -289,7 +289,7 @@ class EngineClient:
     def _close_sockets(self) -> None:
         self._events.close(linger=0)
         self._requests.close(linger=0)
-        shutil.rmtree(self._folder, ignore_errors=True)
+        socket_folder.remove(self._folder)
 
     def _send(self, message) -> None:
         with self._lock:

@@ -539,7 +539,9 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
     one back, and the question stays answered. Stopped after its first text, an answer stays as far as
     it came, in the history too; failed, it stays on the page but the question leaves the history, as
     when nothing came: the error asks to send it again. So a cut answer is stored marked as cut
-    (history.CUT), and a resumed chat leaves it and its question out too."""
+    (history.CUT), and a resumed chat leaves it and its question out too. The text so far is written to the
+    history as it streams (history.StreamedReply): if the web process is killed midway, the next start
+    shows it marked as cut short, and it counts as cut."""
 
     asked = conversation.messages[-1]
 
@@ -562,6 +564,7 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
         return
     cl.user_session.set("request", request)
     answer = cl.Message(content="", metadata={"kind": history.REPLY})  # what a resumed chat remembers
+    saved = history.StreamedReply(answer)
     display = ShownStream()  # LaTeX is on: a dollar that is money is escaped (app.web.display)
     status: cl.Message | None = None  # "waiting" or "loading", removed when the answer starts
     try:
@@ -576,6 +579,7 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
                 piece, whole = display.feed(event.text)
                 if piece or whole:
                     await answer.stream_token(piece, is_sequence=whole)
+                    saved.grew()
             elif isinstance(event, Queued):
                 status = await show_status(status, "The model is answering other chats; yours is "
                                                    f"{'next' if event.position == 1 else f'number {event.position}'}"
@@ -588,17 +592,20 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
                 if on_first_text is not None:  # an answer without text still replaces the old one
                     await on_first_text()
                     on_first_text = None
+                await saved.settled()
                 await finish(conversation, answer, event)
             elif isinstance(event, Failed):
                 not_answered()
                 if answer.content:  # cut off midway (the engine stopped): no endless cursor
                     answer.content = display.end()  # with a last "$..." held back, if any
                     answer.metadata = {"kind": history.CUT}  # not an answer a resumed chat remembers
+                    await saved.settled()
                     await answer.send()
                 await cl.ErrorMessage(content=event.message).send()
     except asyncio.CancelledError:  # the Stop button: keep what was written
         request.cancel()
         done = await last_event(request)
+        await saved.settled()
         if replacing is not None and on_first_text is not None:  # stopped before the new answer began
             not_answered()
         elif isinstance(done, Done):

@@ -14,12 +14,14 @@ and the chats' files included, are readable by the app's account only (app.priva
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import os
 import secrets
 import sqlite3
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -27,7 +29,9 @@ from chainlit import server as chainlit_server
 from chainlit.auth import get_current_user
 from chainlit.data import get_data_layer
 from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
+from chainlit.message import Message
 from chainlit.types import DeleteFeedbackRequest, ElementRequest, PageInfo, PaginatedResponse, UpdateFeedbackRequest
+from chainlit.utils import utc_now
 from fastapi import Depends, HTTPException, Request
 from fastapi.routing import APIRoute
 
@@ -36,6 +40,7 @@ from app.messages import Attachment
 from app.web.attachments import metadata_of, shown_as_chips
 from app.web.display import plain
 from app.private_files import FILE_MODE, open_private, private_file, private_folder
+from app.processes import alive
 from app.web.file_store import FileStore
 from app.web.ownership import NOBODY, Owners, actor, refused
 from app.web.uploads import file_bytes, folder_bytes, is_upload
@@ -47,6 +52,9 @@ SECRET_FILE = ".auth_secret"
 SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")  # files SQLite keeps beside a database
 REPLY = "reply"  # metadata["kind"] of a step that holds one of the model's replies
 CUT = "cut"  # ... of a reply cut off by a failure (the question is to be sent again): not remembered
+STREAMING = "streaming"  # ... of a reply being written, with the writing web process's "pid": if that stops, cut
+SAVE_EVERY_S = 2.0  # how often a streaming reply's text so far is written
+CUT_SHORT_NOTE = "*(cut short: the server stopped; send the message again to have it answered)*"
 
 # Every column Chainlit 2.12's SQLAlchemyDataLayer reads or writes (StepDict, Message.to_dict,
 # ElementDict, Feedback), in SQLite's types. JSON and list values are stored as text.
@@ -307,9 +315,13 @@ def owned_routes(data_layer=get_data_layer) -> list[APIRoute]:
 
 
 def prepare(settings: Settings) -> None:
-    """Create the history database (at start, so that a path that cannot be used stops the app)."""
+    """Create the history database (at start, so that a path that cannot be used stops the app), and mark the
+    replies that a killed server left half written as cut short."""
     try:
         create_schema(settings.history_db)
+        if cut := mark_cut_short(settings.history_db):
+            log.info("history: %d repl%s left streaming by a server that stopped, marked as cut short",
+                     cut, "y" if cut == 1 else "ies")
     except (OSError, sqlite3.Error) as e:
         raise SettingsError(f"LLAMA_HISTORY_DB={settings.history_db}: cannot create the database there, readable by "
                             f"this account only: {e}") from None
@@ -328,6 +340,68 @@ def stored_bytes(db: Path) -> dict[str, int]:
     """Bytes on disk of the history: the database (with SQLite's files beside it), and its files."""
     return {"history": sum(file_bytes(db.with_name(db.name + suffix)) for suffix in ("", *SQLITE_COMPANIONS)),
             "history_files": folder_bytes(FileStore.beside(db).folder)}
+
+
+# ---- a reply written as it streams --------------------------------------------------------------
+
+class StreamedReply:
+    """A reply written to the history while it streams: Chainlit writes a message once, at send(), when it is
+    whole, so a web process killed midway left an empty answer. The text so far is written at its first piece
+    and then at most every SAVE_EVERY_S (one write at a time), marked STREAMING with this process's pid; the
+    message's send() writes it whole over that, with its own kind. A process that stopped leaves it STREAMING:
+    the next start marks it cut short (mark_cut_short)."""
+
+    def __init__(self, message: Message, every: float = SAVE_EVERY_S):
+        self.message, self.every = message, every
+        self.layer = get_data_layer()  # None with history off
+        self.saved_at = -every
+        self.writing: asyncio.Task | None = None
+
+    def grew(self) -> None:
+        """The message's text grew: write it, unless a write is under way or the last began under `every` ago."""
+        if self.layer is None or (self.writing and not self.writing.done()) \
+                or time.monotonic() - self.saved_at < self.every:
+            return
+        self.saved_at = time.monotonic()
+        self.message.created_at = self.message.created_at or utc_now()  # its place in the chat: where it began
+        step = self.message.to_dict() | {"streaming": True, "metadata": {"kind": STREAMING, "pid": os.getpid()}}
+        self.writing = asyncio.create_task(self._write(step))
+
+    async def _write(self, step: dict) -> None:
+        try:
+            await self.layer.create_step(step)
+        except Exception:  # the reply goes on; its send() writes it again
+            log.exception("history: the text so far of reply %s could not be written", step["id"])
+
+    async def settled(self) -> None:
+        """Once the write under way (if any) is done: call before the message's send(), which must come last."""
+        if self.writing is not None:
+            await asyncio.shield(self.writing)
+
+
+def mark_cut_short(path: Path) -> int:
+    """Mark the replies left STREAMING by web processes that no longer run as cut short: a last line says so,
+    and their kind becomes CUT (not remembered: their question is to be sent again). Those of a running server
+    that shares the database stay as they are. Returns how many were marked."""
+    marked = 0
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        rows = db.execute('SELECT id, output, metadata FROM steps WHERE metadata LIKE ?', (f"%{STREAMING}%",))
+        for id, output, metadata in rows.fetchall():
+            metadata = metadata_of(metadata)
+            pid = metadata.get("pid")
+            if metadata.get("kind") != STREAMING or (type(pid) is int and alive(pid)):
+                continue
+            db.execute('UPDATE steps SET output = ?, metadata = ?, streaming = 0 WHERE id = ?',
+                       (cut_short(output or ""), json.dumps({"kind": CUT}), id))
+            marked += 1
+    return marked
+
+
+def cut_short(text: str) -> str:
+    """A reply's text with the line that says it was cut short (after closing a code block left open)."""
+    if text.count("```") % 2:
+        text += "\n```"
+    return f"{text}\n\n{CUT_SHORT_NOTE}" if text.strip() else CUT_SHORT_NOTE
 
 
 # ---- sign-in ------------------------------------------------------------------------------------
@@ -359,9 +433,9 @@ def conversation_from_steps(steps: Iterable[dict], *, model: str | None, system_
     message's files (app.web.attachments.stored_files).
 
     Only the user's messages and the model's replies (steps marked as replies) count; notes, errors,
-    statistics lines and replies cut off by a failure do not. As in a live chat, a message that failed
-    (an error followed it and no whole reply) is left out, and a reply stopped before its first token
-    is an empty reply. A reply is
+    statistics lines and replies cut off (by a failure, or by the server stopping: CUT, STREAMING) do not. As
+    in a live chat, a message that failed (a cut reply or an error followed it, and no whole reply) is left
+    out: it is to be sent again; a reply stopped before its first token is an empty reply. A reply is
     taken as the model wrote it, without the escapes the page needed (app.web.display).
     """
     conversation = Conversation(model=model, system_prompt=system_prompt)
@@ -378,7 +452,7 @@ def conversation_from_steps(steps: Iterable[dict], *, model: str | None, system_
             if is_reply(step) and asked is not None:
                 conversation.add("assistant", plain(step.get("output") or ""), id=step.get("id"))
                 asked = None
-            elif step.get("isError") and asked is not None:
+            elif (step.get("isError") or kind_of(step) in (CUT, STREAMING)) and asked is not None:
                 conversation.messages.remove(asked)
                 asked = None
     if asked is not None:  # the last message was never answered: it waits for the next one
@@ -386,5 +460,9 @@ def conversation_from_steps(steps: Iterable[dict], *, model: str | None, system_
     return conversation
 
 
+def kind_of(step: dict) -> str | None:
+    return metadata_of(step.get("metadata")).get("kind")
+
+
 def is_reply(step: dict) -> bool:
-    return metadata_of(step.get("metadata")).get("kind") == REPLY
+    return kind_of(step) == REPLY

@@ -16,9 +16,14 @@ import json
 import logging
 import os
 import re
+import shutil
+import signal
 import sqlite3
 import stat
+import tempfile
 import time
+import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -27,7 +32,7 @@ import socketio
 import torch
 from chainlit.user import User
 from support.chat_tab import ChatTab, sign_in
-from support.servers import ChainlitServer, server_env
+from support.servers import ApiServer, ChainlitServer, server_env
 
 from app.web import history
 from app.settings import Settings, SettingsError
@@ -160,6 +165,93 @@ def test_a_chat_that_ends_with_an_unanswered_message_resumes_ready_for_the_next(
     conversation = history.conversation_from_steps(
         [step("user_message", "Hi", name="User")], model=None, system_prompt=None)
     assert [(m.role, m.content) for m in conversation.messages] == [("user", "Hi"), ("assistant", "")]
+
+
+def test_a_reply_cut_short_leaves_its_question_out_as_a_failed_one_does():
+    """Cut by a failure (CUT), or left streaming by a server that was killed (STREAMING, marked CUT at the next
+    start): no error follows it, and the question is to be sent again all the same."""
+    def cut(output: str, kind: str, **more) -> dict:
+        return {"id": f"id-{output}", "type": "assistant_message", "name": "Llama Chat", "output": output,
+                "metadata": json.dumps({"kind": kind, **more})}
+
+    steps = [step("user_message", "My name is Ada.", name="User"), step("assistant_message", "Hello Ada.", reply=True),
+             step("user_message", "Tell me a story.", name="User"), cut("Once upon", history.CUT),
+             step("user_message", "Tell me another.", name="User"), cut("Long ago", history.STREAMING, pid=1),
+             step("user_message", "And one more.", name="User"),
+             cut(history.cut_short("There was"), history.CUT)]
+    conversation = history.conversation_from_steps(steps, model=None, system_prompt=None)
+    assert [(m.role, m.content) for m in conversation.messages] == [("user", "My name is Ada."),
+                                                                    ("assistant", "Hello Ada.")]
+
+
+def streaming_steps(db: Path, rows: list[tuple[str, str, dict]]) -> None:
+    with sqlite3.connect(db) as connection:
+        for id, output, metadata in rows:
+            connection.execute('INSERT INTO steps (id, name, type, "threadId", streaming, output, metadata) '
+                               "VALUES (?, 'Llama Chat', 'assistant_message', 't', 1, ?, ?)",
+                               (id, output, json.dumps(metadata)))
+
+
+def test_at_start_replies_left_streaming_by_a_server_that_stopped_are_marked_cut_short(tmp_path):
+    import subprocess
+    import sys
+
+    stopped = subprocess.Popen([sys.executable, "-c", "pass"])
+    stopped.wait()
+    db = tmp_path / "history.db"
+    history.create_schema(db)
+    streaming = {"kind": history.STREAMING}
+    streaming_steps(db, [
+        ("killed", "The answer so far", streaming | {"pid": stopped.pid}),
+        ("in-code", "Look:\n```python\nprint(", streaming | {"pid": stopped.pid}),
+        ("no-pid", "Written by whom?", streaming),
+        ("running", "Another server, still writing", streaming | {"pid": os.getpid()}),
+        ("whole", "A whole reply mentioning streaming", {"kind": history.REPLY})])
+    history.prepare(Settings.from_env({"LLAMA_HISTORY_DB": str(db)}))
+    with sqlite3.connect(db) as connection:
+        found = {id: (output, json.loads(metadata), streaming) for id, output, metadata, streaming
+                 in connection.execute("SELECT id, output, metadata, streaming FROM steps")}
+    note = "\n\n*(cut short: the server stopped; send the message again to have it answered)*"
+    cut = {"kind": history.CUT}
+    assert found == {"killed": ("The answer so far" + note, cut, 0),
+                     "in-code": ("Look:\n```python\nprint(\n```" + note, cut, 0),  # the code block closed first
+                     "no-pid": ("Written by whom?" + note, cut, 0),
+                     "running": ("Another server, still writing", streaming | {"pid": os.getpid()}, 1),
+                     "whole": ("A whole reply mentioning streaming", {"kind": history.REPLY}, 1)}
+    assert history.mark_cut_short(db) == 0  # once
+
+
+def test_a_streaming_reply_is_written_at_its_first_piece_then_at_most_every_interval(monkeypatch):
+    import chainlit as cl
+    from chainlit.context import ChainlitContext, context_var
+    from support.handlers import Session, mock_emitter
+
+    written: list[dict] = []
+
+    class Layer:
+        async def create_step(self, step_dict):
+            await asyncio.sleep(0.01)
+            written.append(step_dict)
+
+    monkeypatch.setattr(history, "get_data_layer", lambda: Layer())
+
+    async def scenario():
+        context_var.set(ChainlitContext(Session(), mock_emitter()))
+        answer = cl.Message(content="", metadata={"kind": history.REPLY})
+        saved = history.StreamedReply(answer, every=0.3)
+        for i in range(40):  # 1.2 s of pieces
+            await answer.stream_token(f"w{i} ")
+            saved.grew()
+            await asyncio.sleep(0.03)
+        await saved.settled()
+        return answer
+
+    answer = asyncio.run(scenario())
+    assert 3 <= len(written) <= 5, [w["output"] for w in written]  # not one write per piece
+    assert written[0]["output"] == "w0 "
+    assert all(w["metadata"] == {"kind": history.STREAMING, "pid": os.getpid()} and w["streaming"] for w in written)
+    assert all(w["id"] == answer.id and w["createdAt"] == answer.created_at for w in written)
+    assert answer.metadata == {"kind": history.REPLY}  # what its send() writes over them
 
 
 # ---- sign-in ------------------------------------------------------------------------------------
@@ -388,6 +480,90 @@ def test_the_sidebar_lists_the_chat_and_opens_it(first_chat, restarted):
             page.wait_for_selector("#chat-input")
         finally:
             browser.close()
+    assert_clean_log(restarted)
+
+
+# ---- a server killed mid-reply ------------------------------------------------------------------
+
+def socket_folders(folder: Path) -> dict[int, list[str]]:
+    """The engines' socket folders in a temporary directory, by the pid of the web process they belong to."""
+    found: dict[int, list[str]] = {}
+    for path in folder.glob("llama-engine-*"):
+        found.setdefault(int(path.name.split("-")[2]), []).append(path.name)
+    return found
+
+
+def test_a_server_killed_mid_reply_keeps_the_text_so_far_marked_cut_short_and_its_socket_folder_goes(tiny, tmp_path):
+    """kill -9 of the web process while a reply streams: the next start on the same database shows the text
+    written so far, marked cut short, and a resumed chat leaves it (and its question) out; the socket folder the
+    killed process left is removed at that start, while the folder of another server that runs is kept."""
+    temp = Path(tempfile.mkdtemp(prefix="kill-"))  # the servers' TMPDIR, short: socket paths have a length limit
+    db = tmp_path / "history.db"
+    common = dict(checkpoint=tiny, weights_dir=tiny.parent, temperature=0, dtype="fp32", threads=1,
+                  kernels="off")  # (what is tested here does not need the decode kernel's build)
+    env = server_env(**common, max_context=32768, max_new_tokens=30000, history_db=db) | {"TMPDIR": str(temp)}
+    env.pop("CHAINLIT_AUTH_SECRET", None)
+    other = ApiServer(server_env(**common, max_new_tokens=4) | {"TMPDIR": str(temp)}, log=tmp_path / "other.log")
+    killed = ChainlitServer(env, log=tmp_path / "killed.log")
+    restarted = None
+    try:
+        other.wait_ready()
+        killed.wait_ready()
+        tab = ChatTab(killed.url, sign_in(killed.url))
+        tab.wait_for("chat_settings")
+        sent = len(tab.events)
+        tab.sio.emit("client_message", {"message": {
+            "id": str(uuid.uuid4()), "threadId": "", "type": "user_message", "name": "User", "output": FIRST,
+            "createdAt": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}, "fileReferences": None})
+        begun, _ = tab.wait_for("task_start", after=sent)
+        started, _ = tab.wait_for("stream_start", after=begun)
+        time.sleep(history.SAVE_EVERY_S + 1.5)  # past the first write and the next
+        shown = []  # the answer as the page showed it after each event: tokens added, or a whole new text
+        for event, data in tab.events[started:]:
+            if event == "stream_start":
+                shown.append(data["output"])
+            elif event == "stream_token":
+                shown.append(data["token"] if data["isSequence"] else shown[-1] + data["token"])
+        assert "task_end" not in [event for event, _ in tab.events[begun:]], "the reply ended before the kill"
+        os.kill(killed.process.pid, signal.SIGKILL)  # the web process alone (its engine sees it go, and stops)
+        killed.process.wait(timeout=10)
+        tab.sio.disconnect()
+        thread_id = tab.thread_id
+        assert sorted(socket_folders(temp)) == sorted([killed.process.pid, other.process.pid])  # left behind
+
+        [(kind, partial, metadata)] = [s for s in stored_steps(db, thread_id) if s[0] == "assistant_message"]
+        assert metadata == {"kind": history.STREAMING, "pid": killed.process.pid}
+        assert partial in shown[1:], partial[:80]  # as shown then: written again after the first piece
+
+        restarted = ChainlitServer(env, log=tmp_path / "restarted.log")
+        restarted.wait_ready()
+        answered = httpx.post(f"{other.url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert answered.status_code == 200, answered.text  # the other server's engine still talks to it
+        folders = socket_folders(temp)
+        assert sorted(folders) == sorted([other.process.pid, restarted.process.pid])  # the killed one's went
+        assert f"web process {other.process.pid}," not in restarted.log()  # (not removed and made again)
+
+        steps = stored_steps(db, thread_id)
+        assert [(kind, output) for kind, output, _ in steps if kind == "user_message"] == [("user_message", FIRST)]
+        [(_, output, metadata)] = [s for s in steps if s[0] == "assistant_message"]
+        assert metadata == {"kind": history.CUT} and output == history.cut_short(partial)
+        resumed = ChatTab(restarted.url, sign_in(restarted.url), thread_id=thread_id)
+        try:
+            _, thread = resumed.wait_for("resume_thread")
+            [answer] = [s for s in thread["steps"] if s["type"] == "assistant_message"]
+            assert answer["output"].endswith(history.CUT_SHORT_NOTE) and not answer["streaming"]
+        finally:
+            resumed.close()
+        deadline = time.monotonic() + 10
+        while f"resumed chat {thread_id}" not in restarted.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert f"resumed chat {thread_id} with 0 messages" in restarted.log()  # the question is to be sent again
+    finally:
+        for server in (killed, restarted, other):
+            if server is not None:
+                server.stop()
+        shutil.rmtree(temp, ignore_errors=True)
     assert_clean_log(restarted)
 
 

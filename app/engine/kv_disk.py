@@ -59,6 +59,7 @@ from model.kv_cache import PREFILL_CHUNK, KVCache, common_prefix
 from model.options import DTYPES
 
 from app.private_files import open_private, private_folder
+from app.processes import alive
 
 log = logging.getLogger("app.engine")
 
@@ -268,7 +269,7 @@ class KVDisk:
         for path in sorted(self.folder.iterdir()):
             if path.suffix == ".tmp" and path.stem.rsplit(".", 1)[0].endswith(SUFFIX):
                 pid = path.stem.rsplit(".", 1)[1]  # of the process writing it (this one writes nothing yet)
-                if not (pid.isdigit() and int(pid) != os.getpid() and _running(int(pid))):
+                if not (pid.isdigit() and int(pid) != os.getpid() and alive(int(pid))):
                     self._remove(path, "left half written")
                 continue
             if path.suffix != SUFFIX or not path.is_file():
@@ -422,16 +423,6 @@ def _copy_in(data: mmap.mmap, entry: Entry, cache: KVCache, n: int) -> None:
     for i, into in enumerate((cache.k, cache.v)):
         stored = torch.frombuffer(data, dtype=dtype, count=count, offset=entry.offset + i * count * dtype.itemsize)
         into[:, 0, :, :n].copy_(stored.view(entry.shape)[:, :, :n])
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's
-        return True
-    return True
 
 
 def _unlink(path: Path) -> None:

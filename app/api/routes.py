@@ -6,6 +6,7 @@
                                 stream_options.include_usage, logprobs + top_logprobs, tools +
                                 tool_choice (Llama 3), response_format (JSON), ignore_eos (as vLLM's)
     POST /v1/completions        the same for a raw prompt (no chat format; logprobs as a number)
+    POST /v1/responses          OpenAI's Responses API, read as a chat request (app.api.responses)
     GET  /v1/models             the models offered: the backend's profiles, each with "loaded" (whether it
                                 is in memory now; an idle one is unloaded after LLAMA_KEEP_ALIVE)
     GET  /v1/models/{model}

@@ -57,24 +57,24 @@ class SchemaError(ValueError):
     """A response format that cannot be compiled; the message names what is wrong (an HTTP 400)."""
 
 
-def schema_text(schema: dict | None) -> str:
+def schema_text(schema: dict | None, param: str = "response_format") -> str:
     """The schema as JSON text: the cache key (key order kept: it is the order properties are written)."""
     if schema is None:
         schema = ANY_OBJECT
     if not isinstance(schema, dict):
-        raise SchemaError(f"response_format: expected a JSON schema object, found {type(schema).__name__}")
-    check_shape(schema)
+        raise SchemaError(f"{param}: expected a JSON schema object, found {type(schema).__name__}")
+    check_shape(schema, param)
     try:
         text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise SchemaError(f"response_format: the JSON schema is not JSON ({e})") from None
+        raise SchemaError(f"{param}: the JSON schema is not JSON ({e})") from None
     if (size := len(text.encode("utf-8", "surrogatepass"))) > MAX_SCHEMA_BYTES:
-        raise SchemaError(f"response_format: the JSON schema is {size:,} bytes of JSON; at most "
+        raise SchemaError(f"{param}: the JSON schema is {size:,} bytes of JSON; at most "
                           f"{MAX_SCHEMA_BYTES:,} are taken")
     return text
 
 
-def check_shape(schema: dict) -> None:
+def check_shape(schema: dict, param: str = "response_format") -> None:
     """SchemaError for the first place past a limit (MAX_SCHEMA_DEPTH, MAX_PROPERTIES, MAX_ALTERNATIVES,
     MAX_PATTERN), named by its path in the schema. Walked without recursion, so any depth is measured."""
     todo: list[tuple[object, str, int, str]] = [(schema, "", 1, "schema")]  # (value, where, depth, what it is)
@@ -83,13 +83,13 @@ def check_shape(schema: dict) -> None:
         if not isinstance(value, dict | list):
             continue
         if depth > MAX_SCHEMA_DEPTH:
-            raise SchemaError(f"response_format: the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels "
+            raise SchemaError(f"{param}: the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels "
                               f"(at '{where}')")
         if isinstance(value, list):
             todo += [(item, f"{where}[{i}]", depth + 1, kind) for i, item in enumerate(value)]
             continue
         if kind == "schema":
-            check_keywords(value, where)
+            check_keywords(value, where, param)
         todo += [(item, at(where, key), depth + 1, inner(kind, key)) for key, item in value.items()]
 
 
@@ -100,17 +100,17 @@ def inner(kind: str, key: str) -> str:
     return "data" if kind == "data" else "schema"
 
 
-def check_keywords(schema: dict, where: str) -> None:
+def check_keywords(schema: dict, where: str, param: str) -> None:
     for keyword, limit, what in [("properties", MAX_PROPERTIES, "properties"), ("anyOf", MAX_ALTERNATIVES, "schemas"),
                                  ("oneOf", MAX_ALTERNATIVES, "schemas"), ("enum", MAX_ALTERNATIVES, "values")]:
         found = schema.get(keyword)
         if isinstance(found, dict | list) and len(found) > limit:
-            raise SchemaError(f"response_format: the JSON schema's '{at(where, keyword)}' has {len(found):,} {what}; "
+            raise SchemaError(f"{param}: the JSON schema's '{at(where, keyword)}' has {len(found):,} {what}; "
                               f"at most {limit:,} are taken")
     named = schema.get("patternProperties")
     for pattern in [schema.get("pattern"), *(named if isinstance(named, dict) else ())]:
         if isinstance(pattern, str) and len(pattern) > MAX_PATTERN:
-            raise SchemaError(f"response_format: a pattern in the JSON schema's '{where or '(top)'}' has "
+            raise SchemaError(f"{param}: a pattern in the JSON schema's '{where or '(top)'}' has "
                               f"{len(pattern):,} characters; at most {MAX_PATTERN:,} are taken")
 
 
@@ -151,18 +151,18 @@ class Format:
 
 
 @lru_cache(maxsize=MAX_FORMATS)
-def compiled_format(tokenizer, schema: str) -> Format:
+def compiled_format(tokenizer, schema: str, param: str = "response_format") -> Format:
     """`schema` (JSON text) compiled, its document's first mask and openings tried (SchemaError)."""
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": WHITESPACE})
     except ValueError as e:
-        raise SchemaError(f"response_format: the JSON schema is not supported ({e})") from None
+        raise SchemaError(f"{param}: the JSON schema is not supported ({e})") from None
     matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar, log_level=0, limits=LIMITS)
     if matcher.is_error():
-        raise SchemaError(f"response_format: the JSON schema is not supported ({failure(matcher)})")
+        raise SchemaError(f"{param}: the JSON schema is not supported ({failure(matcher)})")
     matcher.compute_bitmask()  # the first mask: where a schema that refers only to itself fails
     if matcher.is_error():
-        raise SchemaError(f"response_format: the JSON schema is not supported (at the document's start: "
+        raise SchemaError(f"{param}: the JSON schema is not supported (at the document's start: "
                           f"{failure(matcher)})")
     for opening in '{["':
         opened = matcher.deep_copy()
@@ -170,7 +170,7 @@ def compiled_format(tokenizer, schema: str) -> Format:
         if opened.try_consume_tokens(ids) == len(ids):  # (a document of this schema may open so)
             opened.compute_bitmask()
         if opened.is_error():
-            raise SchemaError(f"response_format: the JSON schema is not supported (after the document's first "
+            raise SchemaError(f"{param}: the JSON schema is not supported (after the document's first "
                               f"'{opening}': {failure(opened)})")
     return Format(matcher)
 
@@ -193,21 +193,22 @@ class JsonConstraint:
     `vocab_size` is the model's (its logits' length), which may exceed the tokenizer's: the extra ids
     are never allowed. `stop_ids` (default: the tokenizer's) should be the ids that end the reply.
     Raises SchemaError for a schema llguidance cannot compile (unknown types or keywords, bad $ref,
-    contradictions such as minLength > maxLength).
+    contradictions such as minLength > maxLength). `param`: the request parameter the schema came from, which
+    the errors name ("tools" for the calls that tool_choice requires: model/tool_choice.py).
     """
 
     def __init__(self, tokenizer, schema: dict | None = None, *, vocab_size: int | None = None,
-                 stop_ids=None):
+                 stop_ids=None, param: str = "response_format"):
         self.n_tokens = tokenizer.vocab_size
         self.vocab_size = self.n_tokens if vocab_size is None else vocab_size
         if self.vocab_size < self.n_tokens:
             raise ValueError(f"vocab_size={self.vocab_size}: expected at least the tokenizer's "
                              f"{self.n_tokens} ids")
         self.stop_ids = sorted(tokenizer.stop_ids if stop_ids is None else stop_ids)
-        self.schema = schema
-        self._format = compiled_format(tokenizer, schema_text(schema))
+        self.schema, self.param = schema, param
+        self._format = compiled_format(tokenizer, schema_text(schema, param), param)
         if self._format.failure:
-            raise SchemaError(f"response_format: the JSON schema is not supported (an earlier reply of it failed: "
+            raise SchemaError(f"{param}: the JSON schema is not supported (an earlier reply of it failed: "
                               f"{self._format.failure})")
         self._matcher = self._format.matcher.deep_copy()
         self._stopped = False  # a stop id was taken
@@ -259,6 +260,6 @@ class JsonConstraint:
 
     def _fail(self, why: str):
         self._format.failure = self._format.failure or why
-        raise ConstraintFailed(f"response_format: the JSON schema could not be followed after {self._taken} tokens "
+        raise ConstraintFailed(f"{self.param}: the JSON schema could not be followed after {self._taken} tokens "
                                f"of the reply ({why}): simplify it (fewer optional properties or alternatives, "
                                "shorter patterns)")

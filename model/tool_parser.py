@@ -3,7 +3,8 @@
 maybe_extract_builtin_tool_call), in the same order of tries:
 
 1. `<function=name>{...}</function>` anywhere in the reply;
-2. the whole reply one JSON object `{"type": "function", "name": ..., "parameters": {...}}`;
+2. the whole reply one JSON object `{"type": "function", "name": ..., "parameters": {...}}`, or a JSON array of
+   them (not llama_models': the reply that tool_choice with parallel calls may be, model/tool_choice.py);
 3. the whole reply a Python list of calls with keyword arguments `[f(a=1), g(b="x")]`;
 4. `name.call(query="...")` anywhere (Meta's built-in tools);
 5. a reply that starts with <|python_tag|> and is none of these: code for code_interpreter.
@@ -70,12 +71,21 @@ def custom_calls(text: str) -> list[tuple[str, dict]]:
         value = json.loads(text)
     except (json.JSONDecodeError, RecursionError):
         value = None
-    if not isinstance(value, dict):
-        return python_list_calls(text)
+    if isinstance(value, dict):
+        call = json_call(value)
+        return [call] if call else []
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        calls = [json_call(item) for item in value]
+        return calls if all(calls) else []
+    return python_list_calls(text)
+
+
+def json_call(value: dict) -> tuple[str, dict] | None:
+    """`{"type": "function", "name": ..., "parameters": {...}}` -> (name, arguments); None if it is not one."""
     if not (value.get("type") == "function" or "name" in value):
-        return []
+        return None
     name, arguments = value.get("name"), value.get("parameters")
-    return [(name, arguments)] if isinstance(name, str) and isinstance(arguments, dict) else []
+    return (name, arguments) if isinstance(name, str) and isinstance(arguments, dict) else None
 
 
 def python_list_calls(text: str) -> list[tuple[str, dict]]:

@@ -141,6 +141,12 @@ def read_tool_choice(tool_choice: str | dict | None, tools: list[ToolDefinition]
     return tool_choice
 
 
+def forces_call(choice: str) -> bool:
+    """Whether a tool_choice, as read_tool_choice gives it, asks for a call ("required" or a function's name): the
+    reply is then constrained to one (model/tool_choice.py)."""
+    return choice not in ("auto", "none")
+
+
 def read_tool_calls(tool_calls: list, where: str) -> list[ToolCall]:
     """An OpenAI assistant message's tool_calls ([{"id", "type": "function", "function": {"name",
     "arguments": JSON text}}]) -> ToolCalls."""

@@ -187,22 +187,24 @@ class NamedToolChoice(Struct, omit_defaults=True, kw_only=True):
     function: NamedFunction
 
 
-class JsonSchema(Struct):
+# response_format's shapes take no key OpenAI's do not have: one that is not read is refused, not ignored (a
+# "schema" beside "type": "json_object" would otherwise ask for a schema that nothing enforces).
+class JsonSchema(Struct, forbid_unknown_fields=True):
+    name: Name  # required by OpenAI (^[a-zA-Z0-9_-]{1,64}$ there; any name here)
     schema: dict[str, object]
-    name: str | None = None
     description: str | None = None
     strict: bool | None = None
 
 
-class TextFormat(Struct, tag_field="type", tag="text"):
+class TextFormat(Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
     pass
 
 
-class JsonObjectFormat(Struct, tag_field="type", tag="json_object"):
+class JsonObjectFormat(Struct, tag_field="type", tag="json_object", forbid_unknown_fields=True):
     pass
 
 
-class JsonSchemaFormat(Struct, tag_field="type", tag="json_schema"):
+class JsonSchemaFormat(Struct, tag_field="type", tag="json_schema", forbid_unknown_fields=True):
     json_schema: JsonSchema
 
 

@@ -181,6 +181,7 @@ def _invalid(error: str, kind: type[Body], body: dict) -> ApiError:
         if where == field["name"]:
             return ApiError(400, f"Unrecognized request argument supplied: {where}", param=where,
                             code="unsupported_parameter")
+        return ApiError(400, f"Unknown parameter: '{where}'.", param=where, code="unknown_parameter")  # as OpenAI's
     bounds = _bounds(kind, where) if RANGE.match(what) else None
     if bounds is not None:
         message = f"'{where}' must be {bounds}, not {json.dumps(body.get(where))}."

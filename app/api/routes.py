@@ -4,7 +4,8 @@
                                 repetition_penalty, frequency_penalty, presence_penalty, max_tokens (or
                                 max_completion_tokens), seed, stop, stream (server-sent events),
                                 stream_options.include_usage, logprobs + top_logprobs, tools +
-                                tool_choice (Llama 3), response_format (JSON), ignore_eos (as vLLM's)
+                                tool_choice + parallel_tool_calls (Llama 3), response_format (JSON),
+                                ignore_eos (as vLLM's)
     POST /v1/completions        the same for a raw prompt (no chat format; logprobs as a number)
     POST /v1/responses          OpenAI's Responses API, read as a chat request (app.api.responses)
     GET  /v1/models             the models offered: the backend's profiles, each with "loaded" (whether it
@@ -14,12 +15,21 @@
 
 The chat app mounts these routes on Chainlit's server (`mount`), so API requests are computed by
 the same engine, in the same batches, as the chats. `python -m app.api --port 8001` serves them
-alone. Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
-parameter (named in `param`), a prompt too long for the context (code context_length_exceeded) or a JSON
-schema refused (code invalid_json_schema) or not followed to the reply's end (code json_schema_failed; a
-stream ends with that error event), 401
-for a missing or wrong key when LLAMA_API_KEY is set, 404 for an unknown model, 413 for a body larger
-than LLAMA_MAX_BODY_MB (files in it as base64 included: 4 MB holds a 3 MB file, 28 MB a 20 MB one), 415
+alone.
+
+tool_choice: "auto" (the default with tools) lets the model answer with text or calls; "none" leaves the tools
+out of the prompt and reads no call; "required", or {"type": "function", "function": {"name": ...}}, masks the
+reply to a call of one of the tools (of that one) whose arguments are valid against its `parameters` schema
+(model/tool_choice.py), and parallel_tool_calls false to exactly one call. Calls come back as message.tool_calls
+with content null and finish_reason "tool_calls"; streamed, one delta per call at the reply's end, none of the
+call as content. A model without tool calling (a chat template's) refuses tools (400, param "tools").
+
+Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad parameter
+(named in `param`), a prompt too long for the context (code context_length_exceeded) or a JSON schema refused
+(code invalid_json_schema; a tool's parameters: invalid_function_parameters) or not followed to the reply's end
+(code json_schema_failed; a stream ends with that error event), 401 for a missing or wrong key when
+LLAMA_API_KEY is set, 404 for an unknown model, 413 for a body larger than LLAMA_MAX_BODY_MB (files in it as
+base64 included: 4 MB holds a 3 MB file, 28 MB a 20 MB one), 415
 for a body that is not application/json, 429 (with Retry-After) when the
 server's queue is full, 503 (with Retry-After) when the model process stopped or is restarting. A
 client that goes away cancels its request; so does one that stops reading its stream (cut off past 1 MB of
@@ -114,8 +124,9 @@ async def pieces(request) -> AsyncIterator[Piece | Finish | Usage]:
         elif isinstance(event, Failed):
             raise failure_error(event)
         elif isinstance(event, Done):
-            if event.finish_reason == "constraint_failed":
-                raise ApiError(400, event.error, param="response_format", code="json_schema_failed")
+            if event.finish_reason == "constraint_failed":  # (the tools' schemas, for a call tool_choice asks for)
+                param = "tools" if event.error.startswith("tools") else "response_format"
+                raise ApiError(400, event.error, param=param, code="json_schema_failed")
             prompt_tokens = max(prompt_tokens, event.stats.prompt_tokens)  # the n replies share one prompt
             cached_tokens = max(cached_tokens, event.stats.reused_tokens)  # (kept caches are of this user only)
             completion_tokens += event.stats.new_tokens
@@ -133,10 +144,12 @@ def key_user(api_key: str) -> str:
 def failure_error(failed: Failed) -> ApiError:
     if failed.reason == "prompt_too_long":
         return ApiError(400, failed.message, param="messages", code="context_length_exceeded")
+    tools = failed.message.startswith("tools")  # (the engine names the tools where they are what it refuses)
     if failed.reason == "bad_request":
-        return ApiError(400, failed.message)
+        return ApiError(400, failed.message, param="tools" if tools else None)
     if failed.reason == "bad_schema":
-        return ApiError(400, failed.message, param="response_format", code="invalid_json_schema")
+        return ApiError(400, failed.message, param=failed.message.split(":")[0] if tools else "response_format",
+                        code="invalid_function_parameters" if tools else "invalid_json_schema")
     return ApiError(500 if failed.reason == "error" else 503, failed.message, type="server_error")
 
 

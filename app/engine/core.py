@@ -50,6 +50,7 @@ from model.linear import MAX_KERNEL_ROWS
 from model.speculation import Draft, PromptLookup, Speculation, step_times
 from model.static_decode import in_slot
 from model.static_decode import new_cache as static_cache
+from model.tools import forces_call, read_tool_choice, read_tools
 
 from app.bounds import reply_seed
 from app.messages import (
@@ -371,8 +372,9 @@ class Engine:
                                         f"{info.context_limit} tokens at once, its reply included.")
             else:
                 if request.tools and not checkpoint.chat_format.supports_tools:
-                    raise ValueError(f"the model {request.model} has no tool calling (its chat template is given "
-                                     "no tools; Llama 3 checkpoints are)")
+                    raise Refused(f"tools: the model {request.model} has no tool calling (its chat template is given "
+                                  "no tools; Llama 3 checkpoints are), so it takes neither tools nor tool_choice: "
+                                  "send the request without them", "bad_request")
                 tool_options = dict(tools=request.tools, tool_choice=request.tool_choice)
                 messages, files = choose_prompt_files(checkpoint.chat_format, request.messages, info.context_limit,
                                                       settings.max_new_tokens, **tool_options)
@@ -430,12 +432,18 @@ class Engine:
         return Speculation(guesser, step_times(self.models.checkpoints[model].model))
 
     def _constraint(self, request: Generate, checkpoint: Checkpoint):
-        """The JSON constraint a reply of this request follows, or None."""
-        if request.json_schema is None and not request.json_object:
+        """The JSON constraint a reply of this request follows, or None: the tool call its tool_choice asks for
+        ("required" or a function by name: model/tool_choice.py), else its response_format's JSON."""
+        choice = read_tool_choice(request.tool_choice, read_tools(request.tools)) if request.tools else "none"
+        if not forces_call(choice) and request.json_schema is None and not request.json_object:
             return None
         from model.structured import JsonConstraint  # llguidance, loaded only where JSON is asked for
-        return JsonConstraint(checkpoint.tokenizer, request.json_schema, vocab_size=checkpoint.config.vocab_size,
-                              stop_ids=checkpoint.stop_ids)
+        options = dict(vocab_size=checkpoint.config.vocab_size, stop_ids=checkpoint.stop_ids)
+        if not forces_call(choice):
+            return JsonConstraint(checkpoint.tokenizer, request.json_schema, **options)
+        from model.tool_choice import call_schema
+        return JsonConstraint(checkpoint.tokenizer, call_schema(request.tools, choice, request.parallel_tool_calls),
+                              param="tools", **options)
 
     def _take_cache(self, sequence: Sequence) -> None:
         if sequence.state is not State.READY:  # a follower with its copy of the leader's prompt, or one that ended

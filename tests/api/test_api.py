@@ -340,6 +340,12 @@ def test_stop_scanner_holds_back_what_may_begin_a_stop_string():
     ({"messages": [{"role": "user", "content": "x"}], "temperature": True}, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}}, "response_format.json_schema.name"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object", "schema": {
+        "type": "object"}}}, "response_format.schema"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {}, "schema_version": 2}}}, "response_format.json_schema.schema_version"),
 ])
 def test_bad_requests_name_the_parameter(body, param):
     with pytest.raises(ApiError) as error:

@@ -586,11 +586,41 @@ def test_text_that_is_no_tool_call_streams_and_undeclared_calls_stay_text(tiny, 
     assert "".join(e.text for e in events if isinstance(e, Text)) == last(events).text  # sent at the end
 
 
-def test_tools_for_a_model_without_tool_calling_are_a_bad_request(tmp_path):
+def test_with_tool_choice_none_a_call_the_model_writes_is_text(tiny, checkpoint, monkeypatch):
+    h = harness(tiny, checkpoint)
+    call = '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}'
+    scripted(monkeypatch, checkpoint, call)
+    events = h.ask(r := request("Weather?", GREEDY, tools=WEATHER, tool_choice="none"))[r.id]
+    assert last(events).tool_calls == [] and last(events).text == call
+    assert "".join(e.text for e in events if isinstance(e, Text)) == call  # streamed as it came
+    events = h.ask(r := request("Weather?", GREEDY, tools=WEATHER))[r.id]  # "auto": the same reply is a call
+    assert last(events).text == "" and [c["function"]["name"] for c in last(events).tool_calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_call_that_tool_choice_asks_for_is_what_the_reply_is(tiny, checkpoint, tool_choice):
+    h = harness(tiny, checkpoint)
+    settings = ReplySettings(max_new_tokens=200, temperature=1.0, top_p=1.0, seed=5)
+    short = [{"type": "function", "function": {**WEATHER[0]["function"], "parameters": {  # a random model ends it
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    for parallel in (False, True):
+        events = h.ask(r := request("Weather?", settings, tools=short, tool_choice=tool_choice,
+                                    parallel_tool_calls=parallel))[r.id]
+        done = last(events)
+        assert not [e for e in events if isinstance(e, Text)] and done.text == ""  # never streamed as content
+        assert done.finish_reason == "stop" and done.tool_calls and (parallel or len(done.tool_calls) == 1)
+        assert {c["function"]["name"] for c in done.tool_calls} == {"get_weather"}
+        assert all(isinstance(json.loads(c["function"]["arguments"])["city"], str) for c in done.tool_calls)
+
+
+def test_tools_for_a_model_without_tool_calling_are_a_bad_request_that_names_them(tmp_path):
     from support.special_checkpoints import write_chatml_checkpoint
     h = EngineHarness(write_chatml_checkpoint(tmp_path / "chatml"))
-    events = h.ask(r := request("Hi", GREEDY, model="chatml", tools=WEATHER))[r.id]
-    assert last(events).reason == "bad_request" and "has no tool calling" in last(events).message
+    for tool_choice in (None, "required"):
+        events = h.ask(r := request("Hi", GREEDY, model="chatml", tools=WEATHER, tool_choice=tool_choice))[r.id]
+        assert last(events).reason == "bad_request" and "has no tool calling" in last(events).message
+        assert last(events).message.startswith("tools: ") and "tool_choice" in last(events).message
 
 
 def test_tool_calls_and_results_are_prompted_as_the_chat_format_writes_them(tiny, checkpoint):

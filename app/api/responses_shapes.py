@@ -105,15 +105,16 @@ class FunctionChoice(Struct, tag_field="type", tag="function"):
     name: Name
 
 
-class TextFormat(Struct, tag_field="type", tag="text", frozen=True):
+class TextFormat(Struct, tag_field="type", tag="text", frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class JsonObjectFormat(Struct, tag_field="type", tag="json_object"):
+class JsonObjectFormat(Struct, tag_field="type", tag="json_object", forbid_unknown_fields=True):
     pass
 
 
-class JsonSchemaFormat(Struct, tag_field="type", tag="json_schema", kw_only=True, omit_defaults=True):
+class JsonSchemaFormat(Struct, tag_field="type", tag="json_schema", kw_only=True, omit_defaults=True,
+                       forbid_unknown_fields=True):
     name: Name
     schema: dict[str, object]
     description: str | None = None

@@ -143,6 +143,7 @@ def test_a_json_schema_format_gives_a_document_of_the_schema(client):
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+    ({"input": "x", "text": {"format": {"type": "json_object", "schema": {}}}}, "text.format.schema"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}],
       }, "input[0].content[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"},

@@ -270,11 +270,9 @@ def load_tokenizer(path: str | Path, override: str | Path | None = None) -> Toke
     folder = path.parent if path.is_file() else path
     if not folder.is_dir():
         raise TokenizerError(f"{path}: no such file or folder")
-    for candidate in (folder / "tokenizer.model", folder / "original" / "tokenizer.model"):
-        if candidate.is_file():
-            return Tokenizer(candidate)
-    if (folder / "tokenizer.json").is_file():
-        return HFTokenizer(folder)
+    found = tokenizer_file(folder)
+    if found is not None:
+        return HFTokenizer(folder) if found.name == "tokenizer.json" else Tokenizer(found)
     if override is not None:
         raise TokenizerError(f"{folder}: expected tokenizer.model or tokenizer.json, found neither")
     for name in ("config.json", "params.json"):
@@ -287,6 +285,15 @@ def load_tokenizer(path: str | Path, override: str | Path | None = None) -> Toke
         raise TokenizerError(f"{folder}: found no tokenizer.model (also in original/) or tokenizer.json, "
                              f"and no llama-models package with a Llama 3 tokenizer.model to fall back on")
     return Tokenizer(shipped)
+
+
+def tokenizer_file(folder: Path) -> Path | None:
+    """The tokenizer a checkpoint folder has: tokenizer.model (Llama 3's, also in original/), else tokenizer.json;
+    None: neither (load_tokenizer falls back on the one shipped with llama-models)."""
+    for candidate in (folder / "tokenizer.model", folder / "original" / "tokenizer.model", folder / "tokenizer.json"):
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def meta_tokenizer_model() -> Path | None:

@@ -17,6 +17,7 @@ folder of the weights folder (`Refused`).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import shutil
 import threading
@@ -26,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from model.convert.folder import ConversionError
-from model.convert.hub import REPO_ID, download, partial_folder
 
 from app.backend.protocol import Backend, is_remote
 
@@ -51,6 +51,7 @@ class Pull:
     repo_id: str
     revision: str | None
     folder: Path  # the model's folder once it is in place (its name is the model's)
+    partial: Path  # where its files gather meanwhile (model.convert.hub.partial_folder)
     sizes: dict[str, int] | None = None  # the files fetched and their sizes, once the hub has told them
     error: str | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # set on the server's loop
@@ -61,7 +62,7 @@ class Pull:
 
     def completed(self) -> int:
         """Bytes of the files here so far (in the download folder, or in place once it is done)."""
-        where = self.folder if self.finished.is_set() and self.error is None else partial_folder(self.folder)
+        where = self.folder if self.finished.is_set() and self.error is None else self.partial
         here = sum(p.stat().st_size for p in where.rglob("*") if p.is_file()) if where.is_dir() else 0
         return min(here, self.total or here)
 
@@ -83,28 +84,32 @@ class Weights:
         self.backend, self.folder, self.endpoint = backend, folder, endpoint
         self.pulls: dict[tuple[str, str | None], Pull] = {}  # those under way
 
-    def pull(self, repo_id: str, revision: str | None = None) -> Pull:
+    async def pull(self, repo_id: str, revision: str | None = None) -> Pull:
         """The download of a Hugging Face repo's checkpoint (owner/name) into the weights folder, under way or
-        started now; call on the server's event loop."""
+        started now."""
         if self.folder is None or any(is_remote(where) for where in self.backend.profiles.values()):
             raise Refused("models are not pulled here: this server fronts another one (LLAMA_BACKEND_URL)")
-        if not REPO_ID.fullmatch(repo_id):
+        # huggingface_hub takes 0.6 s to import: at the first pull (on a thread: the streams go on), not at start
+        hub = await asyncio.to_thread(importlib.import_module, "model.convert.hub")
+        if not hub.REPO_ID.fullmatch(repo_id):
             raise Refused(f"{repo_id!r} is not a Hugging Face model id: expected owner/name, e.g. "
                           "meta-llama/Llama-3.2-1B-Instruct (this server pulls from Hugging Face, not from "
                           "Ollama's library)")
         key = (repo_id, revision)
         if key in self.pulls:
             return self.pulls[key]
-        pull = Pull(repo_id, revision, self.folder / repo_id.split("/")[1])
+        folder = self.folder / repo_id.split("/")[1]
+        pull = Pull(repo_id, revision, folder, hub.partial_folder(folder))
         if pull.folder.is_dir():  # here already: not fetched again
             pull.finished.set()
             return pull
         self.pulls[key] = pull
         loop = asyncio.get_running_loop()
-        threading.Thread(target=self._download, args=(pull, loop), name=f"pull {repo_id}", daemon=True).start()
+        threading.Thread(target=self._download, args=(pull, loop, hub.download), name=f"pull {repo_id}",
+                         daemon=True).start()
         return pull
 
-    def _download(self, pull: Pull, loop: asyncio.AbstractEventLoop) -> None:
+    def _download(self, pull: Pull, loop: asyncio.AbstractEventLoop, download) -> None:
         try:
             download(pull.repo_id, self.folder, revision=pull.revision, endpoint=self.endpoint,
                      on_files=lambda sizes: setattr(pull, "sizes", sizes))

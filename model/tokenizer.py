@@ -16,6 +16,7 @@ import tiktoken
 import tokenizers
 from tiktoken.load import load_tiktoken_bpe
 
+from .checkpoint_files import tokenizer_file
 from .unicode import valid_unicode
 
 
@@ -285,15 +286,6 @@ def load_tokenizer(path: str | Path, override: str | Path | None = None) -> Toke
         raise TokenizerError(f"{folder}: found no tokenizer.model (also in original/) or tokenizer.json, "
                              f"and no llama-models package with a Llama 3 tokenizer.model to fall back on")
     return Tokenizer(shipped)
-
-
-def tokenizer_file(folder: Path) -> Path | None:
-    """The tokenizer a checkpoint folder has: tokenizer.model (Llama 3's, also in original/), else tokenizer.json;
-    None: neither (load_tokenizer falls back on the one shipped with llama-models)."""
-    for candidate in (folder / "tokenizer.model", folder / "original" / "tokenizer.model", folder / "tokenizer.json"):
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 def meta_tokenizer_model() -> Path | None:

@@ -116,19 +116,15 @@ def error_response(error: ApiError) -> Response:
                     media_type="application/json")
 
 
-def not_found(named: str) -> ApiError:
-    return ApiError(404, f"model '{named}' not found", param="model", code="model_not_found")
-
-
 def model_named(named: str | None, profiles: dict) -> str:
     """Our model by the name a client gives: ours, or Ollama's `name:latest` for it; 404 otherwise."""
     if not named:
         raise ApiError(400, "'model' is required: one of the models of GET /api/tags.", param="model")
     base, _, tag = named.rpartition(":")
-    if named not in profiles and base in profiles and tag == "latest":
+    if named not in profiles and tag == "latest" and base in profiles:
         return base
     if named not in profiles:
-        raise not_found(named)
+        raise ApiError(404, f"model '{named}' not found", param="model", code="model_not_found")
     return named
 
 

@@ -29,11 +29,10 @@ import msgspec
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response, StreamingResponse
 
-from model.checkpoint_files import CheckpointError, find_checkpoint
+from model.checkpoint_files import CheckpointError, find_checkpoint, tokenizer_file
 from model.config import ConfigError, LlamaConfig
 from model.options import Environment
 from model.summary import count, summarize
-from model.tokenizer import tokenizer_file
 
 from app.backend.protocol import Backend, EngineError, is_remote
 from app.weights import InUse, Refused, Weights
@@ -195,7 +194,7 @@ def add_routes(route, backend: Backend, max_body_mb: int, weights_dir: Path | No
         named, asked = model_asked(await json_body(http_request, max_body_mb), None)
         repo_id, revision = hub_name(named)
         try:
-            job = weights.pull(repo_id, revision)
+            job = await weights.pull(repo_id, revision)
         except Refused as e:
             raise ApiError(400, str(e), param="model") from None
         digest = f"{repo_id}@{revision or 'main'}"

@@ -12,7 +12,7 @@ import asyncio
 import json
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 
 import httpx
 import jsonschema
@@ -170,6 +170,19 @@ def test_format_json_gives_a_json_object(client):
                             options={"temperature": 0, "num_predict": 200})
         text = "".join(c.message.content for c in reply) if stream else reply.message.content
         assert isinstance(json.loads(text), dict)
+
+
+def test_logprobs_are_the_tokens_of_the_reply(client):
+    for stream in (False, True):
+        reply = client.chat(model="tiny", messages=QUESTION, options={"temperature": 0, "num_predict": 8},
+                            logprobs=True, top_logprobs=2, stream=stream)
+        chunks = list(reply) if stream else [reply]
+        entries = [e for chunk in chunks for e in chunk.logprobs or []]
+        assert len(entries) == chunks[-1].eval_count == 8
+        assert "".join(e.token for e in entries) == "".join(c.message.content for c in chunks)
+        assert all(len(e.top_logprobs) == 2 and e.logprob == pytest.approx(e.top_logprobs[0].logprob)
+                   for e in entries)  # greedy: each token the likeliest
+    assert client.chat(model="tiny", messages=QUESTION, options={"num_predict": 2}).logprobs is None
 
 
 def test_tools_go_into_the_prompt_and_results_come_back_as_messages(client):

@@ -128,19 +128,29 @@ def test_generate_is_a_chat_of_one_message_or_with_raw_the_prompt_continued(clie
     assert text(reply) == completion["choices"][0]["text"]
 
 
-def test_options_are_the_same_settings_as_v1s(client, server):
-    sampled = dict(temperature=0.9, seed=5, top_k=40, top_p=0.9, min_p=0.02, frequency_penalty=0.3,
-                   presence_penalty=0.2)
-    expected = v1(server, "chat/completions", model="tiny", messages=QUESTION, max_tokens=16, repetition_penalty=1.3,
-                  **sampled)["choices"][0]["message"]["content"]
-    options = sampled | {"repeat_penalty": 1.3, "num_predict": 16}
-    assert client.chat(model="tiny", messages=QUESTION, options=options).message.content == expected
+@pytest.mark.parametrize("option, value, param", [
+    ("temperature", 0.5, "temperature"), ("seed", 6, "seed"), ("top_k", 2, "top_k"), ("top_p", 0.3, "top_p"),
+    ("min_p", 0.3, "min_p"), ("repeat_penalty", 3.0, "repetition_penalty"), ("frequency_penalty", 2.0,
+                                                                            "frequency_penalty"),
+    ("presence_penalty", 2.0, "presence_penalty"), ("num_predict", 5, "max_tokens")])
+def test_each_option_is_v1s_setting_of_the_same_effect(client, server, option, value, param):
+    base = {"temperature": 1.0, "seed": 5}
+    baseline = client.chat(model="tiny", messages=QUESTION, options=base | {"num_predict": 24}).message.content
+    expected = v1(server, "chat/completions", model="tiny", messages=QUESTION,
+                  **base | {"max_tokens": 24, param: value})["choices"][0]["message"]["content"]
+    ours = client.chat(model="tiny", messages=QUESTION, options=base | {"num_predict": 24, option: value})
+    assert ours.message.content == expected != baseline  # the same setting, and it changes the reply
+
+
+def test_options_that_change_nothing_here_are_taken_and_a_stop_cuts(client):
+    options = {"temperature": 1.0, "seed": 5, "num_predict": 24}
+    expected = client.chat(model="tiny", messages=QUESTION, options=options).message.content
     harmless = {"num_ctx": 2048, "num_keep": 4, "num_thread": 8, "num_gpu": 99, "num_batch": 512, "use_mmap": True,
                 "mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0, "repeat_last_n": 64, "penalize_newline": True,
                 "low_vram": False, "stop": None}
     assert client.chat(model="tiny", messages=QUESTION, options=options | harmless).message.content == expected
-    other = client.chat(model="tiny", messages=QUESTION, options=options | {"seed": 6}).message.content
-    assert other != expected  # the options reach the sampler: another seed, another reply
+    off = {"repeat_penalty": 3.0, "repeat_last_n": 0}  # the penalty looks back over no token: off
+    assert client.chat(model="tiny", messages=QUESTION, options=options | off).message.content == expected
     greedy = client.chat(model="tiny", messages=QUESTION, options={"temperature": 0, "num_predict": 40})
     stop = greedy.message.content[10:13]
     cut = client.chat(model="tiny", messages=QUESTION, options={"temperature": 0, "num_predict": 40, "stop": [stop]})

@@ -227,10 +227,15 @@ class CompletionBody(Body):
 
 # ---- the replies --------------------------------------------------------------------------------
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0  # prompt tokens whose keys and values this user's kept caches served
+
+
 class Usage(Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET  # always sent by this server, as OpenAI's
 
 
 class TopLogprob(Struct):

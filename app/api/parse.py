@@ -81,11 +81,13 @@ class ChatRequest(ApiRequest):
     parallel_tool_calls: bool = True
     json_schema: dict | None = None  # response_format json_schema: the engine compiles it (400 if it cannot)
     json_object: bool = False  # response_format json_object
+    # False: messages that do not fit are an error (400 context_length_exceeded), as OpenAI's clients expect,
+    # which the engine gives before it computes anything; never a silently shortened conversation. True (the
+    # Responses API's truncation "auto"): the oldest messages are left out, as in the chat.
+    trim: bool = False
 
     def options(self) -> dict:
-        # trim False: messages that do not fit are an error (400 context_length_exceeded), as OpenAI's clients
-        # expect, which the engine gives before it computes anything; never a silently shortened conversation
-        return super().options() | {"trim": False, "tools": self.tools, "tool_choice": self.tool_choice,
+        return super().options() | {"trim": self.trim, "tools": self.tools, "tool_choice": self.tool_choice,
                                     "parallel_tool_calls": self.parallel_tool_calls,
                                     "json_schema": self.json_schema, "json_object": self.json_object}
 

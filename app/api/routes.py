@@ -6,6 +6,7 @@
                                 stream_options.include_usage, logprobs + top_logprobs, tools +
                                 tool_choice (Llama 3), response_format (JSON), ignore_eos (as vLLM's)
     POST /v1/completions        the same for a raw prompt (no chat format; logprobs as a number)
+    POST /v1/responses          OpenAI's Responses API, read as a chat request (app.api.responses)
     GET  /v1/models             the models offered: the backend's profiles, each with "loaded" (whether it
                                 is in memory now; an idle one is unloaded after LLAMA_KEEP_ALIVE)
     GET  /v1/models/{model}
@@ -71,6 +72,7 @@ from app.api.openai import (
     Delta,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     ReplyMessage,
     TextChoice,
     TextCompletion,
@@ -108,7 +110,7 @@ async def pieces(request) -> AsyncIterator[Piece | Finish | Usage]:
     Usage of them all. Raises ApiError when the request cannot be answered (before any text, except
     for a failure midway). A reply whose JSON schema could not be followed to its end is a 400 naming
     response_format: the schema, not the server, is what failed, and the same request would fail again."""
-    prompt_tokens, completion_tokens = 0, 0
+    prompt_tokens, completion_tokens, cached_tokens = 0, 0, 0
     async for event in request:
         if isinstance(event, Text):
             yield Piece(event.index, event.text, event.logprobs)
@@ -118,10 +120,11 @@ async def pieces(request) -> AsyncIterator[Piece | Finish | Usage]:
             if event.finish_reason == "constraint_failed":
                 raise ApiError(400, event.error, param="response_format", code="json_schema_failed")
             prompt_tokens = max(prompt_tokens, event.stats.prompt_tokens)  # the n replies share one prompt
+            cached_tokens = max(cached_tokens, event.stats.reused_tokens)  # (kept caches are of this user only)
             completion_tokens += event.stats.new_tokens
             reason = "tool_calls" if event.tool_calls else "length" if event.finish_reason == "length" else "stop"
             yield Finish(event.index, reason, event.tool_calls)
-    yield Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+    yield Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, PromptTokensDetails(cached_tokens))
 
 
 def key_user(api_key: str) -> str:
@@ -245,7 +248,8 @@ def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int
             completion.prompt, completion.model, completion.settings, **completion.options(),
             user=http_request.state.user))
 
-    from app.api import ollama  # (it answers with this module's pieces)
+    from app.api import ollama, responses  # (they build on this module's pieces)
+    responses.add_routes(router, backend, max_body_mb)
     ollama.add_routes(router, backend, max_body_mb, weights_dir, max_context)
     return router
 

@@ -51,7 +51,7 @@ from app.web import attachments, export, history, http_server, login_page, page,
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote, open_backend
 from app.bounds import reply_seed
 from app.backend.conversation import Conversation, Message
-from app.web.display import ShownStream, shown
+from app.web.display import Paced, ShownStream, shown
 from app.web.file_store import FileStore
 from app.messages import Done, Failed, Loading, Queued, ReplySettings, Restarting, Text
 from app.web.presets import CUSTOM, preset_of, read_presets
@@ -567,6 +567,7 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
     answer = cl.Message(content="", metadata={"kind": history.REPLY})  # what a resumed chat remembers
     saved = history.StreamedReply(answer)
     display = ShownStream()  # LaTeX is on: a dollar that is money is escaped (app.web.display)
+    paced = Paced()  # sent to the page at most every display.STREAM_EVERY_S
     status: cl.Message | None = None  # "waiting" or "loading", removed when the answer starts
     try:
         async for event in request:
@@ -579,6 +580,9 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
                     on_first_text = None
                 piece, whole = display.feed(event.text)
                 if piece or whole:
+                    paced.add(piece, whole)
+                if paced.due():
+                    piece, whole = paced.take()
                     await answer.stream_token(piece, is_sequence=whole)
                     saved.grew()
             elif isinstance(event, Queued):

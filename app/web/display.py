@@ -10,6 +10,12 @@ undoes it (a stored reply, resumed, is given back to the model as it wrote it).
 from __future__ import annotations
 
 import re
+import time
+
+# How often a streaming answer's page is sent its new text. Each piece makes the page lay out the answer's
+# Markdown again, whole: a page that cannot do that as fast as tokens come falls behind, its socket's pings
+# wait behind the pieces, and the server closes it (what it sent meanwhile is lost to that page).
+STREAM_EVERY_S = 0.1
 
 # "$" + an amount, then something that ends it (space, punctuation, a range or per-unit, the end)
 MONEY = r"\$(?=\d[\d,]*(?:\.\d+)?(?:[kKMB]|bn)?(?:[\s.,;:!?)\]/-]|$))"
@@ -80,3 +86,23 @@ class ShownStream:
         """The whole reply as shown."""
         self.sent = shown(self.raw)
         return self.sent
+
+
+class Paced:
+    """The pieces of a streaming answer (ShownStream's), sent at most every STREAM_EVERY_S: add() each, send
+    take() when due(); what is held at the end goes with the answer's last, whole, update."""
+
+    def __init__(self, every: float = STREAM_EVERY_S):
+        self.every, self.sent_at = every, -every
+        self.text, self.whole = "", False
+
+    def add(self, piece: str, whole: bool) -> None:
+        self.text, self.whole = (piece, True) if whole else (self.text + piece, self.whole)
+
+    def due(self) -> bool:
+        return (bool(self.text) or self.whole) and time.monotonic() - self.sent_at >= self.every
+
+    def take(self) -> tuple[str, bool]:
+        """(text, whole): the text to append, or (whole) to show instead of all so far."""
+        taken, self.text, self.whole, self.sent_at = (self.text, self.whole), "", False, time.monotonic()
+        return taken

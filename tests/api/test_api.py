@@ -136,6 +136,7 @@ def test_a_streamed_reply_comes_in_pieces_and_ends_with_usage(client, greedy):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 300
     assert chunks[-1].usage.prompt_tokens == prompt_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens in range(prompt_tokens)
     assert len({c.id for c in chunks}) == 1
 
 
@@ -187,6 +188,9 @@ def test_a_conversation_resent_with_one_more_turn_prefills_only_what_is_new(serv
     # ids than the random model generated, so the match can end inside it)
     assert 0 < first.usage.prompt_tokens // PREFILL_CHUNK * PREFILL_CHUNK <= reused < prompt
     assert reused % PREFILL_CHUNK == 0
+    # and the client is told, as OpenAI's usage.prompt_tokens_details.cached_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == reused
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
 
 
 def test_a_client_that_goes_away_frees_the_queue(server, client):

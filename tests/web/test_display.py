@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.web.display import ShownStream, plain, shown
+from app.web.display import Paced, ShownStream, plain, shown
 from app.web.history import REPLY, conversation_from_steps
 
 
@@ -44,6 +44,30 @@ def test_streaming_holds_back_an_amount_until_it_ends_and_resends_when_a_span_cl
         text, whole = stream.feed(piece)
         shown_so_far = text if whole else shown_so_far + text
     assert shown_so_far == shown("`a` and $5 x`")
+
+
+def test_pieces_are_sent_at_most_every_interval_and_add_up_to_the_text(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("app.web.display.time.monotonic", lambda: now[0])
+    paced, page = Paced(every=0.1), []
+
+    def feed(piece: str, whole: bool = False, dt: float = 0.03) -> None:
+        now[0] += dt
+        paced.add(piece, whole)
+        if paced.due():
+            text, replace = paced.take()
+            page[:] = [text] if replace else page + [text]
+
+    feed("The first piece goes at once")
+    assert page == ["The first piece goes at once"]
+    for piece in [", then", " the next", " wait"]:  # 0.04 s apart: held until 0.1 s passed
+        feed(piece, dt=0.04)
+    assert page == ["The first piece goes at once", ", then the next wait"]
+    feed("REPLACED", whole=True)  # a whole text held replaces what was held with it, and is sent as whole
+    feed(" and more")
+    feed(" still", dt=0.1)
+    assert page == ["REPLACED and more still"]
+    assert not paced.due()  # nothing held
 
 
 def test_a_resumed_chat_gives_the_model_its_reply_as_written():

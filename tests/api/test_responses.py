@@ -1,0 +1,218 @@
+"""OpenAI's Responses API (`/v1/responses`), driven by the official `openai` client: the same reply as the
+chat route, its stream of events, stored responses continued with previous_response_id, read back and
+deleted, function calls out and their outputs back in, JSON formats, cached tokens, and errors that name
+the Responses field.
+
+The server is the API alone (`python -m app.api`) on a tiny random checkpoint with an API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import httpx
+import openai
+import pytest
+from support.servers import ApiServer, server_env
+
+from app.api.responses import Store, Stored
+from app.api.responses_shapes import Response
+from model.kv_cache import PREFILL_CHUNK
+
+pytestmark = pytest.mark.timeout(240)
+
+KEY = "responses-key"
+INSTRUCTIONS = "You are a helpful assistant who answers briefly and kindly. " * 40  # more than a prefill chunk
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("responses")
+    server = ApiServer(server_env(checkpoint=tiny, weights_dir=tiny.parent, dtype="fp32", threads=1, api_key=KEY),
+                       log=folder / "api.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_a_response_is_the_chat_routes_reply(client):
+    chat = client.chat.completions.create(model="tiny", temperature=0, max_tokens=12, messages=[
+        {"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is the capital of France?"}])
+    response = client.responses.create(model="tiny", instructions="Be terse.", input="What is the capital of France?",
+                                       temperature=0, max_output_tokens=12)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == chat.usage.prompt_tokens and response.usage.output_tokens == 12
+    assert response.usage.total_tokens == chat.usage.prompt_tokens + 12
+    assert response.id.startswith("resp_") and response.output[0].type == "message"
+    assert response.output[0].role == "assistant" and response.instructions == "Be terse."
+    # the same as items, with the easy form of a message (no "type") and the full one
+    again = client.responses.create(model="tiny", temperature=0, max_output_tokens=12, input=[
+        {"role": "developer", "content": "Be terse."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is the capital of France?"}]}])
+    assert again.output_text == response.output_text
+
+
+def test_a_streamed_response_comes_as_the_responses_events(client):
+    whole = client.responses.create(model="tiny", input="Tell me a story.", temperature=0, max_output_tokens=40)
+    events = list(client.responses.create(model="tiny", input="Tell me a story.", temperature=0,
+                                          max_output_tokens=40, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) >= 2 and "".join(deltas) == whole.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.usage.output_tokens == 40
+    assert {e.item_id for e in events if e.type == "response.output_text.delta"} == {final.output[0].id}
+    assert client.responses.retrieve(final.id).output_text == whole.output_text  # stored, as a whole one
+
+
+def test_a_stored_response_is_continued_read_back_and_deleted(client, server):
+    first = client.responses.create(model="tiny", instructions=INSTRUCTIONS, input="Name a color.", temperature=0,
+                                    max_output_tokens=8)
+    second = client.responses.create(model="tiny", instructions=INSTRUCTIONS, input="And another one?",
+                                     previous_response_id=first.id, temperature=0, max_output_tokens=8)
+    # the same as sending the whole conversation on the chat route
+    chat = client.chat.completions.create(model="tiny", temperature=0, max_tokens=8, messages=[
+        {"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And another one?"}])
+    assert second.output_text == chat.choices[0].message.content
+    assert second.previous_response_id == first.id
+    # the earlier turn's keys and values came from the engine's cache, and the client is told
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // PREFILL_CHUNK * PREFILL_CHUNK > 0
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    items = client.responses.input_items.list(second.id)
+    assert [item.content[0].text for item in items.data] == ["And another one?"]
+    assert client.responses.delete(second.id) is None
+    for gone in (lambda: client.responses.retrieve(second.id),
+                 lambda: client.responses.create(model="tiny", input="x", previous_response_id=second.id)):
+        with pytest.raises(openai.NotFoundError) as error:
+            gone()
+        assert "No response with id" in error.value.body["message"]
+    unstored = client.responses.create(model="tiny", input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_a_key_holders_responses_are_not_anothers():
+    store, reply = Store(per_user=2), Response(id="resp_1", created_at=0, status="completed", model="tiny")
+    store.put("alice", Stored(reply, [], [], 10))
+    assert store.get("bob", "resp_1") is None and not store.delete("bob", "resp_1")
+    assert store.get("alice", "resp_1") is not None
+    for i in range(2, 4):  # bounded: the oldest goes
+        store.put("alice", Stored(Response(id=f"resp_{i}", created_at=0, status="completed", model="tiny"), [], [], 10))
+    assert store.get("alice", "resp_1") is None and store.get("alice", "resp_3") is not None
+    big = Store(bytes_per_user=100)
+    big.put("alice", Stored(reply, [], [], 60))
+    big.put("alice", Stored(Response(id="resp_2", created_at=0, status="completed", model="tiny"), [], [], 60))
+    assert big.get("alice", "resp_1") is None and big.get("alice", "resp_2") is not None
+
+
+def test_a_json_schema_format_gives_a_document_of_the_schema(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    response = client.responses.create(model="tiny", input="A person, as JSON.", temperature=1, max_output_tokens=200,
+                                       text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
+    document = json.loads(response.output_text)
+    assert set(document) == {"name", "age"} and isinstance(document["age"], int)
+    assert response.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": 5}, "input"),
+    ({"input": []}, "input"),
+    ({"input": "x", "temperature": 3}, "temperature"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "frobnicate": 1}, "frobnicate"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}],
+      }, "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"},
+                                             {"type": "input_file", "filename": "a.txt", "file_data": "%%%"}]}]},
+     "input[0].content[1].file_data"),
+    ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}, "messages"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"input": "\ud800"}, "input"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice"),
+])
+def test_bad_requests_name_the_responses_field(server, body, param):
+    answer = httpx.post(f"{server.url}/v1/responses", content=json.dumps({"model": "tiny"} | body).encode(),
+                        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, timeout=30)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param, error
+    assert "messages[" not in error["message"] and "response_format" not in error["message"], error
+
+
+def test_the_key_is_needed(server):
+    answer = httpx.post(f"{server.url}/v1/responses", json={"model": "tiny", "input": "x"}, timeout=30)
+    assert answer.status_code == 401
+    assert httpx.get(f"{server.url}/v1/responses/resp_x", timeout=30).status_code == 401
+
+
+def test_a_file_in_the_input_is_read(client):
+    text = "The lighthouse keeper's cat is called Marmalade."
+    response = client.responses.create(model="tiny", temperature=0, max_output_tokens=4, input=[{"role": "user", "content": [
+        {"type": "input_file", "filename": "notes.txt", "file_data": base64.b64encode(text.encode()).decode()},
+        {"type": "input_text", "text": "What is the cat called?"}]}])
+    plain = client.responses.create(model="tiny", temperature=0, max_output_tokens=4, input="What is the cat called?")
+    assert response.usage.input_tokens > plain.usage.input_tokens + 10  # the file went into the prompt
+
+
+# ---- function calls (a scripted backend, as tests/api/test_api.py's) ----------------------------
+
+def test_function_calls_go_out_as_items_and_their_outputs_come_back():
+    from test_api import CALL, ScriptedBackend
+
+    from app.api.routes import create_app
+    from app.messages import Done, Stats
+
+    backend = ScriptedBackend([Done("scripted", "", "stop", Stats(prompt_tokens=30, new_tokens=9), tool_calls=[CALL])])
+    tools = [{"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}]
+
+    async def ask():
+        transport = httpx.ASGITransport(app=create_app(backend))
+        async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="x",
+                                      http_client=httpx.AsyncClient(transport=transport)) as client:
+            whole = await client.responses.create(model="tiny", input="Weather in Paris?", tools=tools,
+                                                  tool_choice="required")
+            streamed = [e async for e in await client.responses.create(model="tiny", input="Weather in Paris?",
+                                                                       tools=tools, stream=True)]
+            result = await client.responses.create(model="tiny", previous_response_id=whole.id, tools=tools, input=[
+                {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"}])
+            return whole, streamed, result
+
+    whole, streamed, _ = asyncio.run(ask())
+    [call] = whole.output
+    assert (call.type, call.call_id, call.name, json.loads(call.arguments)) == (
+        "function_call", "call_1", "get_weather", {"city": "Paris"})
+    assert whole.tool_choice == "required" and whole.tools[0].name == "get_weather"
+    kinds = [e.type for e in streamed]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert streamed[4].arguments == CALL["function"]["arguments"]
+    first, _, then = backend.asked  # the call and its output went on as the chat route's messages
+    assert [(m.role, m.tool_call_id) for m in then.messages] == [("user", None), ("assistant", None),
+                                                                 ("tool", "call_1")]
+    assert then.messages[1].tool_calls[0]["function"]["name"] == "get_weather"

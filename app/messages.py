@@ -8,6 +8,8 @@ plain typed objects everywhere else. Web -> engine:
     Generate(id, model, messages | prompt, settings, trim)   start a reply
     Cancel(id)                                          stop it at its next token
     Load(model)                                         load a model before a request needs it
+    KeepAlive(model, seconds)                           how long it stays loaded once unused (Ollama's keep_alive)
+    FindModels()                                        the weights folder changed: list the models again
 
 Engine -> web, each event naming its request:
 
@@ -22,7 +24,7 @@ Engine -> web, each event naming its request:
 A request for n replies (the API's `n`) gets Text and Done events for each, told apart by `index`.
 
 and about the engine: Started(profiles, default), ModelReady(info), ModelFailed(model, message),
-ModelUnloaded(model) (idle past LLAMA_KEEP_ALIVE; its next request loads it again),
+ModelUnloaded(model) (idle past its keep-alive; its next request loads it again), ModelsFound(profiles),
 EngineStats(running, waiting, kv_cache_bytes, kept_caches).
 """
 
@@ -175,6 +177,19 @@ class Load(msgspec.Struct, tag=True):
     model: str
 
 
+class KeepAlive(msgspec.Struct, tag=True):
+    """How long a loaded (or loading) model stays loaded once no request uses it, from now until it is unloaded:
+    seconds; 0: unload it as soon as none runs or waits for it; negative: until the engine stops; None: its
+    keep-alive of LLAMA_KEEP_ALIVE again. For a model neither loaded nor loading: nothing."""
+
+    model: str
+    seconds: float | None = None
+
+
+class FindModels(msgspec.Struct, tag=True):
+    """A model folder was added to or removed from the weights folder: list the models again (ModelsFound)."""
+
+
 # ---- engine -> web: a request's events ----------------------------------------------------------
 
 class Queued(msgspec.Struct, tag=True):
@@ -312,6 +327,12 @@ class ModelUnloaded(msgspec.Struct, tag=True):
     model: str
 
 
+class ModelsFound(msgspec.Struct, tag=True):
+    """The models offered, listed again (FindModels): name -> where its checkpoint is."""
+
+    profiles: dict[str, str]
+
+
 class EngineStats(msgspec.Struct, tag=True):
     """Sent when it changes: what the engine holds now."""
 
@@ -321,6 +342,6 @@ class EngineStats(msgspec.Struct, tag=True):
     kept_caches: int = 0  # finished replies' caches kept for reuse
 
 
-ToEngine = Generate | Cancel | Load
+ToEngine = Generate | Cancel | Load | KeepAlive | FindModels
 FromEngine = (Queued | Loading | Text | Done | Failed | Started | ModelReady | ModelFailed | ModelUnloaded
-              | EngineStats)
+              | ModelsFound | EngineStats)

@@ -134,6 +134,31 @@ _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h)")  # one number and its unit: 1.5h, 30s
 
 
+def parse_duration(text: str) -> float:
+    """Seconds, as Ollama's keep_alive takes them: a number of seconds, or a duration such as 30s, 5m, 1h or
+    1h30m (units ms, s, m, h); negative stands for "forever". ValueError for anything else."""
+    text = text.strip().lower()
+    try:
+        seconds = float(text)
+    except ValueError:
+        sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.removeprefix("+"))
+        parts = _DURATION_PART.findall(body)
+        seconds = (sign * sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+                   if parts and "".join(number + unit for number, unit in parts) == body else math.nan)
+    if not math.isfinite(seconds):
+        raise ValueError(f"{text!r} is not a number of seconds or a duration such as 30s, 5m or 1h")
+    return seconds
+
+
+def keep_alive_for(name: str, default: str | None, configured: float | None) -> float:
+    """Seconds a model stays loaded after its last use (negative: until the engine stops): LLAMA_KEEP_ALIVE
+    (`configured`) when set, for every model; unset, DEFAULT_KEEP_ALIVE_S, and the default model (the one most
+    requests want) stays."""
+    if configured is not None:
+        return configured
+    return -1.0 if name == default else DEFAULT_KEEP_ALIVE_S
+
+
 class _AppEnvironment(Environment):
     """The reader of model.options, and the kinds of value only the web server reads: lists, networks, URLs,
     durations."""
@@ -154,23 +179,15 @@ class _AppEnvironment(Environment):
         return tuple(networks)
 
     def duration(self, name: str) -> float | None:
-        """Seconds, as Ollama's keep_alive takes them: a number of seconds, or a duration such as 30s, 5m, 1h or
-        1h30m (units ms, s, m, h); negative stands for "forever"."""
+        """Seconds, as Ollama's keep_alive takes them (`parse_duration`)."""
         value = self.text(name)
         if value is None:
             return None
-        text = value.strip().lower()
         try:
-            seconds = float(text)
+            return parse_duration(value)
         except ValueError:
-            sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.removeprefix("+"))
-            parts = _DURATION_PART.findall(body)
-            seconds = (sign * sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
-                       if parts and "".join(number + unit for number, unit in parts) == body else math.nan)
-        if not math.isfinite(seconds):
             raise SettingsError(f"{name}={value}: expected a number of seconds or a duration such as 30s, 5m or 1h "
-                                "(negative: forever)")
-        return seconds
+                                "(negative: forever)") from None
 
     def url(self, name: str) -> str | None:
         value = self.text(name)

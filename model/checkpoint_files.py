@@ -69,3 +69,12 @@ def _shards_from_index(index: Path) -> list[Path]:
     if missing:
         raise CheckpointError(f"{index}: lists shards that are missing: {', '.join(missing)}")
     return shards
+
+
+def tokenizer_file(folder: Path) -> Path | None:
+    """The tokenizer a checkpoint folder has: tokenizer.model (Llama 3's, also in original/), else tokenizer.json;
+    None: neither (load_tokenizer falls back on the one shipped with llama-models)."""
+    for candidate in (folder / "tokenizer.model", folder / "original" / "tokenizer.model", folder / "tokenizer.json"):
+        if candidate.is_file():
+            return candidate
+    return None

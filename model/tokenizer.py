@@ -16,6 +16,7 @@ import tiktoken
 import tokenizers
 from tiktoken.load import load_tiktoken_bpe
 
+from .checkpoint_files import tokenizer_file
 from .unicode import valid_unicode
 
 
@@ -270,11 +271,9 @@ def load_tokenizer(path: str | Path, override: str | Path | None = None) -> Toke
     folder = path.parent if path.is_file() else path
     if not folder.is_dir():
         raise TokenizerError(f"{path}: no such file or folder")
-    for candidate in (folder / "tokenizer.model", folder / "original" / "tokenizer.model"):
-        if candidate.is_file():
-            return Tokenizer(candidate)
-    if (folder / "tokenizer.json").is_file():
-        return HFTokenizer(folder)
+    found = tokenizer_file(folder)
+    if found is not None:
+        return HFTokenizer(folder) if found.name == "tokenizer.json" else Tokenizer(found)
     if override is not None:
         raise TokenizerError(f"{folder}: expected tokenizer.model or tokenizer.json, found neither")
     for name in ("config.json", "params.json"):

@@ -103,7 +103,7 @@ def parse_chat(body: object, profiles: dict, default: str) -> ChatRequest:
     common = _common(chat, profiles, default, max_tokens=chat.max_completion_tokens or chat.max_tokens)
     if chat.top_logprobs is not None and not chat.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
-    tools = _json_within(msgspec.to_builtins(chat.tools), "tools") if chat.tools else None
+    tools = json_within(msgspec.to_builtins(chat.tools), "tools") if chat.tools else None
     tool_choice = msgspec.to_builtins(chat.tool_choice)
     try:
         read_tool_choice(tool_choice, read_tools(tools))
@@ -111,7 +111,7 @@ def parse_chat(body: object, profiles: dict, default: str) -> ChatRequest:
         raise ApiError(400, str(e), param="tool_choice" if str(e).startswith("tool_choice") else "tools") from None
     json_schema, json_object = None, isinstance(chat.response_format, JsonObjectFormat)
     if isinstance(chat.response_format, JsonSchemaFormat):
-        json_schema = _json_within(chat.response_format.json_schema.schema, "response_format.json_schema.schema")
+        json_schema = json_within(chat.response_format.json_schema.schema, "response_format.json_schema.schema")
     if (json_schema is not None or json_object) and tools and tool_choice != "none":
         raise ApiError(400, "'response_format' and 'tools' cannot be used together: a reply is either JSON or a "
                             "tool call.", param="response_format")
@@ -143,14 +143,15 @@ def parse_completion(body: object, profiles: dict, default: str) -> CompletionRe
 
 # ---- reading a body -----------------------------------------------------------------------------
 
-B = TypeVar("B", bound=Body)
+B = TypeVar("B", bound=msgspec.Struct)
 AT = re.compile(r"(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?", re.DOTALL)  # msgspec's "... - at `$.a[0].b`"
 FIELD = re.compile(r"Object (?P<kind>missing required|contains unknown) field `(?P<name>[^`]*)`")
 RANGE = re.compile(r"Expected `(int|float)` [<>]")
 
 
-def read_body(body: object, kind: type[B]) -> B:
-    """The body as `kind`; ApiError names the first thing in it that is not as declared."""
+def read_body(body: object, kind: type[B], refused: dict[str, str] = REFUSED) -> B:
+    """The body as `kind`; ApiError names the first thing in it that is not as declared, or in `refused` (a
+    parameter not done, and why) with a value that asks for something."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     found = json_problem(body)
@@ -159,9 +160,9 @@ def read_body(body: object, kind: type[B]) -> B:
         raise ApiError(400, f"'{where}' {problem}." if where else f"The request body {problem}.", param=where or None,
                        code="invalid_value")
     for name, value in list(body.items()):
-        if name in REFUSED:
+        if name in refused:
             if value is not None and value not in HARMLESS.get(name, []):
-                raise ApiError(400, f"'{name}': {REFUSED[name]}.", param=name, code="unsupported_parameter")
+                raise ApiError(400, f"'{name}': {refused[name]}.", param=name, code="unsupported_parameter")
             body = {k: v for k, v in body.items() if k != name}  # asks for nothing
     try:
         return msgspec.convert(body, kind, strict=True)
@@ -169,7 +170,7 @@ def read_body(body: object, kind: type[B]) -> B:
         raise _invalid(str(e), kind, body) from None
 
 
-def _invalid(error: str, kind: type[Body], body: dict) -> ApiError:
+def _invalid(error: str, kind: type[msgspec.Struct], body: dict) -> ApiError:
     """msgspec's error ("Expected `int` <= 4 - at `$.n`") as OpenAI's, with the parameter as `param`."""
     at = AT.fullmatch(error)
     what, where = at["what"], (at["path"] or "").replace("[...]", "").lstrip(".")  # ([...]: a value of a dict)
@@ -184,15 +185,25 @@ def _invalid(error: str, kind: type[Body], body: dict) -> ApiError:
         return ApiError(400, f"Unknown parameter: '{where}'.", param=where, code="unknown_parameter")  # as OpenAI's
     bounds = _bounds(kind, where) if RANGE.match(what) else None
     if bounds is not None:
-        message = f"'{where}' must be {bounds}, not {json.dumps(body.get(where))}."
+        message = f"'{where}' must be {bounds}, not {json.dumps(_value(body, where))}."
     else:
         message = f"Invalid '{where}': {what[0].lower()}{what[1:]}." if where else f"Invalid request: {what}."
     return ApiError(400, message, param=where or None, code="invalid_type" if "got `" in what else "invalid_value")
 
 
-def _bounds(kind: type[Body], name: str) -> str | None:
-    """The range of a top-level number field in words: "between 0 and 2", "greater than 0 and at most 1"."""
-    for info in msgspec.inspect.type_info(kind).fields:
+def _bounds(kind: type[msgspec.Struct], where: str) -> str | None:
+    """The range of a number field in words ("between 0 and 2", "greater than 0 and at most 1"), the field named
+    by its path through nested structs ("options.temperature")."""
+    fields = msgspec.inspect.type_info(kind).fields
+    *path, name = where.split(".")
+    for part in path:
+        info = next((f for f in fields if f.name == part), None)
+        nested = [t for t in getattr(info.type, "types", (info.type,)) if isinstance(t, msgspec.inspect.StructType)] \
+            if info else []
+        if not nested:
+            return None
+        fields = nested[0].fields
+    for info in fields:
         if info.name == name:
             for t in getattr(info.type, "types", (info.type,)):
                 if isinstance(t, msgspec.inspect.IntType | msgspec.inspect.FloatType):
@@ -203,7 +214,13 @@ def _bounds(kind: type[Body], name: str) -> str | None:
     return None
 
 
-def _json_within(value, param: str):
+def _value(body: dict, where: str) -> object:
+    for part in where.split("."):
+        body = body.get(part) if isinstance(body, dict) else None
+    return body
+
+
+def json_within(value, param: str):
     """Free-form JSON (tools, a JSON schema) no larger than MAX_JSON_CHARS as JSON text."""
     size = len(json.dumps(value))
     if size > MAX_JSON_CHARS:
@@ -243,7 +260,7 @@ def _conversation(messages: list[Message], model: str) -> Conversation:
                 raise ApiError(400, f"{where}.content must be a string or a list of text parts.",
                                param=f"{where}.content")
             if calls:
-                _check_calls(calls, where)
+                check_calls(calls, where)
             conversation.add("assistant", content, tool_calls=calls)
         else:
             conversation.add("user", content, files=_files(message.content, where, deadline))
@@ -254,7 +271,7 @@ def _conversation(messages: list[Message], model: str) -> Conversation:
     return conversation
 
 
-def _check_calls(calls: list[dict], where: str) -> None:
+def check_calls(calls: list[dict], where: str) -> None:
     """An assistant's tool calls: their arguments a JSON object (model.tools), and no JSON a request may not hold."""
     try:
         parsed = read_tool_calls(calls, where)

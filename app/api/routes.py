@@ -12,6 +12,8 @@
                                 is in memory now; an idle one is unloaded after LLAMA_KEEP_ALIVE)
     GET  /v1/models/{model}
     GET  /metrics               Prometheus metrics (app.api.metrics)
+    /api/chat, /api/generate,   Ollama's API, for the tools that speak only it (app.api.ollama)
+    /api/tags, ...
 
 The chat app mounts these routes on Chainlit's server (`mount`), so API requests are computed by
 the same engine, in the same batches, as the chats. `python -m app.api --port 8001` serves them
@@ -89,6 +91,7 @@ from app.api.openai import (
     Usage,
 )
 from app.settings import DEFAULT_MAX_BODY_MB
+from model.config import DEFAULT_MAX_CONTEXT
 from app.web.users import LOCAL_USER, utf8
 
 log = logging.getLogger(__name__)
@@ -196,8 +199,10 @@ async def json_body(http_request: HttpRequest, max_mb: int = DEFAULT_MAX_BODY_MB
 
 
 def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
-                  stored=dict) -> APIRouter:
-    """The /v1 routes over a backend (`app.backend.protocol.Backend`); stored() gives the bytes on disk by part."""
+                  stored=dict, weights_dir: Path | None = None, max_context: int = DEFAULT_MAX_CONTEXT) -> APIRouter:
+    """The /v1 routes over a backend (`app.backend.protocol.Backend`), and Ollama's /api routes (app.api.ollama:
+    models are pulled into and removed from weights_dir; max_context: the context a model not loaded yet will
+    have); stored() gives the bytes on disk by part."""
     started = int(time.time())
 
     def check_key(http_request: HttpRequest) -> None:
@@ -256,8 +261,9 @@ def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int
             completion.prompt, completion.model, completion.settings, **completion.options(),
             user=http_request.state.user))
 
-    from app.api import responses  # (it builds on this module's replies in pieces)
+    from app.api import ollama, responses  # (they build on this module's pieces)
     responses.add_routes(router, backend, max_body_mb)
+    ollama.add_routes(router, backend, max_body_mb, weights_dir, max_context)
     return router
 
 
@@ -397,10 +403,11 @@ def sse(shape: Struct) -> str:
 
 
 def mount(app: FastAPI, backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
-          stored=dict) -> None:
+          stored=dict, weights_dir: Path | None = None, max_context: int = DEFAULT_MAX_CONTEXT) -> None:
     """Add the API's routes to an app, in front of its own: Chainlit's catch-all GET route would
-    otherwise answer /v1/models with its web page. stored: the bytes on disk by part, for /metrics."""
-    app.router.routes[0:0] = create_router(backend, api_key, max_body_mb, stored).routes
+    otherwise answer /v1/models (and /api/tags) with its web page. stored: the bytes on disk by part, for
+    /metrics."""
+    app.router.routes[0:0] = create_router(backend, api_key, max_body_mb, stored, weights_dir, max_context).routes
     app.add_exception_handler(ApiError, answer_error)
 
 
@@ -420,7 +427,8 @@ async def answer_error(http_request: HttpRequest, error: ApiError) -> Response:
 
 # ---- standalone server --------------------------------------------------------------------------
 
-def create_app(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> FastAPI:
+def create_app(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
+               weights_dir: Path | None = None, max_context: int = DEFAULT_MAX_CONTEXT) -> FastAPI:
     """The API alone; /health says 200 once the default model is loaded."""
 
     @contextlib.asynccontextmanager
@@ -430,7 +438,7 @@ def create_app(backend: Backend, api_key: str | None = None, max_body_mb: int = 
         backend.close()
 
     app = FastAPI(title="llama-chat API", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    mount(app, backend, api_key, max_body_mb)
+    mount(app, backend, api_key, max_body_mb, weights_dir=weights_dir, max_context=max_context)
 
     app.router.routes.insert(0, health_route(backend))
     return app
@@ -459,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     if not settings.api_key and not guard.is_loopback(args.host):
         log.warning("serving on %s without LLAMA_API_KEY: anyone who can reach this port can use the model",
                     args.host)
-    app = create_app(backend, settings.api_key, settings.max_body_mb)
+    app = create_app(backend, settings.api_key, settings.max_body_mb, settings.weights_dir, settings.max_context)
     guard.install(app, allowed)
     http_server.install(app)
     log.info("%s", allowed.summary())

@@ -47,12 +47,15 @@ from app.messages import (
     EngineStats,
     Event,
     Failed,
+    FindModels,
     FromEngine,
     Generate,
+    KeepAlive,
     Load,
     ModelFailed,
     ModelInfo,
     ModelReady,
+    ModelsFound,
     ModelUnloaded,
     ReplySettings,
     Restarting,
@@ -60,6 +63,7 @@ from app.messages import (
 )
 from app.backend import socket_folder
 from app.backend.reply import STREAM_INTERVAL, Reply
+from app.settings import keep_alive_for
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +99,9 @@ class EngineClient:
         self.observers: list[Callable[[Event], None]] = []  # called with each reply's last event (metrics)
         self._models: dict[str, ModelInfo] = {}  # every model this engine has loaded: its info (it stays true)
         self._loaded: set[str] = set()  # those loaded now (the engine unloads idle ones: ModelUnloaded)
+        self._kept: dict[str, float] = {}  # loaded model -> its keep-alive as keep_alive() set it (until unloaded)
+        self._last_used: dict[str, float] = {}  # loaded model -> when (time.time()) a request for it last ended
+        self._finding: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []  # find_models() waiting
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._replies: dict[str, Reply] = {}  # every request holding places: sent, or held for a new engine
         self._held: dict[str, tuple[bytes, float]] = {}  # request id -> (its Generate, encoded; when it gives up)
@@ -155,6 +162,43 @@ class EngineClient:
 
     def reply_defaults(self, name: str | None = None) -> ReplySettings:
         return self._info(name).defaults
+
+    def keep_alive(self, name: str | None, seconds: float | None) -> None:
+        """How long a loaded (or loading) model stays loaded once unused, from now until it is unloaded (Ollama's
+        keep_alive): seconds; 0: as soon as no request runs or waits for it; negative: until the engine stops;
+        None: LLAMA_KEEP_ALIVE's again. Sent after the request it comes with, so that request keeps it meanwhile."""
+        name = name or self.default
+        with self._lock:
+            if name not in self._loaded and not self._waiters.get(name) and not any(
+                    reply.model == name for reply in self._replies.values()):
+                return  # neither loaded nor on its way: nothing to keep
+            if seconds is None:
+                self._kept.pop(name, None)
+            else:
+                self._kept[name] = seconds
+            self._last_used[name] = time.time()
+            self._send(KeepAlive(name, seconds))
+
+    def unloads_at(self, name: str | None = None) -> float | None:
+        """Of a loaded model: when (time.time()) the engine unloads it unless a request uses it before; None: it
+        stays until the engine stops. While a request for it runs, counted from now."""
+        name = name or self.default
+        with self._lock:
+            seconds = self._kept.get(name, keep_alive_for(name, self.default, self.config.keep_alive))
+            in_use = any(reply.model == name for reply in self._replies.values())
+            since = time.time() if in_use else self._last_used.get(name, time.time())
+        return None if seconds < 0 else since + seconds
+
+    async def find_models(self) -> dict[str, str]:
+        """List the models again after a model folder was added to or removed from the weights folder; the
+        profiles then (`profiles` is updated too)."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            self._finding.append((loop, future))
+            self._send(FindModels())  # (while the engine restarts: the new one's Started lists them)
+        return await future
 
     def stream(self, conversation: Conversation, settings: ReplySettings | None = None, n: int = 1,
                **options) -> Reply:
@@ -250,7 +294,8 @@ class EngineClient:
         self._fail_all("The server is shutting down.", "engine")
         with self._lock:
             waiters, self._waiters = self._waiters, {}
-        for loop, future in (w for ws in waiters.values() for w in ws):
+            finding, self._finding = self._finding, []
+        for loop, future in [w for ws in waiters.values() for w in ws] + finding:
             _resolve(loop, future, error=EngineError("the server is shutting down"))
         self._context.term()
 
@@ -362,7 +407,8 @@ class EngineClient:
             self.stats = message
         elif isinstance(message, Started):
             with self._lock:
-                self.profiles, self.default = message.profiles, message.default
+                self.default = message.default
+                self._listed(message.profiles)
                 if self._restarting_since is not None:  # what waited for this engine goes to it now
                     self._restarting_since = None
                     for data, _ in self._held.values():
@@ -371,15 +417,21 @@ class EngineClient:
                     for name in self._waiters:
                         self._send(Load(name))
             self._started.set()
+        elif isinstance(message, ModelsFound):
+            with self._lock:
+                self._listed(message.profiles)
         elif isinstance(message, ModelUnloaded):
             with self._lock:
                 self._loaded.discard(message.model)
+                self._kept.pop(message.model, None)
+                self._last_used.pop(message.model, None)
         elif isinstance(message, ModelReady | ModelFailed):
             name = message.info.name if isinstance(message, ModelReady) else message.model
             with self._lock:
                 if isinstance(message, ModelReady):
                     self._models[name] = message.info
                     self._loaded.add(name)
+                    self._last_used[name] = time.time()
                 waiters = self._waiters.pop(name, [])
             for loop, future in waiters:
                 if isinstance(message, ModelReady):
@@ -392,9 +444,17 @@ class EngineClient:
                 if reply is not None:
                     if reply.ends_with(message):  # gone before the caller can see the end (and count us)
                         del self._replies[message.id]
+                        self._last_used[reply.model] = time.time()
                     reply.deliver(message)
             if reply is not None and isinstance(message, Done | Failed):
                 self._observe(message)
+
+    def _listed(self, profiles: dict[str, str]) -> None:
+        """The engine listed its models (it started, or FindModels): find_models() waits no more."""
+        self.profiles = profiles
+        finding, self._finding = self._finding, []
+        for loop, future in finding:
+            _resolve(loop, future, result=profiles)
 
     def _end(self, request_id: str | None, message: str, reason: str) -> None:
         """End a request here, with a Failed (its place is given back)."""
@@ -418,6 +478,8 @@ class EngineClient:
         with self._lock:
             self._models.clear()
             self._loaded.clear()
+            self._kept.clear()
+            self._last_used.clear()
             waiters = {}  # the loads this engine was asked for fail; while restarting, none was sent to it
             if self._restarting_since is None:
                 waiters, self._waiters = self._waiters, {}  # (a fresh dict: a load asked from now on waits)

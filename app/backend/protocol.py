@@ -46,6 +46,18 @@ class Backend(Protocol):
     def reply_defaults(self, name: str | None = None) -> ReplySettings:
         """Of a loaded model: the sampling values a request leaves out (its generation_config)."""
 
+    def keep_alive(self, name: str | None, seconds: float | None) -> None:
+        """How long a loaded (or loading) model stays loaded once unused, until it is unloaded (Ollama's
+        keep_alive): seconds; 0: unloaded as soon as no request uses it; negative: until the engine stops; None:
+        LLAMA_KEEP_ALIVE's again."""
+
+    def unloads_at(self, name: str | None = None) -> float | None:
+        """Of a loaded model: when (time.time()) it is unloaded unless a request uses it before; None: it stays
+        (or, for a remote server's, not known)."""
+
+    async def find_models(self) -> dict[str, str]:
+        """List the models again (a model folder was added to or removed from the weights folder): the profiles."""
+
     def stream(self, conversation: Conversation, settings: ReplySettings | None = None, n: int = 1,
                **options) -> Reply:
         """Start n replies to the conversation's last message; async-iterate the Reply for its events,

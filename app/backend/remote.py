@@ -159,6 +159,17 @@ class RemoteClient:
     def reply_defaults(self, name: str | None = None) -> ReplySettings:
         return self.defaults.over(FALLBACK)
 
+    def keep_alive(self, name: str | None, seconds: float | None) -> None:
+        """Nothing: the server keeps its models loaded as it sees fit."""
+
+    def unloads_at(self, name: str | None = None) -> None:
+        """Not known (nor whether the model is loaded: in_memory)."""
+        return None
+
+    async def find_models(self) -> dict[str, str]:
+        """The server's models, as listed when this was made."""
+        return self.profiles
+
     def stream(self, conversation: Conversation, settings: ReplySettings | None = None, n: int = 1,
                user: str = "", **options) -> Reply:
         """Start a reply (n replies) to the conversation's last message; call from the event loop that

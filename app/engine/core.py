@@ -2,7 +2,7 @@
 
     python -m app.engine INPUT_ADDRESS OUTPUT_ADDRESS PARENT_PID < config.json
 
-The web process (`app.backend.engine_client`) starts it, sends it `Generate`/`Cancel`/`Load` messages over a ZeroMQ
+The web process (`app.backend.engine_client`) starts it, sends it `Generate`/`Cancel`/`Load`/... messages over a ZeroMQ
 socket and reads back each request's events (`app.messages`). Its loop, one step at a time: take
 new messages, admit waiting requests into the batch, prefill prompt chunks within a token budget,
 decode one token for every running sequence in one forward pass, send what came out (a new reply's
@@ -59,12 +59,15 @@ from app.messages import (
     EngineConfig,
     EngineStats,
     Failed,
+    FindModels,
     FromEngine,
     Generate,
+    KeepAlive,
     Load,
     Loading,
     ModelFailed,
     ModelReady,
+    ModelsFound,
     ModelUnloaded,
     Queued,
     Started,
@@ -156,6 +159,11 @@ class Engine:
                 self.cancel(message.id)
         elif isinstance(message, Load):
             self.load(message.model)
+        elif isinstance(message, KeepAlive):
+            self.models.keep(message.model, message.seconds, self.clock())  # 0: unloaded at this step's end if idle
+        elif isinstance(message, FindModels):
+            self.models.find()
+            self.emit(ModelsFound({name: str(path) for name, path in self.models.profiles.items()}))
 
     @property
     def sequences(self) -> list[Sequence]:

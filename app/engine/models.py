@@ -8,9 +8,10 @@ embedded SmolLM2 (model/convert/prepare_default.py). With LLAMA_DRAFT, the defau
 the smaller model that drafts its guesses (model/speculation.py), refused if their tokenizers differ.
 
 A model gives its memory back once unused for its keep-alive (LLAMA_KEEP_ALIVE, as Ollama's keep_alive;
-by default 5 minutes, and the default model stays): at each step the engine asks which models have been
-idle that long, telling those in use (`idle`), and unloads them (`unload`). A request for it later loads it
-again, as a first load does.
+by default 5 minutes, and the default model stays; a request of Ollama's API sets it for that model until it
+is unloaded: `keep`): at each step the engine asks which models have been idle that long, telling those in
+use (`idle`), and unloads them (`unload`). A request for it later loads it again, as a first load does. The
+models offered are listed again when the weights folder changes (`find`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from model.options import DEFAULT_MAX_NEW_TOKENS
 from model.speculation import same_tokenizer
 
 from app.messages import EngineConfig, ModelInfo, ReplySettings
-from app.settings import DEFAULT_KEEP_ALIVE_S
+from app.settings import keep_alive_for
 
 log = logging.getLogger("app.engine")
 
@@ -52,6 +53,7 @@ class Models:
         self._token_tables: dict[str, list[bytes]] = {}  # model -> each token's bytes (for logprobs)
         self.drafts: dict[str, Checkpoint] = {}  # model -> the smaller model that drafts its guesses (LLAMA_DRAFT)
         self._last_used: dict[str, float] = {}  # loaded model -> when it was last in use (the engine's clock)
+        self._kept: dict[str, float] = {}  # loaded or loading model -> its keep-alive until unloaded (`keep`)
         self.changes = 0  # how often a model was loaded or unloaded
 
     @property
@@ -74,18 +76,38 @@ class Models:
             except queue.Empty:
                 return
             self._loading.discard(name)
-            if not isinstance(result, Exception):
+            if isinstance(result, Exception):
+                self._kept.pop(name, None)
+            else:
                 self.checkpoints[name] = result
                 self.infos[name] = model_info(name, result, self.config, seconds)
                 self.changes += 1
             yield name, result, seconds
 
     def keep_alive(self, name: str) -> float:
-        """Seconds the model stays loaded after its last use; negative: until the engine stops. LLAMA_KEEP_ALIVE
-        when set, for every model; unset, 5 minutes, and the default model (the one most requests want) stays."""
-        if self.config.keep_alive is not None:
-            return self.config.keep_alive
-        return -1.0 if name == self.default else DEFAULT_KEEP_ALIVE_S
+        """Seconds the model stays loaded after its last use; negative: until the engine stops. As `keep` set it
+        for this load; else LLAMA_KEEP_ALIVE when set, for every model; unset, 5 minutes, and the default model
+        (the one most requests want) stays."""
+        if name in self._kept:
+            return self._kept[name]
+        return keep_alive_for(name, self.default, self.config.keep_alive)
+
+    def keep(self, name: str, seconds: float | None, now: float) -> None:
+        """A loaded or loading model's keep-alive, until it is unloaded, counted from `now` (None: the rule of
+        keep_alive() again); for any other model, nothing."""
+        if name not in self.checkpoints and name not in self._loading:
+            return
+        if seconds is None:
+            self._kept.pop(name, None)
+        else:
+            self._kept[name] = seconds
+        self.used([name], now)
+
+    def find(self) -> None:
+        """List the models offered again (a folder was added to or removed from the weights folder). A loaded
+        model no longer listed is unloaded once idle, as any other."""
+        self.profiles = find_profiles(Path(self.config.checkpoint),
+                                      Path(self.config.weights_dir) if self.config.weights_dir else None)
 
     def used(self, names, now: float) -> None:
         """The loaded models among `names` are in use at `now` (a request for them runs or waits; a Load asked
@@ -108,7 +130,7 @@ class Models:
     def unload(self, name: str) -> None:
         """Forget a loaded model (and its draft model, info and token table): once nothing else holds it (the
         engine drops its kept caches first), its memory is free. Not while it loads: it is not loaded yet."""
-        for held in (self.checkpoints, self.infos, self._token_tables, self.drafts, self._last_used):
+        for held in (self.checkpoints, self.infos, self._token_tables, self.drafts, self._last_used, self._kept):
             held.pop(name, None)
         self.changes += 1
 

@@ -109,7 +109,8 @@ def start() -> None:
         if SIGNING_IN:
             chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
     only_edits_of_this_chat()
-    api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb, stored=lambda: dict(uploads.STORED))
+    api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb, stored=lambda: dict(uploads.STORED),
+              weights_dir=SETTINGS.weights_dir, max_context=SETTINGS.max_context)
     chainlit_app.router.routes.insert(0, api.health_route(BACKEND))  # before Chainlit's own
     if FILE_STORE is not None:
         chainlit_app.router.routes.insert(0, FILE_STORE.route())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx2  # huggingface_hub's HTTP client: its transport errors mean "no network"
@@ -42,9 +43,11 @@ HUB_CACHE = ".cache"  # huggingface_hub's bookkeeping inside a download folder
 
 
 def download(repo_id: str, weights_dir: str | Path = "weights", *, name: str | None = None,
-             revision: str | None = None, force: bool = False, endpoint: str | None = None) -> Path:
+             revision: str | None = None, force: bool = False, endpoint: str | None = None,
+             on_files: Callable[[dict[str, int]], None] | None = None) -> Path:
     """`weights_dir/<name>` (default: the repo's name) holding the checkpoint; returns it. `endpoint`: the
-    hub's address (default: huggingface.co)."""
+    hub's address (default: huggingface.co). on_files: told the files to fetch and their sizes, before they come
+    into `partial_folder(out_dir)` (for a progress report)."""
     if not REPO_ID.fullmatch(repo_id):
         raise ConversionError(f"{repo_id!r}: expected a Hugging Face model id (owner/name, e.g. "
                               "meta-llama/Llama-3.2-1B-Instruct)")
@@ -52,10 +55,10 @@ def download(repo_id: str, weights_dir: str | Path = "weights", *, name: str | N
     if out_dir.exists() and not force:
         raise ConversionError(f"{out_dir} already exists; pass --force to download it again, or --name to "
                               "choose another folder")
-    partial = out_dir.parent / f".{out_dir.name}.download"
+    partial = partial_folder(out_dir)
     made_parent = make_parent(out_dir)
     try:
-        files = fetch_into(partial, repo_id, revision, endpoint)
+        files = fetch_into(partial, repo_id, revision, endpoint, on_files)
         shutil.rmtree(partial / HUB_CACHE, ignore_errors=True)
         move_into_place(partial, out_dir)
     except BaseException as e:
@@ -72,10 +75,18 @@ class NoLlamaCheckpoint(ConversionError):
     """The repo holds no Llama checkpoint the engine reads (another architecture, or no safetensors)."""
 
 
-def fetch_into(partial: Path, repo_id: str, revision: str | None, endpoint: str | None) -> list[str]:
+def partial_folder(out_dir: Path) -> Path:
+    """Where a download into `out_dir` gathers its files (hidden: the engine skips it), and resumes from."""
+    return out_dir.parent / f".{out_dir.name}.download"
+
+
+def fetch_into(partial: Path, repo_id: str, revision: str | None, endpoint: str | None,
+               on_files: Callable[[dict[str, int]], None] | None = None) -> list[str]:
     """Download the checkpoint's files into `partial`; returns their names."""
     info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision, files_metadata=True)
     sizes = {s.rfilename: s.size or 0 for s in info.siblings or [] if WANTED.fullmatch(s.rfilename)}
+    if on_files is not None:
+        on_files(sizes)
     if "config.json" not in sizes or not any(f.endswith(".safetensors") for f in sizes):
         found = ", ".join(sorted(s.rfilename for s in info.siblings or [])[:8]) or "no files"
         raise NoLlamaCheckpoint(f"{repo_id}: expected a transformers checkpoint (config.json and "

@@ -1,7 +1,8 @@
 """Models give their memory back (app/engine/models.py, app/engine/core.py): a model unused for its keep-alive
-(LLAMA_KEEP_ALIVE) is unloaded at the end of a step, with its kept KV caches, and collected; never while a
-request for it runs or waits; the default model stays unless LLAMA_KEEP_ALIVE is set; the next request
-loads it again and gets the same greedy reply. The engine's clock is a fake one here."""
+(LLAMA_KEEP_ALIVE, or a request's KeepAlive until it is unloaded) is unloaded at the end of a step, with its
+kept KV caches, and collected; never while a request for it runs or waits; the default model stays unless
+LLAMA_KEEP_ALIVE is set; the next request loads it again and gets the same greedy reply. The models offered
+are listed again on FindModels. The engine's clock is a fake one here."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch
 from support.checkpoints import write_tiny_checkpoint
 from support.engine import EngineHarness, last, request
 
-from app.messages import Done, EngineStats, Load, Loading, ModelReady, ModelUnloaded, ReplySettings
+from app.messages import (Done, EngineStats, FindModels, KeepAlive, Load, Loading, ModelReady, ModelsFound,
+                          ModelUnloaded, ReplySettings)
 from model.checkpoint import load_checkpoint
 from model.kv_cache import PREFILL_CHUNK
 
@@ -195,3 +197,46 @@ def test_the_next_request_loads_it_again_and_gets_the_same_greedy_reply(weights)
     assert isinstance(again, Done) and again.token_ids == first.token_ids and again.text == first.text
     assert again.stats.reused_tokens == 0  # its kept cache went with the model
     assert sum(isinstance(e, ModelReady) for e in h.events) == 2
+
+
+def test_a_keep_alive_holds_from_when_it_is_sent_until_the_model_is_unloaded(weights):
+    clock, loads = Clock(), Loads()
+    h = engine(weights, clock, loads)  # LLAMA_KEEP_ALIVE unset: the default model stays
+    r = request("Hi", GREEDY)
+    events = h.run(r, KeepAlive("tiny", 0))  # (Ollama's keep_alive 0, sent after its request)
+    assert isinstance(last([e for e in events if getattr(e, "id", None) == r.id]), Done)
+    assert unloaded(h.events) == ["tiny"]  # once the request that came before it had ended
+    assert isinstance(last(h.ask(r := request("Hi", GREEDY))[r.id]), Done) and loads.names == ["tiny", "tiny"]
+    clock.now += 10**9
+    h.step()
+    assert unloaded(h.events) == ["tiny"]  # loaded again: the server's keep-alive again (the default model stays)
+    h.run(KeepAlive("tiny", 30))
+    clock.now += 29.9
+    h.step()
+    assert unloaded(h.events) == ["tiny"]
+    h.run(KeepAlive("tiny", None))  # LLAMA_KEEP_ALIVE's rule again
+    clock.now += 10**9
+    h.step()
+    assert unloaded(h.events) == ["tiny"]
+    h.run(KeepAlive("tiny", 30))
+    clock.now += 30
+    h.step()
+    assert unloaded(h.events) == ["tiny", "tiny"]
+    h.run(KeepAlive("other", 0))  # neither loaded nor loading: nothing, and its next load keeps the rule
+    assert isinstance(last(h.ask(r := request("Hi", GREEDY, model="other"))[r.id]), Done)
+    clock.now += 299
+    h.step()
+    assert unloaded(h.events) == ["tiny", "tiny"] and "other" in h.engine.models.checkpoints
+
+
+def test_the_models_are_listed_again_when_the_weights_folder_changes(weights, tmp_path):
+    (tmp_path / "tiny").symlink_to(weights / "tiny", target_is_directory=True)
+    h = EngineHarness(tmp_path / "tiny", loader=Loads(), weights_dir=str(tmp_path))
+    assert list(h.engine.models.profiles) == ["tiny"]
+    (tmp_path / "new").symlink_to(weights / "other", target_is_directory=True)
+    (tmp_path / ".new.download").mkdir()  # a download under way is no model
+    assert h.run(FindModels()) == [ModelsFound({"tiny": str(tmp_path / "tiny"), "new": str(tmp_path / "new")})]
+    assert isinstance(last(h.ask(r := request("Hi", GREEDY, model="new"))[r.id]), Done)
+    (tmp_path / "new").unlink()
+    assert h.run(FindModels()) == [ModelsFound({"tiny": str(tmp_path / "tiny")})]
+    assert "no model named 'new'" in last(h.ask(r := request("Hi", GREEDY, model="new"))[r.id]).message

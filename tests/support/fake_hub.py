@@ -13,6 +13,7 @@ A missing repo is 404 RepoNotFound; a gated repo answers its files with 401 Gate
 and 403 GatedRepo for a token not granted. `drop_after[path] = n` cuts the first download of that
 file after n bytes; `gone_after_drop` then stops the server, as a network that goes away (from the
 moment of the drop: a request that comes before the server has stopped is hung up on unanswered).
+With `held` (a threading.Event), each file's second half waits until it is set: a download stays under way.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class FakeHub:
         self.drop_after: dict[str, int] = {}
         self.gone_after_drop = False
         self.gone = False  # set at a drop with gone_after_drop: no request is answered any more
+        self.held: threading.Event | None = None  # set: the files' second halves go
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -120,6 +122,13 @@ class FakeHub:
                 if not send_body:
                     return
                 cut = hub.drop_after.pop(name, None)
+                if cut is None and hub.held is not None:
+                    half = start + (len(data) - start) // 2
+                    self.wfile.write(data[start:half])
+                    self.wfile.flush()
+                    hub.held.wait(120)
+                    self.wfile.write(data[half:])
+                    return
                 if cut is None:
                     self.wfile.write(data[start:])
                     return

@@ -95,6 +95,8 @@ class Weights:
             raise Refused(f"{repo_id!r} is not a Hugging Face model id: expected owner/name, e.g. "
                           "meta-llama/Llama-3.2-1B-Instruct (this server pulls from Hugging Face, not from "
                           "Ollama's library)")
+        if repo_id.split("/")[1].startswith("."):  # ".." or a hidden name: the folder would not be the model's
+            raise Refused(f"{repo_id!r} is not a model's name: a name may not begin with '.'")
         key = (repo_id, revision)
         if key in self.pulls:
             return self.pulls[key]

@@ -281,6 +281,10 @@ def test_a_model_is_pulled_from_the_hub_even_if_the_client_goes_away_and_deleted
     with pytest.raises(ollama.ResponseError) as error:
         client.pull("llama3.2")
     assert error.value.status_code == 400 and "owner/name" in error.value.error
+    for outside in ("acme/..", "acme/.", "acme/.Tiny-Pulled.download"):  # never a folder that is not a model's
+        with pytest.raises(ollama.ResponseError) as error:
+            client.pull(outside)
+        assert error.value.status_code == 400 and "may not begin with '.'" in error.value.error
 
 
 # ---- errors -------------------------------------------------------------------------------------

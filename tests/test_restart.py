@@ -280,7 +280,7 @@ def test_a_restart_that_takes_too_long_ends_the_waiting_requests(tiny, monkeypat
 
 
 def test_the_api_answers_a_restart_with_503_and_retry_after():
-    from app.api.routes import failure_error
+    from app.api.pieces import failure_error
 
     for reason in ("restarting", "engine"):
         response = failure_error(Failed("x", "The model is restarting.", reason)).response()

@@ -30,7 +30,7 @@ not have is refused by name too.
 
 Every request goes through the same API key check (LLAMA_API_KEY, as `Authorization: Bearer`: the ollama
 clients send OLLAMA_API_KEY so) and the same guard as /v1 (app.api.guard), and its body through the same
-reader (app.api.routes.json_body, app.bounds.json_problem). Errors are Ollama's `{"error": "..."}` with their
+reader (app.api.body.json_body, app.bounds.json_problem). Errors are Ollama's `{"error": "..."}` with their
 status: 400 for a bad field (named), 401, 404 "model 'x' not found", 413, 415, 500, 503 (busy: retry).
 """
 
@@ -41,7 +41,6 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import msgspec
@@ -60,8 +59,12 @@ from model.tools import read_tools
 
 from app.api.openai import ApiError
 from app.api.parse import ApiRequest, ChatRequest, CompletionRequest, check_calls, json_within, read_body
-from app.api.routes import cancel_on_disconnect, failure_error, json_body
+from app.api import ollama_models
+from app.api.body import json_body
+from app.api.ollama_models import model_named
+from app.api.pieces import cancel_on_disconnect, failure_error
 from app.api.ollama_shapes import (
+    NDJSON,
     Asked,
     ChatBody,
     ChatReply,
@@ -77,9 +80,9 @@ from app.api.ollama_shapes import (
     ReplyMessage,
     TopLogprob,
     Version,
+    now_text,
 )
 
-NDJSON = "application/x-ndjson"
 REPEAT_LAST_N = 64  # tokens the repeat penalty looks back over (model/decoding.py)
 UNLOAD_WAIT_S = 10.0  # an unload waits this long for the model's running requests to end, at most
 UNLOAD_POLL_S = 0.05
@@ -114,24 +117,6 @@ def error_response(error: ApiError) -> Response:
     headers = {k: v for k, v in error.response().headers.items() if k in ("retry-after", "www-authenticate")}
     return Response(msgspec.json.encode(Error(error.message)), status_code=error.status, headers=headers,
                     media_type="application/json")
-
-
-def model_named(named: str | None, profiles: dict) -> str:
-    """Our model by the name a client gives: ours, or Ollama's `name:latest` for it; 404 otherwise."""
-    if not named:
-        raise ApiError(400, "'model' is required: one of the models of GET /api/tags.", param="model")
-    base, _, tag = named.rpartition(":")
-    if named not in profiles and tag == "latest" and base in profiles:
-        return base
-    if named not in profiles:
-        raise ApiError(404, f"model '{named}' not found", param="model", code="model_not_found")
-    return named
-
-
-def now_text(at: float | None = None) -> str:
-    """A moment as Ollama writes it (RFC 3339, UTC)."""
-    moment = datetime.now(timezone.utc) if at is None else datetime.fromtimestamp(at, timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 # ---- reading a request ----------------------------------------------------------------------------
@@ -428,8 +413,6 @@ async def load_or_unload(backend: Backend, run: Run) -> Response:
 def add_routes(router: APIRouter, backend: Backend, max_body_mb: int, weights_dir: Path | None,
                max_context: int) -> None:
     """Ollama's routes on the API's router (its key check too), each answering errors in Ollama's shape."""
-    from app.api import ollama_models
-
     def route(path: str, methods: list[str]):
         def add(endpoint):
             router.add_api_route(path, endpoint, methods=methods, route_class_override=OllamaRoute)

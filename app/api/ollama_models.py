@@ -38,9 +38,8 @@ from app.backend.protocol import Backend, EngineError, is_remote
 from app.weights import InUse, Refused, Weights
 from app.api.openai import ApiError
 from app.api.parse import read_body
-from app.api.routes import json_body
-from app.api.ollama import NDJSON, model_named, now_text
-from app.api.ollama_shapes import Details, Error, ModelBody, ModelEntry, ModelList, Progress, ShowReply
+from app.api.body import json_body
+from app.api.ollama_shapes import NDJSON, Details, Error, ModelBody, ModelEntry, ModelList, Progress, ShowReply, now_text
 
 QUANTIZATION = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "fp64": "F64", "int8": "INT8", "int4": "INT4"}
 FOREVER_S = 2**63 / 1e9  # a model kept until the engine stops expires as Ollama's do: at Go's longest duration
@@ -51,6 +50,19 @@ LLAMA3_TEMPLATE = (  # the Llama 3 chat format (model/chat_format.py), as Ollama
 PARAMETERS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
               "repetition_penalty": "repeat_penalty", "frequency_penalty": "frequency_penalty",
               "presence_penalty": "presence_penalty", "max_new_tokens": "num_predict"}
+
+
+def model_named(named: str | None, profiles: dict) -> str:
+    """Our model by the name a client gives: ours, or Ollama's `name:latest` for it; 404 otherwise."""
+    if not named:
+        raise ApiError(400, "'model' is required: one of the models of GET /api/tags.", param="model")
+    base, _, tag = named.rpartition(":")
+    if named not in profiles and tag == "latest" and base in profiles:
+        return base
+    if named not in profiles:
+        raise ApiError(404, f"model '{named}' not found", param="model", code="model_not_found")
+    return named
+
 
 
 def entry(backend: Backend, name: str, started: float) -> ModelEntry:

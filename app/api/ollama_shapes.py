@@ -10,6 +10,7 @@ do not have (`UNSET`), as Ollama's do: the statistics are in the last object of 
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -35,6 +36,15 @@ from app.api.openai import Tool
 # The version of Ollama's API these routes follow (GET /api/version): structured outputs (0.5) and tool calls,
 # before thinking models (0.9). Clients read it to tell what they may ask for.
 OLLAMA_VERSION = "0.6.8"
+
+NDJSON = "application/x-ndjson"  # a streamed reply: one JSON object a line
+
+
+def now_text(at: float | None = None) -> str:
+    """A moment as Ollama writes it (RFC 3339, UTC)."""
+    moment = datetime.now(timezone.utc) if at is None else datetime.fromtimestamp(at, timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
 
 
 # ---- the bodies ---------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ class ApiError(Exception):
     def body(self) -> ErrorBody:
         return ErrorBody(ErrorObject(self.message, self.type, self.param, self.code))
 
-    def response(self) -> JSONResponse:
+    def response(self) -> Response:
         headers = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": str(RETRY_AFTER_S)},
                    503: {"Retry-After": str(RETRY_AFTER_S)}}.get(self.status)
         return Response(msgspec.json.encode(self.body()), status_code=self.status, headers=headers,

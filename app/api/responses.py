@@ -42,7 +42,8 @@ from fastapi.responses import StreamingResponse
 from app.api import responses_shapes as shapes
 from app.api.openai import ApiError
 from app.api.parse import ChatRequest, has_files, parse_chat, read_body
-from app.api.routes import Finish, Piece, cancel_on_disconnect, json_body, json_response, pieces
+from app.api.body import json_body, json_response
+from app.api.pieces import Finish, Piece, cancel_on_disconnect, pieces
 from app.api.openai import Usage
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy
 from app.files.read import READERS

@@ -48,12 +48,10 @@ import contextlib
 import gc
 import hashlib
 import hmac
-import json
 import logging
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI
@@ -65,10 +63,13 @@ from msgspec import UNSET, Struct, UnsetType
 
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote
 from app.files.read import READERS
-from app.messages import Done, Failed, Text, TokenLogprob
+from app.messages import TokenLogprob
 from app.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from app.api.metrics import Metrics
+from app.api import ollama, responses
+from app.api.body import json_body, json_response
 from app.api.parse import ApiRequest, ChatRequest, has_files, parse_chat, parse_completion
+from app.api.pieces import Finish, Piece, cancel_on_disconnect, pieces
 from app.api.openai import (
     ApiError,
     Call,
@@ -82,7 +83,6 @@ from app.api.openai import (
     Delta,
     ModelCard,
     ModelList,
-    PromptTokensDetails,
     ReplyMessage,
     TextChoice,
     TextCompletion,
@@ -96,47 +96,6 @@ from app.web.users import LOCAL_USER, utf8
 
 log = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.25
-
-
-# ---- the reply ----------------------------------------------------------------------------------
-
-@dataclass
-class Piece:
-    index: int  # which of the n replies
-    text: str
-    logprobs: list[TokenLogprob]
-
-
-@dataclass
-class Finish:
-    index: int
-    reason: str  # "stop", "length" or "tool_calls"
-    tool_calls: list[dict]
-
-
-async def pieces(request) -> AsyncIterator[Piece | Finish | Usage]:
-    """The replies' text in pieces (the engine cuts it at a stop string), a Finish for each, then the
-    Usage of them all. Raises ApiError when the request cannot be answered (before any text, except
-    for a failure midway). A reply whose JSON schema could not be followed to its end is a 400 naming
-    response_format: the schema, not the server, is what failed, and the same request would fail again."""
-    prompt_tokens, completion_tokens, cached_tokens = 0, 0, 0
-    async for event in request:
-        if isinstance(event, Text):
-            yield Piece(event.index, event.text, event.logprobs)
-        elif isinstance(event, Failed):
-            raise failure_error(event)
-        elif isinstance(event, Done):
-            if event.finish_reason == "constraint_failed":  # (the tools' schemas, for a call tool_choice asks for)
-                param = "tools" if event.error.startswith("tools") else "response_format"
-                raise ApiError(400, event.error, param=param, code="json_schema_failed")
-            prompt_tokens = max(prompt_tokens, event.stats.prompt_tokens)  # the n replies share one prompt
-            cached_tokens = max(cached_tokens, event.stats.reused_tokens)  # (kept caches are of this user only)
-            completion_tokens += event.stats.new_tokens
-            reason = "tool_calls" if event.tool_calls else "length" if event.finish_reason == "length" else "stop"
-            yield Finish(event.index, reason, event.tool_calls)
-    yield Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, PromptTokensDetails(cached_tokens))
-
 
 def key_user(api_key: str) -> str:
     """Whose requests the ones with this key are: one identity for whoever holds it, which no sign-in name
@@ -144,59 +103,7 @@ def key_user(api_key: str) -> str:
     return "api key " + hashlib.sha256(utf8(api_key)).hexdigest()[:16]
 
 
-def failure_error(failed: Failed) -> ApiError:
-    if failed.reason == "prompt_too_long":
-        return ApiError(400, failed.message, param="messages", code="context_length_exceeded")
-    tools = failed.message.startswith("tools")  # (the engine names the tools where they are what it refuses)
-    if failed.reason == "bad_request":
-        return ApiError(400, failed.message, param="tools" if tools else None)
-    if failed.reason == "bad_schema":
-        return ApiError(400, failed.message, param=failed.message.split(":")[0] if tools else "response_format",
-                        code="invalid_function_parameters" if tools else "invalid_json_schema")
-    return ApiError(500 if failed.reason == "error" else 503, failed.message, type="server_error")
-
-
-async def cancel_on_disconnect(http_request: HttpRequest, request) -> None:
-    """Cancel the request when its client goes away (checked a few times a second)."""
-    while True:
-        if await http_request.is_disconnected():
-            log.info("request %s: the client went away; cancelled", request.id)
-            request.cancel()
-            return
-        await asyncio.sleep(DISCONNECT_POLL_S)
-
-
 # ---- routes -------------------------------------------------------------------------------------
-
-async def json_body(http_request: HttpRequest, max_mb: int = DEFAULT_MAX_BODY_MB) -> object:
-    """The request's JSON body, of at most max_mb MB (413 past it, read no further). Only application/json
-    is read (415 otherwise): a web page may send text/plain to another site without the browser asking
-    that site first, application/json it may not."""
-    kind = http_request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if kind != "application/json":
-        raise ApiError(415, f"Expected a body of Content-Type application/json, found {kind or 'none'}.",
-                       code="unsupported_media_type")
-    too_large = ApiError(413, f"The request body is larger than {max_mb} MB (LLAMA_MAX_BODY_MB). A file sent in it "
-                              f"takes 4/3 of its size as base64: files of up to {max_mb * 3 / 4:g} MB or so fit.",
-                         code="request_too_large")
-    limit, declared = max_mb * 2**20, http_request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    body = bytearray()
-    async for chunk in http_request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
-    try:
-        # json.loads reads "\ud800" escapes as lone surrogates, NaN and Infinity as floats, 1e400 as inf
-        # and integers of any size (up to 4300 digits), so that app.bounds.json_problem can name where
-        # they are; msgspec's decoder refuses the first two without saying where. Deep nesting stops it.
-        return json.loads(body)
-    except RecursionError:
-        raise ApiError(400, "The request body is not valid JSON: it nests too deeply.") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"The request body is not valid JSON: {e}.") from None
-
 
 def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
                   stored=dict, weights_dir: Path | None = None, max_context: int = DEFAULT_MAX_CONTEXT) -> APIRouter:
@@ -261,7 +168,6 @@ def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int
             completion.prompt, completion.model, completion.settings, **completion.options(),
             user=http_request.state.user))
 
-    from app.api import ollama, responses  # (they build on this module's pieces)
     responses.add_routes(router, backend, max_body_mb)
     ollama.add_routes(router, backend, max_body_mb, weights_dir, max_context)
     return router
@@ -392,10 +298,6 @@ def call_fields(call: dict) -> dict:
     function = call.get("function") or {}
     return {"id": call.get("id"), "type": call.get("type", "function"),
             "function": CallFunction(function.get("name", ""), function.get("arguments", ""))}
-
-
-def json_response(shape: Struct, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(shape), status_code=status, media_type="application/json")
 
 
 def sse(shape: Struct) -> str:

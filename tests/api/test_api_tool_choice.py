@@ -13,7 +13,7 @@ import openai
 import pytest
 from support.servers import ApiServer, server_env
 
-from app.api.routes import failure_error
+from app.api.pieces import failure_error
 from app.messages import Failed
 
 pytestmark = pytest.mark.timeout(300)

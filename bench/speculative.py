@@ -2,6 +2,15 @@
 
     python bench/speculative.py [--rounds 2] [--tokens 256] [--penalty 1.0|model] [--threads N] [--skip-1b] [--out FILE]
                                 [--chart] [--chart-from FILE]
+    python bench/speculative.py --served [--rounds 3] [--tokens 256] [--threads N] [--asks held-out|tuning] [--out FILE]
+
+`--served` measures where users meet it: two API servers (`python -m app.api`, engine process and
+all) on the default model, one with LLAMA_SPECULATE=off and one with the default (auto), asked in
+turn through /v1/chat/completions, temperature 0, `--tokens` at most, the server's other defaults
+(the checkpoint's repetition penalty); each ask's wall time as the client sees it, the median of
+`--rounds`, and the ratio off / auto (above 1: speculation is faster). The asks are the held-out set
+below (12 that copy their input, half of them code edits, and 8 plain questions), which the
+speculation policy was not tuned on; `--asks tuning` takes the engine mode's own sets instead.
 
 1. The default model (real weights, as the app serves it), one stream, temperature 0, through the engine
    (app/engine/core.py, in this process, without sockets): asks whose answer repeats the prompt (fixing
@@ -78,6 +87,62 @@ QUESTIONS = {
     "airplanes": "How do airplanes fly?",
 }
 
+# The held-out set: never used to choose the speculation policy's constants; its figures are the ones reported.
+INVENTORY = "hammer 12\nscrewdriver 30\nwrench 7\npliers 15\ntape measure 9\nlevel 4\nsaw 6\nchisel 11"
+HANDLER = '''def handle(request):
+    user = request.user
+    if user is None:
+        return {"status": 401, "error": "sign in first"}
+    items = load_items(user.id)
+    total = sum(item.price for item in items)
+    return {"status": 200, "items": items, "total": total}
+'''
+LOOP = '''for i in range(len(names)):
+    name = names[i]
+    if name.startswith("_"):
+        continue
+    print(i, name.upper())
+'''
+CLASS = '''class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def add(self, n):
+        self.count = self.count + n
+
+    def reset(self):
+        self.count = 0
+'''
+LETTER = ("Dear Ms. Alvarez, thank you for your letter of March 3. We have checked the order you described and "
+          "found that two of the six chairs were sent to the wrong address. New chairs will leave our store on "
+          "Monday and should reach you by Thursday. We are sorry for the trouble.")
+HELD_OUT_COPY = {
+    "python to js": "Translate this Python into JavaScript, keeping every name and line:\n\n" + HANDLER,
+    "add type hints": "Add type hints to every function of this class and give back the whole class:\n\n" + CLASS,
+    "rename function arg": "Rename `names` to `labels` everywhere in this code and give back all of it:\n\n" + LOOP,
+    "add docstrings": "Add a one-line docstring to each method of this class and give back the whole class:\n\n"
+                      + CLASS,
+    "401 to 403": "This handler should return 403 instead of 401. Give back the whole function with that change:"
+                       "\n\n" + HANDLER,
+    "enumerate loop": "Rewrite this loop with enumerate() and give back the whole loop:\n\n" + LOOP,
+    "table of stock": "Turn this inventory into a Markdown table with the columns Tool and Count:\n\n" + INVENTORY,
+    "sort inventory": "Sort this inventory alphabetically, one item a line, as written:\n\n" + INVENTORY,
+    "letter formal": "Copy this letter, replacing \"chairs\" with \"tables\" everywhere:\n\n" + LETTER,
+    "letter bullets": "Give every sentence of this letter as a bullet point, word for word:\n\n" + LETTER,
+    "json of stock": "Write this inventory as a JSON object mapping each tool to its count:\n\n" + INVENTORY,
+    "quote the letter": "Quote this letter exactly, then say who it is addressed to:\n\n" + LETTER,
+}
+HELD_OUT_QUESTIONS = {
+    "moon": "Why does the Moon have phases?",
+    "bread": "How do I bake a simple loaf of bread?",
+    "python list": "What is the difference between a list and a tuple in Python?",
+    "exercise": "Suggest a short morning exercise routine.",
+    "volcano": "Explain how a volcano erupts.",
+    "poem": "Write a four-line poem about the sea.",
+    "interest": "What is compound interest? Give an example.",
+    "rain": "Why is the sky grey when it rains?",
+}
+
 
 MODEL = DEFAULT_MODEL_NAME
 
@@ -131,6 +196,62 @@ def many_streams(harness_for, asks: list[str], rounds: int, settings) -> dict:
     print(f"  {len(asks)} streams: off {best['off']:.1f}  auto {best['auto']:.1f} tokens/s  "
           f"{result['ratio']:.3f}x  same text: {result['same_text']}", flush=True)
     return result
+
+
+def served(asks: dict[str, dict[str, str]], rounds: int, tokens: int, threads: int | None) -> dict:
+    """Two API servers, speculation off and auto, asked in turn: each ask's median wall time, off / auto."""
+    import statistics
+    import tempfile
+
+    import httpx
+    from support.servers import DEFAULT_MODEL, ApiServer, server_env
+    from support.special_checkpoints import default_model
+
+    default_model()
+    folder = Path(tempfile.mkdtemp(prefix="speculative-served-"))
+    extra = {"threads": threads} if threads else {}
+    servers = {mode: ApiServer(server_env(checkpoint=DEFAULT_MODEL, weights_dir=DEFAULT_MODEL.parent, speculate=mode,
+                                          kv_cache_mb=0, **extra), folder / f"{mode}.log")
+               for mode in ("off", "auto")}
+    results: dict[str, list[dict]] = {}
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        with httpx.Client(timeout=600) as client:
+            def ask(mode: str, text: str) -> tuple[float, str, int]:
+                started = time.perf_counter()
+                r = client.post(f"{servers[mode].url}/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": text}], "temperature": 0,
+                    "max_tokens": tokens})
+                seconds = time.perf_counter() - started
+                r.raise_for_status()
+                body = r.json()
+                return seconds, body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
+
+            for kind, named in asks.items():
+                print(f"Served, {kind}:", flush=True)
+                rows = []
+                for name, text in named.items():
+                    times: dict[str, list[float]] = {"off": [], "auto": []}
+                    texts = {}
+                    ask("auto", text)  # once unmeasured: both servers' caches of code and memory warm alike
+                    ask("off", text)
+                    for r in range(rounds):
+                        for mode in (("off", "auto") if r % 2 == 0 else ("auto", "off")):
+                            seconds, texts[mode], n = ask(mode, text)
+                            times[mode].append(seconds)
+                    off, auto = statistics.median(times["off"]), statistics.median(times["auto"])
+                    rows.append({"ask": name, "tokens": n, "off_s": off, "auto_s": auto, "ratio": off / auto,
+                                 "same_text": texts["off"] == texts["auto"]})
+                    print(f"  {name:20} {n:4d} tokens  off {off:6.2f} s  auto {auto:6.2f} s  {off / auto:.2f}x  "
+                          f"same text: {rows[-1]['same_text']}", flush=True)
+                results[kind] = rows
+                print(f"  {kind}: geometric mean {geometric_mean([r['ratio'] for r in rows]):.2f}x, slowest "
+                      f"{min(r['ratio'] for r in rows):.2f}x", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return results
 
 
 def one_billion(tokens: int) -> dict:
@@ -222,7 +343,20 @@ def main() -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--chart", action="store_true", help="draw docs/benchmarks-speculative.png (matplotlib)")
     p.add_argument("--chart-from", default=None, help="only draw the chart, from the JSON of an earlier --out")
+    p.add_argument("--served", action="store_true", help="through the API: two servers, off and auto, in turn")
+    p.add_argument("--asks", choices=("held-out", "tuning"), default="held-out", help="the served mode's asks")
     args = p.parse_args()
+    if args.served:
+        asks = ({"copy asks": HELD_OUT_COPY, "plain questions": HELD_OUT_QUESTIONS} if args.asks == "held-out" else
+                {"copy asks": GROUNDED, "plain questions": QUESTIONS})
+        results = {"machine": machine(), "tokens": args.tokens, "rounds": args.rounds, "asks": args.asks}
+        print(f"[bench] {results['machine']['cpu']}, served, {args.asks} asks", flush=True)
+        results["served"] = served(asks, args.rounds, args.tokens, args.threads)
+        for kind, rows in results["served"].items():
+            results[f"{kind} geomean"] = geometric_mean([r["ratio"] for r in rows])
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        return 0
     if args.chart_from:
         print(chart(json.loads(Path(args.chart_from).read_text())))
         return 0

@@ -14,12 +14,14 @@ from app.api.openai import ApiError
 from app.settings import DEFAULT_MAX_BODY_MB
 
 
-async def json_body(http_request: HttpRequest, max_mb: int = DEFAULT_MAX_BODY_MB) -> object:
+async def json_body(http_request: HttpRequest, max_mb: int = DEFAULT_MAX_BODY_MB, any_type: bool = False) -> object:
     """The request's JSON body, of at most max_mb MB (413 past it, read no further). Only application/json
     is read (415 otherwise): a web page may send text/plain to another site without the browser asking
-    that site first, application/json it may not."""
+    that site first, application/json it may not. any_type: a body of another declared type (or none) is
+    read too from a request that names no Origin, as Ollama reads `curl -d '{...}'` (form-urlencoded);
+    a browser names the page's origin in every POST, so a page's text/plain is still refused."""
     kind = http_request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if kind != "application/json":
+    if kind != "application/json" and not (any_type and "origin" not in http_request.headers):
         raise ApiError(415, f"Expected a body of Content-Type application/json, found {kind or 'none'}.",
                        code="unsupported_media_type")
     too_large = ApiError(413, f"The request body is larger than {max_mb} MB (LLAMA_MAX_BODY_MB). A file sent in it "

@@ -181,7 +181,7 @@ def add_routes(route, backend: Backend, max_body_mb: int, weights_dir: Path | No
 
     @route("/api/show", ["POST"])
     async def show_model(http_request: HttpRequest) -> Response:
-        name, _ = model_asked(await json_body(http_request, max_body_mb), backend.profiles)
+        name, _ = model_asked(await json_body(http_request, max_body_mb, any_type=True), backend.profiles)
         return json(await asyncio.to_thread(show, backend, name, max_context, started))
 
     @route("/api/ps", ["GET"])
@@ -192,7 +192,7 @@ def add_routes(route, backend: Backend, max_body_mb: int, weights_dir: Path | No
 
     @route("/api/delete", ["DELETE"])
     async def delete(http_request: HttpRequest) -> Response:
-        name, _ = model_asked(await json_body(http_request, max_body_mb), backend.profiles)
+        name, _ = model_asked(await json_body(http_request, max_body_mb, any_type=True), backend.profiles)
         try:
             await weights.remove(name)
         except InUse as e:
@@ -203,7 +203,7 @@ def add_routes(route, backend: Backend, max_body_mb: int, weights_dir: Path | No
 
     @route("/api/pull", ["POST"])
     async def pull(http_request: HttpRequest) -> Response:
-        named, asked = model_asked(await json_body(http_request, max_body_mb), None)
+        named, asked = model_asked(await json_body(http_request, max_body_mb, any_type=True), None)
         repo_id, revision = hub_name(named)
         try:
             job = await weights.pull(repo_id, revision)

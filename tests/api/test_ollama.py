@@ -339,10 +339,25 @@ def test_a_bad_field_is_a_400_naming_it_in_ollamas_shape(server, path, body, fie
 
 def test_bodies_that_are_not_json_objects_are_refused(server):
     for content, kind, status in ((b"{not json", "application/json", 400), (b"[]", "application/json", 400),
-                                  (b'{"model": "tiny"}', "text/plain", 415)):
+                                  (b"{not json", "application/x-www-form-urlencoded", 400)):
         response = httpx.post(f"{server.url}/api/chat", content=content,
                               headers={"Authorization": f"Bearer {KEY}", "Content-Type": kind})
         assert response.status_code == status and set(response.json()) == {"error"}
+
+
+def test_a_body_sent_as_curl_d_sends_it_is_read_and_a_pages_text_plain_is_not(server):
+    """Ollama's own examples send `curl -d '{...}'`: form-urlencoded, or no type at all from other tools."""
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "stream": False, "options": {"num_predict": 2}}).encode()
+    for kind in ("application/x-www-form-urlencoded", None, "text/plain"):
+        headers = {"Authorization": f"Bearer {KEY}"} | ({"Content-Type": kind} if kind else {})
+        response = httpx.post(f"{server.url}/api/generate", content=body, headers=headers, timeout=120)
+        assert response.status_code == 200 and response.json()["done"] is True, (kind, response.text)
+    page = httpx.post(f"{server.url}/api/generate", content=body, timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "text/plain", "Origin": server.url})
+    assert page.status_code == 415 and "application/json" in page.json()["error"]
+    show = httpx.post(f"{server.url}/api/show", content=b'{"model": "tiny"}', timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/x-www-form-urlencoded"})
+    assert show.status_code == 200 and "details" in show.json()
 
 
 def test_an_unknown_model_is_a_404(client, server):

@@ -55,7 +55,7 @@ def main() -> int:
                 parallel = [i % 2 == 1 for i in range(args.replies)]
                 started = time.perf_counter()
                 replies = ask_all(server.url, KEY, [body(i, tool_choice, parallel[i], model=folder.name)
-                                                    for i in range(args.replies)], stream)
+                                                    for i in range(args.replies)], stream, timeout=3600)
                 seconds = time.perf_counter() - started
                 wrong = problems(replies, tool_choice, parallel)
                 bad = len({w.split(":")[0] for w in wrong})

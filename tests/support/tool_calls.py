@@ -30,7 +30,8 @@ TOOLS = [
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
-def ask_all(url: str, key: str, bodies: list[dict], stream: bool) -> list[tuple[str | None, list[dict], str]]:
+def ask_all(url: str, key: str, bodies: list[dict], stream: bool,
+            timeout: float = 120) -> list[tuple[str | None, list[dict], str]]:
     """Each body's reply, asked 16 at a time: (content, calls as {"id", "name", "arguments"}, finish_reason).
     Streamed, the content is every content delta joined (None if there was none but the first, empty one)."""
     async def one(client, body, seats):
@@ -55,7 +56,7 @@ def ask_all(url: str, key: str, bodies: list[dict], stream: bool) -> list[tuple[
 
     async def run():
         seats = asyncio.Semaphore(16)
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120) as client:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=timeout) as client:
             return await asyncio.gather(*(one(client, body, seats) for body in bodies))
 
     return asyncio.run(run())

@@ -2,7 +2,9 @@
 
 Their harness (`utils.py`, `ServerProcess.start`) starts a `llama-server` binary with the settings a test gave
 it; here `start` points the test at `python -m app.api` instead, started with the settings of theirs that we
-have (API key, context size, reply length) and kept for the next test that asks for the same ones. The model
+have (API key, context size, reply length) and kept for the next test that asks for the same ones. llama-server
+also answers some OpenAI routes without their /v1 (`/chat/completions`), which their tests mostly call: those
+paths get the /v1 here; its own routes (`/completion`, `/slots`, `/props`, `/tokenize`, ...) go as they are. The model
 is the random Llama 3 checkpoint that `COMPAT_WEIGHTS` (a weights folder) holds, named as their preset's
 alias, so a test that names its model finds it. Load it with `-p llamacpp_shim`, with this folder and the
 project's `tests/` on the path.
@@ -46,11 +48,20 @@ def start(self, timeout_seconds: int = utils.DEFAULT_HTTP_TIMEOUT) -> None:
     utils.server_instances.add(self)
 
 
+OPENAI_PATHS = ("/chat/completions", "/models", "/responses", "/embeddings")  # (/completions is its own route there)
+their_url = utils.ServerProcess.make_url
+
+
+def make_url(self, path: str, host: str | None = None) -> str:
+    return their_url(self, f"/v1{path}" if path.startswith(OPENAI_PATHS) else path, host)
+
+
 def stop(self) -> None:
     utils.server_instances.discard(self)
 
 
 utils.ServerProcess.start = start
 utils.ServerProcess.stop = stop
+utils.ServerProcess.make_url = make_url
 utils.ServerPreset.load_all = staticmethod(lambda: None)  # (downloads their models)
 atexit.register(lambda: [server.stop() for server in servers.values()])

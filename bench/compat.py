@@ -112,7 +112,7 @@ def main() -> None:
     print(f"llama.cpp tests from {archive.name}\n")
     print("| client | check | result | reason |\n|---|---|---|---|")
     for client, check, outcome, reason in rows:
-        print(f"| {client} | {check} | {outcome} | {reason.replace('|', '/')} |")
+        print(f"| {client} | {check.replace('|', '&#124;')} | {outcome} | {reason.replace('|', '&#124;')} |")
     counts = {o: sum(1 for r in rows if r[2] == o) for o in ("pass", "fail", "skip")}
     print(f"\n{counts['pass']} pass, {counts['fail']} fail, {counts['skip']} skip")
 

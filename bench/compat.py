@@ -90,14 +90,12 @@ def llamacpp_rows(archive: Path, files: list[str]) -> list[tuple[str, str, str, 
 
 
 def client_rows() -> list[tuple[str, str, str, str]]:
-    rows = run_pytest(["tests/api/test_clients.py"], ROOT, dict(os.environ))
-    named = []
-    for test, outcome, reason in rows:
+    rows = []
+    for test, outcome, reason in run_pytest(["tests/api/test_clients.py"], ROOT, dict(os.environ)):
         name = test.split("::")[1].removeprefix("test_")
-        client = next((c for prefix, c in CLIENTS.items() if name.startswith(prefix)), "?")
-        named.append((client, name.removeprefix(next(p for p, c in CLIENTS.items() if c == client) + "_")
-                      if client != "?" else name, outcome, reason))
-    return named
+        prefix = next((p for p in CLIENTS if name.startswith(p + "_")), "")
+        rows.append((CLIENTS.get(prefix, "?"), name.removeprefix(prefix + "_"), outcome, reason))
+    return rows
 
 
 def main() -> None:

@@ -4,7 +4,8 @@ langchain-openai on the Responses API and langchain-ollama, each as its own docu
 Two models are served: "tiny", a random Llama 3 checkpoint (greedy, its text is garbage but always the same, so
 a streamed reply must join to the reply asked whole; a call that tool_choice asks for is constrained to the
 tool's schema), and "caller", a scripted one that answers every prompt with the Llama 3.2 call
-`[get_weather(city="Paris")]`, for clients that have no tool_choice.
+`[get_weather(city="Paris")]`, for clients that have no tool_choice, and "city", another that answers
+`{"city": "Paris"}`, for Ollama's format "json" (a random model's JSON strings may never end).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ KEY = "clients-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 QUESTION = "What is the weather in Paris?"
 CALL = '[get_weather(city="Paris")]'
+CITY = '{"city": "Paris"}'
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                              "parameters": {"type": "object", "properties": {
                                                  "city": {"type": "string", "description": "The city"}},
@@ -46,6 +48,7 @@ def server(tmp_path_factory):
     weights = tmp_path_factory.mktemp("weights")
     tiny = write_tiny_checkpoint(weights / "tiny")
     write_scripted_checkpoint(weights / "caller", CALL)
+    write_scripted_checkpoint(weights / "city", CITY)
     server = ApiServer(server_env(checkpoint=tiny, weights_dir=weights, dtype="fp32", threads=1, api_key=KEY),
                        log=weights.parent / "api.log")
     try:
@@ -73,7 +76,7 @@ def test_ollama_chat_streamed_joins_to_the_whole_reply(ollama_client):
     assert parts[-1].done and parts[-1].eval_count == whole.eval_count
 
 
-def test_ollama_generate_and_json_format(ollama_client):
+def test_ollama_generate_and_json_formats(ollama_client):
     whole = ollama_client.generate(model="tiny", prompt=QUESTION, options={"temperature": 0, "num_predict": 12})
     streamed = ollama_client.generate(model="tiny", prompt=QUESTION, options={"temperature": 0, "num_predict": 12},
                                       stream=True)
@@ -81,6 +84,8 @@ def test_ollama_generate_and_json_format(ollama_client):
     answer = ollama_client.chat(model="tiny", messages=[{"role": "user", "content": "A color, in JSON"}],
                                 format=COLOR, options={"temperature": 0, "num_predict": 64})
     assert json.loads(answer.message.content)["color"] in ("red", "green", "blue")  # a random model, constrained
+    answer = ollama_client.chat(model="city", messages=[{"role": "user", "content": "A city, in JSON"}], format="json")
+    assert json.loads(answer.message.content) == {"city": "Paris"}
 
 
 def test_ollama_tool_call_names_the_tool_with_its_arguments(ollama_client):
@@ -92,7 +97,7 @@ def test_ollama_tool_call_names_the_tool_with_its_arguments(ollama_client):
 
 
 def test_ollama_models_list_show_ps_version(ollama_client):
-    assert {"tiny", "caller"} <= {m.model.split(":")[0] for m in ollama_client.list().models}
+    assert {m.model.split(":")[0] for m in ollama_client.list().models} == {"tiny", "caller", "city"}
     shown = ollama_client.show("tiny")
     assert "tools" in shown.capabilities and shown.details.family
     ollama_client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 1})

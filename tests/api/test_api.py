@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 import torch
+from support.scripted_backend import ScriptedBackend
 from support.servers import ChainlitServer, server_env
 
 from app.api.parse import parse_chat, parse_completion
@@ -490,31 +491,6 @@ def test_bad_completion_requests_name_the_parameter(body, param):
 
 # ---- tool calls in OpenAI's shape (the engine's side: tests/test_engine.py, tests/test_tools.py) ----
 
-class ScriptedReply:
-    """What a backend's stream() returns, with events given in advance."""
-
-    def __init__(self, events):
-        self.id, self.events = "scripted", events
-
-    def cancel(self):
-        pass
-
-    async def __aiter__(self):
-        for event in self.events:
-            yield event
-
-
-class ScriptedBackend:
-    profiles, default, ready, observers = {"tiny": "/nowhere"}, "tiny", True, []
-
-    def __init__(self, events):
-        self.events, self.asked = events, []
-
-    def stream(self, conversation, settings, **options):
-        self.asked.append(conversation)
-        return ScriptedReply(self.events)
-
-
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -549,7 +525,7 @@ def test_a_tool_call_comes_back_as_openai_tool_calls(stream):
     assert finish == "tool_calls" and len(calls) == 1
     assert (calls[0].id, calls[0].function.name, calls[0].function.arguments) == ("call_1", "get_weather",
                                                                                   '{"city": "Paris"}')
-    [conversation] = backend.asked  # the call and its result went on as messages of their own
+    [(conversation, _, _)] = backend.asked  # the call and its result went on as messages of their own
     assert [(m.role, m.tool_call_id) for m in conversation.messages] == [("user", None), ("assistant", None),
                                                                          ("tool", "call_1")]
     assert conversation.messages[1].tool_calls == [CALL]

@@ -20,6 +20,7 @@ import ollama
 import pytest
 from support.checkpoints import write_tiny_checkpoint
 from support.fake_hub import FakeHub
+from support.scripted_backend import ScriptedBackend
 from support.servers import ChainlitServer, server_env
 
 pytestmark = pytest.mark.timeout(300)
@@ -392,37 +393,6 @@ def test_the_guard_covers_ollamas_routes(server):
 
 
 # ---- without a server ---------------------------------------------------------------------------
-
-class ScriptedReply:
-    def __init__(self, events):
-        self.id, self.events = "scripted", events
-
-    def cancel(self):
-        pass
-
-    async def __aiter__(self):
-        for event in self.events:
-            yield event
-
-
-class ScriptedBackend:
-    """What the routes need of a backend, with the events of each reply given in advance."""
-
-    profiles, default, ready, observers = {"tiny": "/nowhere/tiny"}, "tiny", True, []
-
-    def __init__(self, events):
-        self.events, self.asked, self.kept = events, [], []
-
-    def in_memory(self, name):
-        return True
-
-    def keep_alive(self, name, seconds):
-        self.kept.append((name, seconds))
-
-    def stream(self, conversation, settings, **options):
-        self.asked.append((conversation, settings, options))
-        return ScriptedReply(self.events)
-
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 

@@ -182,7 +182,8 @@ def test_a_file_in_the_input_is_read(client):
 # ---- function calls (a scripted backend, as tests/api/test_api.py's) ----------------------------
 
 def test_function_calls_go_out_as_items_and_their_outputs_come_back():
-    from test_api import CALL, ScriptedBackend
+    from support.scripted_backend import ScriptedBackend
+    from test_api import CALL
 
     from app.api.routes import create_app
     from app.messages import Done, Stats
@@ -213,7 +214,7 @@ def test_function_calls_go_out_as_items_and_their_outputs_come_back():
                      "response.function_call_arguments.delta", "response.function_call_arguments.done",
                      "response.output_item.done", "response.completed"]
     assert streamed[4].arguments == CALL["function"]["arguments"]
-    first, _, then = backend.asked  # the call and its output went on as the chat route's messages
+    (first, _, _), _, (then, _, _) = backend.asked  # the call and its output went on as the chat route's messages
     assert [(m.role, m.tool_call_id) for m in then.messages] == [("user", None), ("assistant", None),
                                                                  ("tool", "call_1")]
     assert then.messages[1].tool_calls[0]["function"]["name"] == "get_weather"

@@ -350,6 +350,8 @@ def test_the_engine_killed_under_load_leaves_no_request_without_an_end(api_serve
         for _ in range(KILLS):
             time.sleep(2.0)
             pid = engine_pid(api_server)
+            assert pid is not None, (f"no engine process under the server (its exit code: {api_server.process.poll()})"
+                                     f": {api_server.log()}")
             pids.append(pid)
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 90

@@ -349,7 +349,9 @@ def test_the_engine_killed_under_load_leaves_no_request_without_an_end(api_serve
     try:
         for _ in range(KILLS):
             time.sleep(2.0)
-            pid = engine_pid(api_server)
+            found = time.monotonic() + 90  # (an engine being started again is not there yet)
+            while (pid := engine_pid(api_server)) is None and time.monotonic() < found:
+                time.sleep(0.1)
             assert pid is not None, (f"no engine process under the server (its exit code: {api_server.process.poll()})"
                                      f": {api_server.log()}")
             pids.append(pid)

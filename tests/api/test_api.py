@@ -41,12 +41,7 @@ def server(tiny, tmp_path_factory):
     env.pop("CHAINLIT_AUTH_SECRET", None)
     server = ChainlitServer(env, log=folder / "chainlit.log")
     server.history_db = folder / "history.db"
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-    assert "Traceback" not in server.log_path.read_text(errors="replace")
+    yield from server.running()
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,7 @@ def server(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tool-choice")
     server = ApiServer(server_env(checkpoint=tiny, weights_dir=tiny.parent, dtype="fp32", threads=1, api_key=KEY,
                                   max_batch=16), log=folder / "api.log")
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-    assert "Traceback" not in server.log_path.read_text(errors="replace")
+    yield from server.running()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

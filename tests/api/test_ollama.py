@@ -55,12 +55,7 @@ def server(tiny, hub, tmp_path_factory):
     env |= {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HOME": str(folder / "hf")}
     env.pop("HF_TOKEN", None)
     server = ChainlitServer(env, log=folder / "chainlit.log")
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-    assert "Traceback" not in server.log_path.read_text(errors="replace")
+    yield from server.running()
 
 
 @pytest.fixture(scope="module")

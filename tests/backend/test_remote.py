@@ -37,12 +37,7 @@ def backend(tiny, tmp_path_factory):
     env = server_env(checkpoint=tiny, weights_dir=tiny.parent, dtype="fp32", threads=1, max_context=MAX_CONTEXT,
                      api_key=KEY)
     server = ApiServer(env, log=tmp_path_factory.mktemp("backend") / "api.log")
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-    assert "Traceback" not in server.log_path.read_text(errors="replace")
+    yield from server.running()
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,20 @@ class ChainlitServer:
             time.sleep(0.3)
         raise TimeoutError(f"chainlit did not answer /health within {timeout:.0f} s:\n{self.log()}")
 
+    def running(self):
+        """For a fixture (`yield from server.running()`): the server once it answers, stopped after; then it must
+        not have ended on its own meanwhile, and its log must hold no traceback."""
+        ended = None
+        try:
+            self.wait_ready()
+            yield self
+        finally:
+            ended = self.process.poll()  # None: still running, as it should be
+            self.stop()
+        log = self.log_path.read_text(errors="replace")
+        assert ended is None, f"the server ended by itself (exit code {ended}) while its tests ran: {log[-3000:]}"
+        assert "Traceback" not in log
+
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-5000:]

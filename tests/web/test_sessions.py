@@ -209,12 +209,7 @@ def scripted(tmp_path_factory):
 
 @contextlib.contextmanager
 def running(server):
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-    assert "Traceback" not in server.log_path.read_text(errors="replace")
+    yield from server.running()
 
 
 @pytest.fixture(scope="module")

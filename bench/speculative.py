@@ -347,6 +347,8 @@ def main() -> int:
     p.add_argument("--asks", choices=("held-out", "tuning"), default="held-out", help="the served mode's asks")
     args = p.parse_args()
     if args.served:
+        import signal
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the two servers too (finally)
         asks = ({"copy asks": HELD_OUT_COPY, "plain questions": HELD_OUT_QUESTIONS} if args.asks == "held-out" else
                 {"copy asks": GROUNDED, "plain questions": QUESTIONS})
         results = {"machine": machine(), "tokens": args.tokens, "rounds": args.rounds, "asks": args.asks}

@@ -31,8 +31,9 @@ not have is refused by name too.
 Every request goes through the same API key check (LLAMA_API_KEY, as `Authorization: Bearer`: the ollama
 clients send OLLAMA_API_KEY so) and the same guard as /v1 (app.api.guard), and its body through the same
 reader (app.api.body.json_body, app.bounds.json_problem), which takes a body of any declared type from a
-request without an Origin, as Ollama does (its own examples send `curl -d`, form-urlencoded). Errors are Ollama's `{"error": "..."}` with their
-status: 400 for a bad field (named), 401, 404 "model 'x' not found", 413, 415, 500, 503 (busy: retry).
+request without an Origin, as Ollama does (its own examples send `curl -d`, form-urlencoded). Errors are
+Ollama's `{"error": "..."}` with their status: 400 for a bad field (named), 401, 404 "model 'x' not found",
+413, 415, 500, 503 (busy: retry).
 """
 
 from __future__ import annotations
@@ -422,13 +423,13 @@ def add_routes(router: APIRouter, backend: Backend, max_body_mb: int, weights_di
 
     @route("/api/chat", ["POST"])
     async def chat(http_request: HttpRequest) -> Response:
-        return await answer(http_request, backend, read_chat(await json_body(http_request, max_body_mb, any_type=True),
-                                                             backend.profiles))
+        body = await json_body(http_request, max_body_mb, any_type=True)
+        return await answer(http_request, backend, read_chat(body, backend.profiles))
 
     @route("/api/generate", ["POST"])
     async def generate(http_request: HttpRequest) -> Response:
-        return await answer(http_request, backend, read_generate(await json_body(http_request, max_body_mb, any_type=True),
-                                                                 backend.profiles))
+        body = await json_body(http_request, max_body_mb, any_type=True)
+        return await answer(http_request, backend, read_generate(body, backend.profiles))
 
     @route("/api/version", ["GET"])
     async def version() -> Response:

@@ -71,6 +71,12 @@ SIGN_IN: users.SignIn | None
 SIGNED_IN: sessions.Valid
 FILE_STORE: FileStore | None  # the files of stored chats (history on)
 
+# How long a page may leave socket.io's pings unanswered before its socket is dropped, and with it (on_chat_end)
+# the reply it was being sent. A page answers them from its main thread: engine.io's default of 20 s lost the
+# replies of pages that were only busy (a slow machine drawing eight long answers at once; a phone that suspends
+# a tab for a moment). A tab that is closed still ends its socket at once; only a silent one is waited for.
+PAGE_PING_TIMEOUT_S = 60
+
 
 def start() -> None:
     """Read the settings, open the backend (the engine process starts loading the default model), and put
@@ -97,6 +103,7 @@ def start() -> None:
         chainlit_config.features.spontaneous_file_upload = attachments.upload_feature()
         http_server.configure_chainlit(SETTINGS)  # slow clients cut off; X-Forwarded-For only from trusted proxies
         page.install()  # the page asks no other site for anything
+        sio.eio.ping_timeout = PAGE_PING_TIMEOUT_S  # (read at each handshake and each check)
     except SettingsError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -328,6 +328,14 @@ def test_a_page_of_another_origin_cannot_open_the_socket(guarded):
     own.close()
 
 
+def test_the_socket_handshake_gives_a_busy_page_a_minute_to_answer_pings(guarded):
+    """engine.io's own 20 s dropped the sockets (and so the replies) of pages that were only busy drawing."""
+    handshake = request(guarded, "GET", "/ws/socket.io/?EIO=4&transport=polling", cookies=sign_in(guarded.url))
+    assert handshake.status_code == 200 and handshake.text.startswith("0"), handshake.text
+    opened = json.loads(handshake.text[1:])
+    assert opened["pingTimeout"] == 60_000 and opened["pingInterval"] == 25_000
+
+
 def test_a_host_name_that_is_not_this_server_is_refused(guarded):
     for method, path, arguments in routes(guarded):
         headers = {**arguments.pop("headers", {}), "Host": f"rebind.example:{guarded.port}"}

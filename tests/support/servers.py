@@ -38,6 +38,7 @@ def server_env(**llama) -> dict[str, str]:
     if "kv_disk_dir" not in llama:  # nor KV caches of the developer's (or of an earlier run's) chats
         env["LLAMA_KV_DISK_DIR"] = tempfile.mkdtemp(prefix="llama-kv-")
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash in native code leaves its threads' stacks in the log
     env["CHAINLIT_ENV_FILE"] = os.devnull  # a developer's .env must not change what is tested
     return env
 

@@ -1,13 +1,16 @@
-"""The weights folder while the server runs: a model downloaded into it from Hugging Face as a job that outlives
-the request that asked for it, and a model folder taken out of it. Ollama's /api/pull and /api/delete use it
-(app.api.ollama_models); so can a models panel of the web page.
+"""The weights folder while the server runs: a model downloaded into it from Hugging Face (or imported from GGUF
+files on this machine) as a job that outlives the request that asked for it, and a model folder taken out of it.
+Ollama's /api/pull and /api/delete use it (app.api.ollama_models), and so does the chat's models panel
+(app.web.models_panel): one `Weights` per server, so a pull started by either shows in both.
 
-`Weights.pull(repo_id)` starts the download (model.convert.hub.download, on a thread of its own), or joins the
-one under way for the same repo and revision; any number of callers watch it (`Pull.watch()`): the bytes of the
-files it fetches, how many are here so far, and its end (the error, if any). A caller that goes away leaves it
-running. One interrupted (the server stopped) leaves weights/.NAME.download, from which the next pull of the
-same repo goes on (model.convert.hub). Once a model is in place, the backend lists its models again
-(`find_models`), so requests can name it. A model already in the folder is not fetched again.
+`Weights.pull(source)` starts the download, or joins the one under way for the same source and revision; any
+number of callers watch it (`Pull.watch()`): the bytes of the files it fetches, how many are here so far, and its
+end (the error, if any). A caller that goes away leaves it running. It runs `python -m model.fetch --report` in a
+process of its own, so that `Pull.cancel()` can end it at once (huggingface_hub has no way to stop a download
+under way), and so that the web process never imports huggingface_hub nor converts a GGUF. One cancelled or cut
+(the server stopped) leaves weights/.NAME.download, from which the next pull of the same repo goes on
+(model.convert.hub). Once a model is in place, the backend lists its models again (`find_models`), so requests can
+name it. A model already in the folder is not fetched again.
 
 `Weights.remove(name)` takes a model folder out: renamed at once to a hidden name (which the engine skips), the
 models listed again, then its files deleted. Never the default model, one loaded now, or one that is not a
@@ -18,15 +21,21 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model.convert.folder import ConversionError
+from model.options import PROJECT_ROOT
 
 from app.backend.protocol import Backend, is_remote
 
@@ -46,14 +55,17 @@ class InUse(Refused):
 
 @dataclass
 class Pull:
-    """One download into the weights folder; watched by whoever asked for it."""
+    """One download into the weights folder (or import of GGUF files); watched by whoever asked for it."""
 
-    repo_id: str
+    repo_id: str  # or the path of a GGUF file or folder on this machine
     revision: str | None
-    folder: Path  # the model's folder once it is in place (its name is the model's)
-    partial: Path  # where its files gather meanwhile (model.convert.hub.partial_folder)
+    folder: Path | None  # the model's folder once it is in place (its name is the model's); an import's: once known
+    partial: Path | None  # where a download's files gather meanwhile (model.convert.hub.partial_folder)
     sizes: dict[str, int] | None = None  # the files fetched and their sizes, once the hub has told them
     error: str | None = None
+    cancelled: bool = False
+    started: float = field(default_factory=time.monotonic)
+    process: subprocess.Popen | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # set on the server's loop
 
     @property
@@ -63,8 +75,14 @@ class Pull:
     def completed(self) -> int:
         """Bytes of the files here so far (in the download folder, or in place once it is done)."""
         where = self.folder if self.finished.is_set() and self.error is None else self.partial
-        here = sum(p.stat().st_size for p in where.rglob("*") if p.is_file()) if where.is_dir() else 0
+        here = sum(p.stat().st_size for p in where.rglob("*") if p.is_file()) if where and where.is_dir() else 0
         return min(here, self.total or here)
+
+    def cancel(self) -> None:
+        """End the download now; its files so far stay, for the next pull of it to go on from."""
+        self.cancelled = True
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
 
     async def watch(self) -> AsyncIterator[Pull]:
         """This pull, every WATCH_INTERVAL_S until it ends, and once more at its end."""
@@ -84,50 +102,85 @@ class Weights:
         self.backend, self.folder, self.endpoint = backend, folder, endpoint
         self.pulls: dict[tuple[str, str | None], Pull] = {}  # those under way
 
-    async def pull(self, repo_id: str, revision: str | None = None) -> Pull:
+    async def pull(self, repo_id: str, revision: str | None = None, local: bool = False) -> Pull:
         """The download of a Hugging Face repo's checkpoint (owner/name) into the weights folder, under way or
-        started now."""
+        started now; with `local`, `repo_id` may also be a GGUF file or a folder of them on this machine."""
         if self.folder is None or any(is_remote(where) for where in self.backend.profiles.values()):
             raise Refused("models are not pulled here: this server fronts another one (LLAMA_BACKEND_URL)")
-        # huggingface_hub takes 0.6 s to import: at the first pull (on a thread: the streams go on), not at start
-        hub = await asyncio.to_thread(importlib.import_module, "model.convert.hub")
-        if not hub.REPO_ID.fullmatch(repo_id):
-            raise Refused(f"{repo_id!r} is not a Hugging Face model id: expected owner/name, e.g. "
-                          "meta-llama/Llama-3.2-1B-Instruct (this server pulls from Hugging Face, not from "
-                          "Ollama's library)")
-        if repo_id.split("/")[1].startswith("."):  # ".." or a hidden name: the folder would not be the model's
-            raise Refused(f"{repo_id!r} is not a model's name: a name may not begin with '.'")
         key = (repo_id, revision)
         if key in self.pulls:
             return self.pulls[key]
-        folder = self.folder / repo_id.split("/")[1]
-        pull = Pull(repo_id, revision, folder, hub.partial_folder(folder))
-        if pull.folder.is_dir():  # here already: not fetched again
-            pull.finished.set()
-            return pull
+        if local and (path := Path(repo_id).expanduser()).is_absolute() and path.exists():
+            if not (path.is_dir() or path.suffix.lower() == ".gguf"):
+                raise Refused(f"{repo_id} is neither a .gguf file nor a folder of them")
+            pull = Pull(repo_id, None, None, None)
+        else:
+            # huggingface_hub takes 0.6 s to import: at the first pull (on a thread: streams go on), not at start
+            hub = await asyncio.to_thread(importlib.import_module, "model.convert.hub")
+            if not hub.REPO_ID.fullmatch(repo_id):
+                raise Refused(f"{repo_id!r} is not a Hugging Face model id: expected owner/name, e.g. "
+                              "meta-llama/Llama-3.2-1B-Instruct (this server pulls from Hugging Face, not from "
+                              "Ollama's library)" + (", or the full path of a .gguf file or folder" if local else ""))
+            if repo_id.split("/")[1].startswith("."):  # ".." or a hidden name: the folder would not be the model's
+                raise Refused(f"{repo_id!r} is not a model's name: a name may not begin with '.'")
+            folder = self.folder / repo_id.split("/")[1]
+            pull = Pull(repo_id, revision, folder, hub.partial_folder(folder))
+            if folder.is_dir():  # here already: not fetched again
+                pull.finished.set()
+                return pull
         self.pulls[key] = pull
         loop = asyncio.get_running_loop()
-        threading.Thread(target=self._download, args=(pull, loop, hub.download), name=f"pull {repo_id}",
-                         daemon=True).start()
+        threading.Thread(target=self._download, args=(pull, loop), name=f"pull {repo_id}", daemon=True).start()
         return pull
 
-    def _download(self, pull: Pull, loop: asyncio.AbstractEventLoop, download) -> None:
+    def _download(self, pull: Pull, loop: asyncio.AbstractEventLoop) -> None:
+        """`python -m model.fetch --report` for the pull, its JSON lines read as they come (on a thread)."""
+        command = [sys.executable, "-m", "model.fetch", pull.repo_id, "--weights-dir", str(self.folder), "--report",
+                   *(["--revision", pull.revision] if pull.revision else [])]
+        env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **({"HF_ENDPOINT": self.endpoint} if self.endpoint
+                                                                    else {})}
         try:
-            download(pull.repo_id, self.folder, revision=pull.revision, endpoint=self.endpoint,
-                     on_files=lambda sizes: setattr(pull, "sizes", sizes))
-            asyncio.run_coroutine_threadsafe(self.backend.find_models(), loop).result(FIND_MODELS_TIMEOUT_S)
-            log.info("pulled %s into %s", pull.repo_id, pull.folder)
-        except ConversionError as e:
-            pull.error = str(e)
+            with tempfile.TemporaryFile() as errors:
+                pull.process = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE,
+                                                stderr=errors, stdin=subprocess.DEVNULL, text=True)
+                if pull.cancelled:  # (cancelled while it started)
+                    pull.process.terminate()
+                for line in pull.process.stdout:
+                    try:
+                        said = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(said, dict) and isinstance(said.get("files"), dict):
+                        pull.sizes = said["files"]
+                    elif isinstance(said, dict) and isinstance(said.get("folder"), str):
+                        pull.folder = Path(said["folder"])
+                status = pull.process.wait()
+                errors.seek(0)
+                told = [line.strip() for line in errors.read().decode(errors="replace").splitlines() if line.strip()]
+            if pull.cancelled:
+                pull.error = (f"cancelled: pulling {pull.repo_id} again goes on from the "
+                              f"{pull.completed() / 1e6:.0f} MB already here" if pull.partial else "cancelled")
+            elif status != 0:
+                said = next((line for line in reversed(told) if line.startswith("error: ")), None)
+                pull.error = said.removeprefix("error: ") if said else (
+                    f"pulling {pull.repo_id} failed (status {status}): {told[-1] if told else 'no message'}")
+            else:
+                asyncio.run_coroutine_threadsafe(self.backend.find_models(), loop).result(FIND_MODELS_TIMEOUT_S)
+                log.info("pulled %s into %s", pull.repo_id, pull.folder)
         except Exception as e:  # a bug, or the engine gone: the watchers are told
             log.exception("pulling %s failed", pull.repo_id)
             pull.error = f"pulling {pull.repo_id} failed: {e}"
         finally:
+            if pull.process is not None and pull.process.stdout is not None:
+                pull.process.stdout.close()
             loop.call_soon_threadsafe(self._finish, pull)
 
     def _finish(self, pull: Pull) -> None:
         self.pulls.pop((pull.repo_id, pull.revision), None)
         pull.finished.set()
+
+    def under_way(self) -> list[Pull]:
+        return list(self.pulls.values())
 
     async def remove(self, name: str) -> None:
         """Take a model's folder out of the weights folder; Refused (InUse) says why not."""

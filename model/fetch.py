@@ -6,12 +6,15 @@
 
 Prints each model folder it wrote. A failure prints one line saying what to do, exits with status 2
 and leaves weights/ as it was (an interrupted download keeps a hidden folder to resume from).
+With --report, stdout is JSON lines for a program that watches (the server's pulls, app/weights.py):
+{"files": {name: bytes}} once the hub has listed a download's files, then {"folder": path} per model.
 The work is done in model/convert/ (hub.py, gguf.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -28,7 +31,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", help="the model folder's name (default: the repo's or the file's name)")
     parser.add_argument("--revision", help="a branch, tag or commit of the Hugging Face repo (default: main)")
     parser.add_argument("--force", action="store_true", help="replace a model folder of the same name")
+    parser.add_argument("--report", action="store_true", help="JSON lines on stdout: the files, then the folders")
     args = parser.parse_args(argv)
+
+    def report(what: dict) -> None:
+        print(json.dumps(what), flush=True)
+
     source, weights_dir = Path(args.source).expanduser(), Path(args.weights_dir)
     try:
         if source.exists():
@@ -39,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             endpoint = Environment().text("HF_ENDPOINT")  # read here: huggingface_hub reads it once, at import
             folders = [download(args.source, weights_dir, name=args.name, revision=args.revision, force=args.force,
-                                endpoint=endpoint)]
+                                endpoint=endpoint, on_files=(lambda sizes: report({"files": sizes})) if args.report
+                                else None)]
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -47,7 +56,10 @@ def main(argv: list[str] | None = None) -> None:
         print("interrupted; run the same command again to go on", file=sys.stderr)
         sys.exit(130)
     for folder in folders:
-        print(folder)
+        if args.report:
+            report({"folder": str(folder)})
+        else:
+            print(folder)
 
 
 if __name__ == "__main__":

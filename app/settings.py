@@ -65,6 +65,19 @@ class Settings(ModelOptions):
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S
     write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
+    model_admins: tuple[str, ...] | None = None  # who may pull and remove models in the chat; None: everyone
+
+    @property
+    def data_dir(self) -> Path:
+        """The folder of what the app keeps across restarts: the history, the default model chosen in the chat."""
+        return self.history_db.parent
+
+    def may_manage_models(self, user: str | None) -> bool:
+        """LLAMA_MODEL_ADMINS: the users (by sign-in name) who may pull and remove models in the chat; unset,
+        everyone where there is no sign-in, and nobody where there is."""
+        if self.model_admins is not None:
+            return user in self.model_admins
+        return self.auth != "password"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -72,6 +85,10 @@ class Settings(ModelOptions):
         auth, password, users_file = (env.choice("LLAMA_AUTH", AUTH_MODES), env.text("LLAMA_PASSWORD"),
                                       env.path("LLAMA_USERS"))
         options = read_model_options(env)
+        history_db = env.path("LLAMA_HISTORY_DB", DEFAULT_HISTORY_DB)
+        if env.text("LLAMA_CHECKPOINT") is None and (chosen := chosen_default(history_db.parent,
+                                                                              options["weights_dir"])):
+            options["checkpoint"] = chosen  # made the default in the chat's models panel
         settings = cls(
             **options,
             presets=env.path("LLAMA_PRESETS", DEFAULT_PRESETS),
@@ -83,7 +100,7 @@ class Settings(ModelOptions):
             max_waiting=env.integer("LLAMA_MAX_WAITING", low=0, default=DEFAULT_MAX_WAITING),
             max_body_mb=env.integer("LLAMA_MAX_BODY_MB", low=1, default=DEFAULT_MAX_BODY_MB),
             history=env.switch("LLAMA_HISTORY", default=True),
-            history_db=env.path("LLAMA_HISTORY_DB", DEFAULT_HISTORY_DB),
+            history_db=history_db,
             max_user_files_mb=env.integer("LLAMA_MAX_USER_FILES_MB", low=1, default=DEFAULT_MAX_USER_FILES_MB),
             auth=auth or ("password" if password or users_file else "none"),  # a password or users file: sign-in
             password=password,
@@ -100,9 +117,28 @@ class Settings(ModelOptions):
             body_timeout=env.number("LLAMA_BODY_TIMEOUT", 0.0, 3600.0, low_open=True, default=DEFAULT_BODY_TIMEOUT_S),
             write_timeout=env.number("LLAMA_WRITE_TIMEOUT", 0.0, 3600.0, low_open=True,
                                      default=DEFAULT_WRITE_TIMEOUT_S),
+            model_admins=env.items("LLAMA_MODEL_ADMINS") if env.text("LLAMA_MODEL_ADMINS") is not None else None,
         )
         _check_sign_in(settings, auth)
         return settings
+
+
+DEFAULT_MODEL_FILE = "default-model"  # in the data folder: the name of the model made the default in the chat
+
+
+def chosen_default(data_dir: Path, weights_dir: Path) -> Path | None:
+    """The model folder made the default in the chat's models panel, if it is still in the weights folder."""
+    try:
+        name = (data_dir / DEFAULT_MODEL_FILE).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    folder = weights_dir / name
+    return folder if name and not name.startswith(".") and "/" not in name and folder.is_dir() else None
+
+
+def save_default(data_dir: Path, name: str) -> None:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / DEFAULT_MODEL_FILE).write_text(name + "\n", encoding="utf-8")
 
 
 def _check_sign_in(settings: Settings, auth: str | None) -> None:

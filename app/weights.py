@@ -182,6 +182,9 @@ class Weights:
     def under_way(self) -> list[Pull]:
         return list(self.pulls.values())
 
+    def under_way_ids(self) -> list[int]:
+        return [id(pull) for pull in self.pulls.values()]
+
     async def remove(self, name: str) -> None:
         """Take a model's folder out of the weights folder; Refused (InUse) says why not."""
         where = self.backend.profiles[name]

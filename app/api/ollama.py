@@ -43,7 +43,6 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 from fastapi import APIRouter
@@ -53,6 +52,7 @@ from fastapi.routing import APIRoute
 from msgspec import UNSET
 
 from app.backend.conversation import Conversation
+from app.weights import Weights
 from app.backend.protocol import Backend, EngineError, InvalidRequest, ServerBusy
 from app.bounds import MAX_INT32
 from app.messages import Done, Failed, ReplySettings, Text, TokenLogprob
@@ -412,8 +412,7 @@ async def load_or_unload(backend: Backend, run: Run) -> Response:
 
 # ---- routes -------------------------------------------------------------------------------------
 
-def add_routes(router: APIRouter, backend: Backend, max_body_mb: int, weights_dir: Path | None,
-               max_context: int) -> None:
+def add_routes(router: APIRouter, backend: Backend, max_body_mb: int, weights: Weights, max_context: int) -> None:
     """Ollama's routes on the API's router (its key check too), each answering errors in Ollama's shape."""
     def route(path: str, methods: list[str]):
         def add(endpoint):
@@ -435,7 +434,7 @@ def add_routes(router: APIRouter, backend: Backend, max_body_mb: int, weights_di
     async def version() -> Response:
         return Response(msgspec.json.encode(Version()), media_type="application/json")
 
-    ollama_models.add_routes(route, backend, max_body_mb, weights_dir, max_context)
+    ollama_models.add_routes(route, backend, max_body_mb, weights, max_context)
 
     @route("/api/{rest:path}", ["GET", "POST", "PUT", "DELETE", "HEAD"])
     async def elsewhere(rest: str) -> Response:

@@ -31,7 +31,6 @@ from fastapi.responses import Response, StreamingResponse
 
 from model.checkpoint_files import CheckpointError, find_checkpoint, tokenizer_file
 from model.config import ConfigError, LlamaConfig
-from model.options import Environment
 from model.summary import count, summarize
 
 from app.backend.protocol import Backend, EngineError, is_remote
@@ -166,10 +165,10 @@ def model_asked(body: object, profiles: dict | None) -> tuple[str, ModelBody]:
     return (model_named(named, profiles) if profiles is not None else named or ""), asked
 
 
-def add_routes(route, backend: Backend, max_body_mb: int, weights_dir: Path | None, max_context: int) -> None:
-    """The model routes, added with app.api.ollama's `route` (Ollama's error shape, the API's key check)."""
+def add_routes(route, backend: Backend, max_body_mb: int, weights: Weights, max_context: int) -> None:
+    """The model routes, added with app.api.ollama's `route` (Ollama's error shape, the API's key check); pulls
+    and removals are `weights`' jobs (the chat's models panel shares them)."""
     started = time.time()
-    weights = Weights(backend, weights_dir, Environment().text("HF_ENDPOINT"))
 
     def json(shape) -> Response:
         return Response(msgspec.json.encode(shape), media_type="application/json")

@@ -91,6 +91,8 @@ from app.api.openai import (
     Usage,
 )
 from app.settings import DEFAULT_MAX_BODY_MB
+from app.weights import Weights
+from model.options import Environment
 from model.config import DEFAULT_MAX_CONTEXT
 from app.web.users import LOCAL_USER, utf8
 
@@ -106,7 +108,8 @@ def key_user(api_key: str) -> str:
 # ---- routes -------------------------------------------------------------------------------------
 
 def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
-                  stored=dict, weights_dir: Path | None = None, max_context: int = DEFAULT_MAX_CONTEXT) -> APIRouter:
+                  stored=dict, weights_dir: Path | None = None, max_context: int = DEFAULT_MAX_CONTEXT,
+                  weights: Weights | None = None) -> APIRouter:
     """The /v1 routes over a backend (`app.backend.protocol.Backend`), and Ollama's /api routes (app.api.ollama:
     models are pulled into and removed from weights_dir; max_context: the context a model not loaded yet will
     have); stored() gives the bytes on disk by part."""
@@ -169,7 +172,9 @@ def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int
             user=http_request.state.user))
 
     responses.add_routes(router, backend, max_body_mb)
-    ollama.add_routes(router, backend, max_body_mb, weights_dir, max_context)
+    if weights is None:  # (the chat app passes the one its models panel uses)
+        weights = Weights(backend, weights_dir, Environment().text("HF_ENDPOINT"))
+    ollama.add_routes(router, backend, max_body_mb, weights, max_context)
     return router
 
 
@@ -305,11 +310,13 @@ def sse(shape: Struct) -> str:
 
 
 def mount(app: FastAPI, backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
-          stored=dict, weights_dir: Path | None = None, max_context: int = DEFAULT_MAX_CONTEXT) -> None:
+          stored=dict, weights_dir: Path | None = None, max_context: int = DEFAULT_MAX_CONTEXT,
+          weights: Weights | None = None) -> None:
     """Add the API's routes to an app, in front of its own: Chainlit's catch-all GET route would
     otherwise answer /v1/models (and /api/tags) with its web page. stored: the bytes on disk by part, for
     /metrics."""
-    app.router.routes[0:0] = create_router(backend, api_key, max_body_mb, stored, weights_dir, max_context).routes
+    app.router.routes[0:0] = create_router(backend, api_key, max_body_mb, stored, weights_dir, max_context,
+                                                weights).routes
     app.add_exception_handler(ApiError, answer_error)
 
 

@@ -12,6 +12,7 @@ computes every reply, or a remote server. What a session keeps in cl.user_sessio
     told_trimmed     whether the user was told that older messages were left out
     told_near_full   whether the user was told that the context is nearly full
     actions          the Regenerate and Export buttons, under the last answer only
+    models_panel     the models panel's element (app.web.models_panel), once the Models command opened it
     regenerated      how many times the last answer was sampled again (a set seed moves on by one each time)
     stats_line       the id of the statistics line under the last answer (Regenerate removes it with the answer)
 
@@ -47,7 +48,7 @@ from chainlit.session import WebsocketSession
 from chainlit.utils import wrap_user_function
 
 from app.api import routes as api, guard
-from app.web import attachments, export, history, http_server, login_page, page, sessions, uploads, users
+from app.web import attachments, export, history, http_server, login_page, models_panel, page, sessions, uploads, users
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote, open_backend
 from app.bounds import reply_seed
 from app.backend.conversation import Conversation, Message
@@ -56,6 +57,8 @@ from app.web.file_store import FileStore
 from app.messages import Done, Failed, Loading, Queued, ReplySettings, Restarting, Text
 from app.web.presets import CUSTOM, preset_of, read_presets
 from app.private_files import private_folder
+from app.weights import Weights
+from model.options import Environment
 from app.settings import Settings, SettingsError
 from model.checkpoint_files import CheckpointError
 from model.summary import summarize
@@ -70,6 +73,7 @@ SIGNING_IN: bool
 SIGN_IN: users.SignIn | None
 SIGNED_IN: sessions.Valid
 FILE_STORE: FileStore | None  # the files of stored chats (history on)
+MODELS: models_panel.ModelsPanel  # the weights folder's models, and the pulls into it (shared with Ollama's API)
 
 # How long a page may leave socket.io's pings unanswered before its socket is dropped, and with it (on_chat_end)
 # the reply it was being sent. A page answers them from its main thread: engine.io's default of 20 s lost the
@@ -82,13 +86,15 @@ def start() -> None:
     """Read the settings, open the backend (the engine process starts loading the default model), and put
     the guard, sign-in and the API in front of Chainlit's routes. `app/main.py` calls it once, before
     the server serves; a setting that cannot be used stops the start (exit status 2)."""
-    global SETTINGS, PRESETS, ALLOWED, BACKEND, SIGNING_IN, SIGN_IN, SIGNED_IN, FILE_STORE
+    global SETTINGS, PRESETS, ALLOWED, BACKEND, SIGNING_IN, SIGN_IN, SIGNED_IN, FILE_STORE, MODELS
     try:
         SETTINGS = Settings.from_env()
         PRESETS = read_presets(SETTINGS.presets)
         ALLOWED = guard.Allowed.from_settings(SETTINGS, chainlit_config.run.host, chainlit_config.run.port,
                                               "https" if chainlit_config.run.ssl_cert else "http")
         BACKEND = open_backend(SETTINGS)
+        MODELS = models_panel.ModelsPanel(BACKEND, Weights(BACKEND, SETTINGS.weights_dir,
+                                                           Environment().text("HF_ENDPOINT")), SETTINGS)
         FILE_STORE = None
         if SETTINGS.history:
             history.prepare(SETTINGS)
@@ -117,7 +123,7 @@ def start() -> None:
             chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
     only_edits_of_this_chat()
     api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb, stored=lambda: dict(uploads.STORED),
-              weights_dir=SETTINGS.weights_dir, max_context=SETTINGS.max_context)
+              weights_dir=SETTINGS.weights_dir, max_context=SETTINGS.max_context, weights=MODELS.weights)
     chainlit_app.router.routes.insert(0, api.health_route(BACKEND))  # before Chainlit's own
     if FILE_STORE is not None:
         chainlit_app.router.routes.insert(0, FILE_STORE.route())
@@ -157,8 +163,10 @@ STOPPED_WAIT_S = 10.0  # how long a stopped reply may take to hand back its last
 # takes seconds: without them the line under the answer only says it was stopped)
 STOPPED_LINE = "*stopped by user*"
 SESSION_STATE = {"request": None, "actions": [], "regenerated": 0, "stats_line": None}  # a resumed chat starts with these
-EXPORT_COMMAND = "Export"
+EXPORT_COMMAND, MODELS_COMMAND = "Export", "Models"
 COMMANDS = [{"id": EXPORT_COMMAND, "icon": "download", "description": "Download this chat as Markdown and JSON",
+             "button": False, "persistent": False},
+            {"id": MODELS_COMMAND, "icon": "box", "description": "See, pull, remove and choose models",
              "button": False, "persistent": False}]
 DESCRIPTIONS: dict[str, str] = {}  # model name -> describe(name)
 SWEEPING: set[asyncio.Task] = set()  # the tasks that close sockets whose sign-in ended and delete uploads not sent
@@ -269,7 +277,13 @@ def describe(name: str) -> str:
 
 @cl.set_starters
 async def starters(user=None, language=None):
-    return [cl.Starter(label=label, message=message) for label, message in STARTERS]
+    """The questions offered on an empty chat; while the embedded default is the only model, first a way to a
+    better one (the models panel)."""
+    offered = [cl.Starter(label=label, message=message) for label, message in STARTERS]
+    if len(BACKEND.profiles) == 1 and BACKEND.default in BACKEND.profiles and not is_remote(
+            BACKEND.profiles[BACKEND.default]):
+        offered.insert(0, cl.Starter(label=f"Chatting with {BACKEND.default}: get a better model", message="/models"))
+    return offered
 
 
 # ---- chat ---------------------------------------------------------------------------------------
@@ -361,6 +375,9 @@ async def on_message(message: cl.Message):
     conversation = current_conversation()
     if message.command == EXPORT_COMMAND or message.content.strip().lower() == "/export":
         await send_export(conversation)
+        return
+    if message.command == MODELS_COMMAND or message.content.strip().lower() == "/models":
+        await open_models_panel()
         return
     edited = conversation.message(message.id)
     if edited is None:  # what the page sent: the app's own keys in it are not the client's to set
@@ -474,6 +491,38 @@ async def regenerate(action: cl.Action):
             await reply(conversation, settings, replacing=last, on_first_text=drop_old_answer)
     finally:
         await emitter.task_end()
+
+
+async def open_models_panel() -> None:
+    """The models panel, as a message of this chat (a new one each time it is asked for)."""
+    element = await models_panel.show(MODELS, None, current_conversation().model, chat_user_name())
+    cl.user_session.set("models_panel", element)
+    for pull in MODELS.weights.under_way():  # one started elsewhere (another tab, /api/pull) shows its progress
+        models_panel.follow_in_background(MODELS, element, pull, lambda: current_conversation().model,
+                                          chat_user_name())
+
+
+@cl.action_callback("models")
+async def models_action(action: cl.Action):
+    """A click in the models panel: use, default, remove, pull, cancel (app.web.models_panel)."""
+    conversation, user = current_conversation(), chat_user_name()
+    payload = action.payload if isinstance(action.payload, dict) else {}
+    before = set(MODELS.weights.under_way_ids())
+    said = await MODELS.act(payload, conversation, user, busy=cl.user_session.get("request") is not None)
+    element = cl.user_session.get("models_panel")
+    if element is None:
+        await cl.Message(content=said, author="models").send()
+        return
+    element = await models_panel.show(MODELS, element, conversation.model, user, said)
+    for pull in MODELS.weights.under_way():
+        if id(pull) not in before:
+            models_panel.follow_in_background(MODELS, element, pull, lambda: current_conversation().model, user)
+
+
+def chat_user_name() -> str | None:
+    """Who is signed in (None: nobody signs in here), for LLAMA_MODEL_ADMINS."""
+    user = cl.context.session.user
+    return user.identifier if user and SIGN_IN else None
 
 
 @cl.action_callback("export")

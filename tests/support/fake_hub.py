@@ -13,7 +13,8 @@ A missing repo is 404 RepoNotFound; a gated repo answers its files with 401 Gate
 and 403 GatedRepo for a token not granted. `drop_after[path] = n` cuts the first download of that
 file after n bytes; `gone_after_drop` then stops the server, as a network that goes away (from the
 moment of the drop: a request that comes before the server has stopped is hung up on unanswered).
-With `held` (a threading.Event), each file's second half waits until it is set: a download stays under way.
+With `held` (a threading.Event), each file's second half waits until it is set: a download stays under way
+(with `held_files`, only those files' halves wait; the others come whole).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class FakeHub:
         self.gone_after_drop = False
         self.gone = False  # set at a drop with gone_after_drop: no request is answered any more
         self.held: threading.Event | None = None  # set: the files' second halves go
+        self.held_files: set[str] | None = None  # those held (None: every file)
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -122,7 +124,7 @@ class FakeHub:
                 if not send_body:
                     return
                 cut = hub.drop_after.pop(name, None)
-                if cut is None and hub.held is not None:
+                if cut is None and hub.held is not None and (hub.held_files is None or name in hub.held_files):
                     half = start + (len(data) - start) // 2
                     self.wfile.write(data[start:half])
                     self.wfile.flush()

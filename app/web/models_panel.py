@@ -1,0 +1,203 @@
+"""The chat's models panel (the Models command, or /models): every model of the weights folder with its size,
+format, parameters, context and whether it is loaded; use one for this chat, make one the default, remove one,
+and pull one from Hugging Face (or import GGUF files of this machine) with a live progress bar and a cancel.
+
+The page side is public/elements/ModelsPanel.jsx, a Chainlit custom element: it draws `props` and sends what the
+user clicks as the action "models" ({"do": "use" | "default" | "remove" | "pull" | "cancel", ...}), which
+`act` answers. The panel is one message of the chat; its props are sent again when something changes, and every
+WATCH_INTERVAL_S while a pull is under way. The pulls are app.weights' jobs, the same as Ollama's /api/pull: one
+started by a tool shows here too, and a pull goes on when its panel (or tab) goes away.
+
+Who may pull, remove or make a default: Settings.may_manage_models (LLAMA_MODEL_ADMINS); anyone may look and
+use a model for their chat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from dataclasses import dataclass
+
+import chainlit as cl
+
+from model.summary import summarize
+
+from app.backend.protocol import Backend, is_remote
+from app.settings import Settings, save_default
+from app.weights import Pull, Refused, Weights
+
+WATCH_INTERVAL_S = 0.5
+FOLLOWING: set[asyncio.Task] = set()  # the tasks that keep panels' progress bars moving (held: tasks are weak)
+# Suggested on a first start, when the embedded default is the only model: (repo, download size in bytes).
+SUGGESTED = [("meta-llama/Llama-3.2-1B-Instruct", 2_471_645_608), ("meta-llama/Llama-3.2-3B-Instruct", 6_425_499_648)]
+DEFAULT_NOTE = ("You are chatting with **{name}**, a small model that comes with the app: quick, and good for "
+                "trying it, but weak at facts and reasoning. Llama 3.2 1B or 3B answer far better: pull one here.")
+
+
+def size_text(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+@dataclass
+class ModelsPanel:
+    backend: Backend
+    weights: Weights
+    settings: Settings
+
+    def rows(self, current: str | None) -> list[dict]:
+        """Each model as the panel shows it (reads checkpoint headers: call on a thread)."""
+        rows = []
+        for name, where in list(self.backend.profiles.items()):
+            details, size = "", None
+            if is_remote(where):
+                details = f"served by {where}"
+            else:
+                try:
+                    summary = summarize(where)
+                    details, size = summary.describe(), summary.bytes
+                except Exception as e:  # a folder being written, or not a checkpoint: shown as such
+                    details = f"not readable: {e}"
+            rows.append({"name": name, "details": details, "size": size, "loaded": bool(self.backend.in_memory(name)),
+                         "default": name == self.backend.default, "current": name == current,
+                         "context": self.backend.context_limit(name) if self.backend.is_loaded(name) else None})
+        return rows
+
+    def pulls(self) -> list[dict]:
+        return [pull_state(pull) for pull in self.weights.under_way()]
+
+    def suggestions(self) -> list[dict]:
+        """What to pull, with its size and whether it fits the disk and this machine's memory (next to the
+        models loaded): shown while the embedded default is the only model."""
+        if len(self.backend.profiles) > 1 or self.weights.folder is None:
+            return []
+        free = shutil.disk_usage(self.weights.folder if self.weights.folder.exists() else
+                                 self.weights.folder.parent).free
+        memory = memory_bytes()
+        return [{"repo": repo, "size": size_text(size), "fits_disk": size < free,
+                 "memory": f"needs about {size_text(size * 1.25)} of memory"
+                           + (f" of this machine's {size_text(memory)}" if memory else "")}
+                for repo, size in SUGGESTED]
+
+    async def props(self, current: str | None, user: str | None, said: str = "") -> dict:
+        rows = await asyncio.to_thread(self.rows, current)
+        only_default = len(rows) == 1 and rows[0]["default"]
+        return {"models": rows, "pulls": self.pulls(), "suggestions": self.suggestions(),
+                "admin": self.settings.may_manage_models(user),
+                "note": DEFAULT_NOTE.format(name=self.backend.default) if only_default else "",
+                "said": said}
+
+    async def act(self, payload: dict, conversation, user: str | None, busy: bool) -> str:
+        """What the user clicked; returns a line saying what was done, or why not."""
+        do = payload.get("do")
+        name = payload.get("name") if isinstance(payload.get("name"), str) else ""
+        if do == "use":
+            if name not in self.backend.profiles:
+                return f"There is no model {name!r} (any more)."
+            if busy:
+                return "Please wait until this reply is done (or stop it) to change the model."
+            conversation.model = name
+            return f"This chat now uses {name}: it loads with your next message."
+        if do in ("default", "remove", "pull", "cancel") and not self.settings.may_manage_models(user):
+            return "Only the users named in LLAMA_MODEL_ADMINS may pull, remove or choose the default model."
+        if do == "default":
+            if name not in self.backend.profiles or is_remote(self.backend.profiles[name]):
+                return f"There is no model {name!r} in the weights folder."
+            if os.environ.get("LLAMA_CHECKPOINT"):
+                return f"LLAMA_CHECKPOINT is set, so it chooses the default: {name} would not become it."
+            await asyncio.to_thread(save_default, self.settings.data_dir, name)
+            return f"{name} is the default model from the next start of the server."
+        if do == "remove":
+            if name == conversation.model and busy:
+                return f"{name} is answering in this chat: stop the reply first."
+            if name not in self.backend.profiles:
+                return f"There is no model {name!r} (any more)."
+            try:
+                await self.weights.remove(name)
+            except Refused as e:
+                return f"Not removed: {e}."
+            return f"Removed {name}."
+        if do == "pull":
+            source = str(payload.get("source") or "").strip()
+            repo, _, revision = source.partition(":") if not source.startswith("/") else (source, "", "")
+            for prefix in ("https://huggingface.co/", "huggingface.co/", "hf.co/"):
+                repo = repo.removeprefix(prefix)
+            if not repo:
+                return "Type a Hugging Face model id (owner/name), or the path of a .gguf file or folder."
+            try:
+                await self.weights.pull(repo, revision or None, local=True)
+            except Refused as e:
+                return f"Not pulled: {e}."
+            return f"Pulling {source}…"
+        if do == "cancel":
+            for pull in self.weights.under_way():
+                if pull.repo_id == payload.get("source"):
+                    pull.cancel()
+                    return f"Cancelled pulling {pull.repo_id}."
+            return "That pull is not under way any more."
+        return "The panel sent something this server does not know."
+
+
+def pull_state(pull: Pull) -> dict:
+    """A pull as the progress bar shows it: bytes done of total, speed, time left, the file being fetched."""
+    done, total = pull.completed(), pull.total
+    took = max(time.monotonic() - pull.started, 1e-3)
+    speed = done / took
+    fetching = None
+    if pull.sizes and pull.partial is not None:
+        have = {p.name: p.stat().st_size for p in pull.partial.glob("*") if p.is_file()}
+        fetching = next((name for name, size in pull.sizes.items() if have.get(name.split("/")[-1]) != size), None)
+    return {"source": pull.repo_id, "done": done, "total": total, "done_text": size_text(done),
+            "total_text": size_text(total) if total else None, "speed": f"{size_text(speed)}/s" if done else None,
+            "left": f"{(total - done) / speed:.0f} s left" if total and done and speed > 0 else None,
+            "file": fetching, "error": pull.error}
+
+
+async def show(panel: ModelsPanel, element: cl.CustomElement | None, current: str | None, user: str | None,
+               said: str = "") -> cl.CustomElement:
+    """The panel sent as a message (element None), or its props sent again. Neither is stored in the chat's
+    history: the panel is a tool of the moment, not part of the conversation."""
+    props = await panel.props(current, user, said)
+    if element is None:
+        message = cl.Message(content="", author="models")
+        message.persisted = True  # (Chainlit stores a message it sends unless it was stored already)
+        await message.send()
+        element = cl.CustomElement(name="ModelsPanel", props=props, display="inline")
+        await element.send(for_id=message.id, persist=False)
+    else:
+        element.props = props
+        await element.send(for_id=element.for_id, persist=False)  # (CustomElement.update() would store it)
+    return element
+
+
+async def follow(panel: ModelsPanel, element: cl.CustomElement, pull: Pull, current, user: str | None) -> None:
+    """Send the panel's props again every WATCH_INTERVAL_S while `pull` is under way, then say how it ended.
+    `current`: the chat's model now (a callable)."""
+    while not pull.finished.is_set():
+        await show(panel, element, current(), user, element.props.get("said", ""))
+        try:
+            await asyncio.wait_for(pull.finished.wait(), WATCH_INTERVAL_S)
+        except TimeoutError:
+            pass
+    name = pull.folder.name if pull.folder else pull.repo_id
+    said = (f"Pulling {pull.repo_id} failed: {pull.error}" if pull.error and not pull.cancelled else pull.error
+            or f"{name} is here: choose Use to chat with it.")
+    await show(panel, element, current(), user, said)
+
+
+def follow_in_background(panel: ModelsPanel, element: cl.CustomElement, pull: Pull, current, user: str | None) -> None:
+    task = asyncio.create_task(follow(panel, element, pull, current, user))
+    FOLLOWING.add(task)
+    task.add_done_callback(FOLLOWING.discard)

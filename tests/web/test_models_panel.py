@@ -1,0 +1,197 @@
+"""The chat's models panel (app.web.models_panel), through the Chainlit handlers: the models listed, a first start's
+suggestion, a pull from a stand-in hub with its progress, a cancel and the pull that goes on from it, use, make
+default (kept in the data folder, LLAMA_CHECKPOINT first), remove, and who may do what (LLAMA_MODEL_ADMINS)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+from support.app import imported_app
+from support.checkpoints import write_tiny_checkpoint
+from support.fake_hub import FakeHub
+from support.handlers import Chat
+
+from app.settings import Settings
+from app.web import models_panel
+
+PULLED = "acme/Tiny-Pulled"
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    hub = FakeHub()
+    hub.add_folder(PULLED, write_tiny_checkpoint(tmp_path_factory.mktemp("hub") / "Tiny-Pulled", seed=1))
+    yield hub
+    hub.stop()
+
+
+@pytest.fixture(scope="module")
+def main(hub, tmp_path_factory):
+    weights = tmp_path_factory.mktemp("weights")
+    write_tiny_checkpoint(weights / "tiny")
+    data = tmp_path_factory.mktemp("data")
+    saved = {name: os.environ.get(name) for name in ("HF_ENDPOINT", "HF_HOME", "HF_TOKEN")}
+    os.environ.update(HF_ENDPOINT=hub.url, HF_HOME=str(data / "hf"))
+    os.environ.pop("HF_TOKEN", None)
+    try:
+        with imported_app(checkpoint=weights / "tiny", weights_dir=weights, max_context=512, max_new_tokens=4,
+                          threads=1, history="off", history_db=data / "history.db") as main:
+            yield main
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+
+
+def run(coroutine, timeout: float = 120):
+    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+
+def panel(chat: Chat) -> dict:
+    import chainlit as cl
+    chat.enter()
+    return cl.user_session.get("models_panel").props
+
+
+async def click(chat: Chat, **payload) -> dict:
+    import chainlit as cl
+    chat.enter()
+    await chat.main.models_action(cl.Action(name="models", payload=payload))
+    return panel(chat)
+
+
+async def until(chat: Chat, check, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while not check(props := panel(chat)):
+        assert time.monotonic() < deadline, props
+        await asyncio.sleep(0.1)
+    return props
+
+
+def test_the_panel_lists_the_models_and_a_first_start_suggests_llama(main):
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await chat.send("/models")
+        return panel(chat), await main.starters()
+
+    props, starters = run(scenario())
+    (tiny,) = props["models"]
+    assert tiny["name"] == "tiny" and tiny["default"] and tiny["current"] and tiny["loaded"]
+    assert "parameters" in tiny["details"] and tiny["context"] == 512
+    assert "**tiny**" in props["note"] and props["admin"]
+    assert [s["repo"] for s in props["suggestions"]] == ["meta-llama/Llama-3.2-1B-Instruct",
+                                                         "meta-llama/Llama-3.2-3B-Instruct"]
+    assert all("GB" in s["size"] and "memory" in s["memory"] for s in props["suggestions"])
+    assert starters[0].message == "/models" and "tiny" in starters[0].label
+    assert chat.conversation().messages == []  # the command is not a turn of the chat
+
+
+def test_a_pull_shows_its_progress_can_be_cancelled_goes_on_and_its_model_is_used(main, hub):
+    chat = Chat(main)
+    hub.held = threading.Event()  # the weights' second half waits: the small files come whole
+    hub.held_files = {"model.safetensors"}
+
+    async def scenario():
+        await chat.start()
+        await chat.send("/models")
+        props = await click(chat, do="pull", source=PULLED)
+        assert props["said"] == f"Pulling {PULLED}…"
+        partial = main.SETTINGS.weights_dir / ".Tiny-Pulled.download"
+        moving = await until(chat, lambda p: p["pulls"] and p["pulls"][0]["done"] > 0 and p["pulls"][0]["total"]
+                             and hub.gets("model.safetensors") and (partial / "config.json").is_file())
+        cancelled = await click(chat, do="cancel", source=PULLED)
+        ended = await until(chat, lambda p: not p["pulls"])
+        kept = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
+        hub.held.set()
+        await click(chat, do="pull", source=PULLED)
+        done = await until(chat, lambda p: not p["pulls"] and "Tiny-Pulled" in [m["name"] for m in p["models"]])
+        used = await click(chat, do="use", name="Tiny-Pulled")
+        await chat.send("Hello")
+        return moving, cancelled, ended, kept, done, used
+
+    try:
+        moving, cancelled, ended, kept, done, used = run(scenario(), 240)
+    finally:
+        hub.held = hub.held_files = None
+    pull = moving["pulls"][0]
+    assert pull["source"] == PULLED and 0 < pull["done"] < pull["total"] and pull["total_text"].endswith("MB")
+    assert cancelled["said"] == f"Cancelled pulling {PULLED}."
+    assert ended["said"].startswith(f"cancelled: pulling {PULLED} again goes on from the")
+    assert kept > 0  # what came before the cancel stays, for the next pull
+    assert done["said"] == "Tiny-Pulled is here: choose Use to chat with it." and not done["suggestions"]
+    assert used["said"].startswith("This chat now uses Tiny-Pulled")
+    assert chat.conversation().model == "Tiny-Pulled" and chat.stats()  # it answered
+    assert [m["name"] for m in used["models"] if m["current"]] == ["Tiny-Pulled"]
+    assert len(hub.gets("model.safetensors")) == 2
+    assert len(hub.gets("config.json")) == 1  # here whole before the cancel: not fetched again
+
+
+def test_a_pull_that_cannot_be_says_why_in_one_line(main):
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await chat.send("/models")
+        refused = await click(chat, do="pull", source="not a model")
+        await click(chat, do="pull", source="acme/No-Such-Model")
+        missing = await until(chat, lambda p: not p["pulls"] and "failed" in p["said"])
+        return refused, missing
+
+    refused, missing = run(scenario())
+    assert refused["said"].startswith("Not pulled: 'not a model' is not a Hugging Face model id")
+    assert "\n" not in missing["said"] and "acme/No-Such-Model" in missing["said"]
+
+
+def test_the_default_chosen_is_kept_in_the_data_folder_and_llama_checkpoint_comes_first(main, monkeypatch):
+    chat = Chat(main)
+    weights = main.SETTINGS.weights_dir
+    write_tiny_checkpoint(weights / "other")
+
+    async def scenario():
+        await chat.start()
+        await main.BACKEND.find_models()
+        await chat.send("/models")
+        overridden = await click(chat, do="default", name="other")
+        monkeypatch.delenv("LLAMA_CHECKPOINT")
+        return overridden, await click(chat, do="default", name="other")
+
+    overridden, chosen = run(scenario())
+    assert overridden["said"].startswith("LLAMA_CHECKPOINT is set")
+    assert chosen["said"] == "other is the default model from the next start of the server."
+    env = {"LLAMA_WEIGHTS_DIR": str(weights), "LLAMA_HISTORY_DB": str(main.SETTINGS.history_db)}
+    assert Settings.from_env(env).checkpoint == weights / "other"
+    assert Settings.from_env(env | {"LLAMA_CHECKPOINT": str(weights / "tiny")}).checkpoint == weights / "tiny"
+    (main.SETTINGS.data_dir / "default-model").write_text("../tiny\n")  # never a folder outside the weights
+    assert Settings.from_env(env).checkpoint != weights / "tiny"
+
+
+def test_only_model_admins_pull_remove_or_choose_and_removing_asks_nothing_of_others(main):
+    chat = Chat(main)
+    write_tiny_checkpoint(main.SETTINGS.weights_dir / "spare")
+    signed_in = Settings(auth="password", password="x", api_key="k", model_admins=("ann",))
+    guarded = models_panel.ModelsPanel(main.BACKEND, main.MODELS.weights, signed_in)
+
+    async def scenario():
+        await chat.start()
+        await main.BACKEND.find_models()
+        conversation = chat.conversation()
+        said = [await guarded.act({"do": do, "name": "spare", "source": PULLED}, conversation, "bob", busy=False)
+                for do in ("pull", "remove", "default", "cancel")]
+        used = await guarded.act({"do": "use", "name": "spare"}, conversation, "bob", busy=False)
+        props = await guarded.props("tiny", "bob")
+        removed = await guarded.act({"do": "remove", "name": "spare"}, conversation, "ann", busy=False)
+        default = await guarded.act({"do": "remove", "name": "tiny"}, conversation, "ann", busy=False)
+        return said, used, props, removed, default
+
+    said, used, props, removed, default = run(scenario())
+    assert all(s.startswith("Only the users named in LLAMA_MODEL_ADMINS") for s in said)
+    assert used.startswith("This chat now uses spare") and not props["admin"]
+    assert removed == "Removed spare." and not (main.SETTINGS.weights_dir / "spare").exists()
+    assert default.startswith("Not removed: tiny is the server's default model")
+    assert Settings().may_manage_models(None) and not signed_in.may_manage_models(None)
+    assert Settings(model_admins=()).may_manage_models(None) is False

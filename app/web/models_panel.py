@@ -192,7 +192,7 @@ async def follow(panel: ModelsPanel, element: cl.CustomElement, pull: Pull, curr
         except TimeoutError:
             pass
     name = pull.folder.name if pull.folder else pull.repo_id
-    said = (f"Pulling {pull.repo_id} failed: {pull.error}" if pull.error and not pull.cancelled else pull.error
+    said = (f"Not pulled: {pull.error}" if pull.error and not pull.cancelled else pull.error
             or f"{name} is here: choose Use to chat with it.")
     await show(panel, element, current(), user, said)
 

@@ -11,20 +11,22 @@ import time
 
 import pytest
 from support.app import imported_app
-from support.checkpoints import write_tiny_checkpoint
+from support.checkpoints import hf_model, write_tiny_checkpoint
 from support.fake_hub import FakeHub
+from support.gguf_checkpoints import write_llama3_gguf
 from support.handlers import Chat
 
 from app.settings import Settings
 from app.web import models_panel
 
-PULLED = "acme/Tiny-Pulled"
+PULLED, GATED = "acme/Tiny-Pulled", "acme/Tiny-Gated"
 
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     hub = FakeHub()
     hub.add_folder(PULLED, write_tiny_checkpoint(tmp_path_factory.mktemp("hub") / "Tiny-Pulled", seed=1))
+    hub.add_folder(GATED, write_tiny_checkpoint(tmp_path_factory.mktemp("gated") / "Tiny-Gated", seed=2), gated=True)
     yield hub
     hub.stop()
 
@@ -134,17 +136,37 @@ def test_a_pull_shows_its_progress_can_be_cancelled_goes_on_and_its_model_is_use
 def test_a_pull_that_cannot_be_says_why_in_one_line(main):
     chat = Chat(main)
 
+    async def ended(source: str) -> str:
+        await click(chat, do="pull", source=source)
+        return (await until(chat, lambda p: not p["pulls"] and source in p["said"] and "…" not in p["said"]))["said"]
+
     async def scenario():
         await chat.start()
         await chat.send("/models")
         refused = await click(chat, do="pull", source="not a model")
-        await click(chat, do="pull", source="acme/No-Such-Model")
-        missing = await until(chat, lambda p: not p["pulls"] and "failed" in p["said"])
-        return refused, missing
+        return refused["said"], await ended("acme/No-Such-Model"), await ended(GATED)
 
-    refused, missing = run(scenario())
-    assert refused["said"].startswith("Not pulled: 'not a model' is not a Hugging Face model id")
-    assert "\n" not in missing["said"] and "acme/No-Such-Model" in missing["said"]
+    refused, missing, gated = run(scenario())
+    assert refused.startswith("Not pulled: 'not a model' is not a Hugging Face model id")
+    assert all("\n" not in line for line in (missing, gated))
+    assert missing.startswith("Not pulled: acme/No-Such-Model: no such model on http"), missing
+    assert gated.startswith(f"Not pulled: {GATED} is gated: accept its terms") and "HF_TOKEN" in gated, gated
+
+
+def test_a_folder_of_gguf_files_on_this_machine_is_imported(main, tmp_path):
+    chat = Chat(main)
+    write_llama3_gguf(hf_model(seed=3), tmp_path / "Tiny-Llama-3-q8_0.gguf", "q8_0")
+
+    async def scenario():
+        await chat.start()
+        await chat.send("/models")
+        await click(chat, do="pull", source=str(tmp_path))
+        return await until(chat, lambda p: not p["pulls"] and "is here" in p["said"], timeout=120)
+
+    props = run(scenario(), 180)
+    assert props["said"] == "Tiny-Llama-3-q8_0 is here: choose Use to chat with it."
+    (imported,) = [m for m in props["models"] if m["name"] == "Tiny-Llama-3-q8_0"]
+    assert "GGUF import" in imported["details"] and "int8" in imported["details"]
 
 
 def test_the_default_chosen_is_kept_in_the_data_folder_and_llama_checkpoint_comes_first(main, monkeypatch):

@@ -7,6 +7,7 @@ also becomes docs/models-panel.png."""
 from __future__ import annotations
 
 import shutil
+import sqlite3
 import threading
 import time
 
@@ -114,6 +115,9 @@ def test_a_first_chat_pulls_a_better_model_from_the_panel_and_chats_with_it(serv
             page.fill("#chat-input", "Hello")
             page.press("#chat-input", "Enter")
             wait_for(lambda: page.locator(STATS).count() >= 1, "answer", timeout=120)
+            with sqlite3.connect(server.log_path.parent / "history.db") as db:  # named after its first question
+                assert db.execute("SELECT name FROM threads").fetchall() == [("Hello",)]
+            wait_for(lambda: page.get_by_text("Hello", exact=True).count() == 2, "the chat renamed in the sidebar")
             shot(page, "06-answered")
             browser.close()
     finally:

@@ -13,6 +13,7 @@ computes every reply, or a remote server. What a session keeps in cl.user_sessio
     told_near_full   whether the user was told that the context is nearly full
     actions          the Regenerate and Export buttons, under the last answer only
     models_panel     the models panel's element (app.web.models_panel), once the Models command opened it
+    named_by_command whether the chat was named after a command (its first message): the next message renames it
     regenerated      how many times the last answer was sampled again (a set seed moves on by one each time)
     stats_line       the id of the statistics line under the last answer (Regenerate removes it with the answer)
 
@@ -373,12 +374,18 @@ def changed(values: dict, before: dict) -> set[str]:
 @cl.on_message
 async def on_message(message: cl.Message):
     conversation = current_conversation()
-    if message.command == EXPORT_COMMAND or message.content.strip().lower() == "/export":
+    command = history.command_of(message.command, message.content)
+    if command is not None and not conversation.messages:  # Chainlit named the chat after it: renamed below
+        cl.user_session.set("named_by_command", True)
+    if command == EXPORT_COMMAND:
         await send_export(conversation)
         return
-    if message.command == MODELS_COMMAND or message.content.strip().lower() == "/models":
+    if command == MODELS_COMMAND:
         await open_models_panel()
         return
+    if cl.user_session.get("named_by_command") and not conversation.messages:
+        cl.user_session.set("named_by_command", False)
+        await rename_chat(message.content)  # after the first message to the model, as any chat
     edited = conversation.message(message.id)
     if edited is None:  # what the page sent: the app's own keys in it are not the client's to set
         message.metadata = attachments.client_metadata(message.metadata)

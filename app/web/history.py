@@ -427,6 +427,15 @@ def auth_secret(folder: Path) -> str:
 
 # ---- resuming a chat ----------------------------------------------------------------------------
 
+TYPED_COMMANDS = {"/export": "Export", "/models": "Models"}  # the chat's commands, typed as a message
+
+
+def command_of(command: str | None, text: str) -> str | None:
+    """The app's command a user message is (chosen in the Tools menu, or typed: TYPED_COMMANDS), or None: it is a
+    message to the model. A command is no turn of the conversation."""
+    return command or TYPED_COMMANDS.get(text.strip().lower())
+
+
 def conversation_from_steps(steps: Iterable[dict], *, model: str | None, system_prompt: str | None,
                             files: Callable[[dict], list[Attachment] | None] = lambda step: None) -> Conversation:
     """The Conversation a chat had, rebuilt from its stored steps (in order); files(step): a user
@@ -441,6 +450,8 @@ def conversation_from_steps(steps: Iterable[dict], *, model: str | None, system_
     conversation = Conversation(model=model, system_prompt=system_prompt)
     asked = None  # the user's message that waits for its reply
     for step in steps:
+        if step.get("type") == "user_message" and command_of(step.get("command"), step.get("output") or ""):
+            continue
         if step.get("type") == "user_message":
             if asked is not None:
                 conversation.add("assistant", "")

@@ -75,3 +75,13 @@ def test_a_resumed_chat_gives_the_model_its_reply_as_written():
              {"type": "assistant_message", "output": shown("It is $5; in code `$5`."), "metadata": {"kind": REPLY}}]
     conversation = conversation_from_steps(steps, model="m", system_prompt=None)
     assert conversation.messages[1].content == "It is $5; in code `$5`."
+
+
+def test_a_resumed_chat_leaves_out_the_apps_commands():
+    steps = [{"type": "user_message", "output": "/models", "id": "c1"},
+             {"type": "user_message", "output": "", "command": "Export", "id": "c2"},
+             {"type": "user_message", "output": "Price?", "id": "u"},
+             {"type": "assistant_message", "output": "Five.", "metadata": {"kind": REPLY}},
+             {"type": "user_message", "output": " /EXPORT ", "id": "c3"}]
+    conversation = conversation_from_steps(steps, model="m", system_prompt=None)
+    assert [(m.role, m.content) for m in conversation.messages] == [("user", "Price?"), ("assistant", "Five.")]

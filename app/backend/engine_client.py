@@ -163,6 +163,9 @@ class EngineClient:
     def reply_defaults(self, name: str | None = None) -> ReplySettings:
         return self._info(name).defaults
 
+    def memory_bytes(self, name: str | None = None) -> int | None:
+        return (self._info(name).memory_bytes or None) if self.is_loaded(name) else None
+
     def keep_alive(self, name: str | None, seconds: float | None) -> None:
         """How long a loaded (or loading) model stays loaded once unused, from now until it is unloaded (Ollama's
         keep_alive): seconds; 0: as soon as no request runs or waits for it; negative: until the engine stops;

@@ -46,6 +46,9 @@ class Backend(Protocol):
     def reply_defaults(self, name: str | None = None) -> ReplySettings:
         """Of a loaded model: the sampling values a request leaves out (its generation_config)."""
 
+    def memory_bytes(self, name: str | None = None) -> int | None:
+        """Of a model loaded now: the bytes its weights hold; None: not loaded, or not known (a remote server's)."""
+
     def keep_alive(self, name: str | None, seconds: float | None) -> None:
         """How long a loaded (or loading) model stays loaded once unused, until it is unloaded (Ollama's
         keep_alive): seconds; 0: unloaded as soon as no request uses it; negative: until the engine stops; None:

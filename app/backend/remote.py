@@ -159,6 +159,9 @@ class RemoteClient:
     def reply_defaults(self, name: str | None = None) -> ReplySettings:
         return self.defaults.over(FALLBACK)
 
+    def memory_bytes(self, name: str | None = None) -> None:
+        return None
+
     def keep_alive(self, name: str | None, seconds: float | None) -> None:
         """Nothing: the server keeps its models loaded as it sees fit."""
 

@@ -199,8 +199,9 @@ def model_info(name: str, checkpoint: Checkpoint, config: EngineConfig, load_sec
     own = ReplySettings(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=s.temperature, top_k=s.top_k,
                         top_p=s.top_p, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
                         frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty)
+    held = sum(t.nbytes for t in [*checkpoint.model.parameters(), *checkpoint.model.buffers()])
     return ModelInfo(name, min(config.max_context, checkpoint.config.max_seq_len), config.defaults.over(own),
-                     load_seconds)
+                     load_seconds, held)
 
 
 def find_profiles(checkpoint: Path, weights_dir: Path | None) -> dict[str, Path]:

@@ -70,7 +70,9 @@ class ModelsPanel:
                     details, size = summary.describe(), summary.bytes
                 except Exception as e:  # a folder being written, or not a checkpoint: shown as such
                     details = f"not readable: {e}"
+            held = self.backend.memory_bytes(name)
             rows.append({"name": name, "details": details, "size": size, "loaded": bool(self.backend.in_memory(name)),
+                         "memory": f"{size_text(held)} in memory" if held else None,
                          "default": name == self.backend.default, "current": name == current,
                          "context": self.backend.context_limit(name) if self.backend.is_loaded(name) else None})
         return rows

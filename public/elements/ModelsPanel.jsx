@@ -8,7 +8,7 @@ const DANGER = 'rounded-md border border-red-500 px-2 py-1 text-xs text-red-600 
 
 function Model({ model, admin, act }) {
   const [confirming, setConfirming] = useState(false);
-  const marks = [model.default && 'default', model.current && 'this chat', model.loaded ? 'loaded' : 'not loaded']
+  const marks = [model.default && 'default', model.current && 'this chat', model.loaded ? (model.memory ? `loaded, ${model.memory}` : 'loaded') : 'not loaded']
     .filter(Boolean).join(' · ');
   return (
     <div className="models-row flex flex-wrap items-center justify-between gap-2 border-b py-2" data-model={model.name}>

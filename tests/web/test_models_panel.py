@@ -85,6 +85,7 @@ def test_the_panel_lists_the_models_and_a_first_start_suggests_llama(main):
     (tiny,) = props["models"]
     assert tiny["name"] == "tiny" and tiny["default"] and tiny["current"] and tiny["loaded"]
     assert "parameters" in tiny["details"] and tiny["context"] == 512
+    assert tiny["memory"].endswith("MB in memory"), tiny
     assert "**tiny**" in props["note"] and props["admin"]
     assert [s["repo"] for s in props["suggestions"]] == ["meta-llama/Llama-3.2-1B-Instruct",
                                                          "meta-llama/Llama-3.2-3B-Instruct"]

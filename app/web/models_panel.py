@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import chainlit as cl
 
+from model.convert.folder import source_of
 from model.summary import summarize
 
 from app.backend.protocol import Backend, is_remote
@@ -77,6 +78,22 @@ class ModelsPanel:
                          "context": self.backend.context_limit(name) if self.backend.is_loaded(name) else None})
         return rows
 
+    def interrupted(self) -> list[dict]:
+        """Downloads cut short (cancelled, or the server stopped) that pulling again goes on from (reads the
+        weights folder: call on a thread)."""
+        if self.weights.folder is None or not self.weights.folder.is_dir():
+            return []
+        under_way = {(pull.repo_id, pull.revision) for pull in self.weights.under_way()}
+        found = []
+        for partial in sorted(self.weights.folder.glob(".*.download")):
+            source = source_of(partial)
+            if source is None or source in under_way:
+                continue
+            here = sum(p.stat().st_size for p in partial.rglob("*")
+                       if p.is_file() and p.relative_to(partial).parts[0] != ".cache")
+            found.append({"source": source[0] + (f":{source[1]}" if source[1] else ""), "here": size_text(here)})
+        return found
+
     def pulls(self) -> list[dict]:
         return [pull_state(pull) for pull in self.weights.under_way()]
 
@@ -94,9 +111,9 @@ class ModelsPanel:
                 for repo, size in SUGGESTED]
 
     async def props(self, current: str | None, user: str | None, said: str = "") -> dict:
-        rows = await asyncio.to_thread(self.rows, current)
+        rows, interrupted = await asyncio.to_thread(lambda: (self.rows(current), self.interrupted()))
         only_default = len(rows) == 1 and rows[0]["default"]
-        return {"models": rows, "pulls": self.pulls(), "suggestions": self.suggestions(),
+        return {"models": rows, "pulls": self.pulls(), "interrupted": interrupted, "suggestions": self.suggestions(),
                 "admin": self.settings.may_manage_models(user),
                 "note": DEFAULT_NOTE.format(name=self.backend.default) if only_default else "",
                 "said": said}

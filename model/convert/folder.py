@@ -91,3 +91,25 @@ def write_error(e: OSError, out_dir: Path, size: int) -> ConversionError:
 
 def write_json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+SOURCE_FILE = "llama-source.json"  # in a download folder's .cache/: which repo it is a download of
+
+
+def note_source(partial: Path, repo_id: str, revision: str | None) -> None:
+    """Write down which repo (and revision) a download folder gathers, so that the server can offer to go on
+    with it after a restart (app.web.models_panel). Inside .cache/, which is removed before the files move
+    into place."""
+    (partial / ".cache").mkdir(parents=True, exist_ok=True)
+    write_json(partial / ".cache" / SOURCE_FILE, {"repo_id": repo_id, "revision": revision})
+
+
+def source_of(partial: Path) -> tuple[str, str | None] | None:
+    """(repo id, revision) of a download folder, as note_source wrote it; None when it did not."""
+    try:
+        said = json.loads((partial / ".cache" / SOURCE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(said, dict) or not isinstance(said.get("repo_id"), str):
+        return None
+    return said["repo_id"], said.get("revision") if isinstance(said.get("revision"), str) else None

@@ -32,7 +32,7 @@ from huggingface_hub.errors import (
 )
 
 from ..config import ConfigError, LlamaConfig
-from .folder import ConversionError, check_free_space, log, make_parent, move_into_place, undo
+from .folder import ConversionError, check_free_space, log, make_parent, move_into_place, note_source, undo
 
 WANTED = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
                     r"|model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json"
@@ -58,6 +58,7 @@ def download(repo_id: str, weights_dir: str | Path = "weights", *, name: str | N
     partial = partial_folder(out_dir)
     made_parent = make_parent(out_dir)
     try:
+        note_source(partial, repo_id, revision)
         files = fetch_into(partial, repo_id, revision, endpoint, on_files)
         shutil.rmtree(partial / HUB_CACHE, ignore_errors=True)
         move_into_place(partial, out_dir)

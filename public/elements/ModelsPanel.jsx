@@ -63,6 +63,12 @@ export default function ModelsPanel() {
       {props.note && <p className="models-note mb-2">{renderNote(props.note)}</p>}
       {props.models.map((model) => <Model key={model.name} model={model} admin={props.admin} act={act} />)}
       {props.pulls.map((p) => <Progress key={p.source} pull={p} admin={props.admin} act={act} />)}
+      {props.interrupted.map((i) => (
+        <div key={i.source} className="models-interrupted flex items-center justify-between gap-2 py-1">
+          <span>{i.source} <span className="text-xs text-muted-foreground">(interrupted, {i.here} here)</span></span>
+          {props.admin && <button className={BUTTON} onClick={() => pull(i.source)}>Resume</button>}
+        </div>
+      ))}
       {props.admin ? (
         <div className="mt-3">
           {props.suggestions.map((s) => (

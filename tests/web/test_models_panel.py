@@ -126,6 +126,8 @@ def test_a_pull_shows_its_progress_can_be_cancelled_goes_on_and_its_model_is_use
     assert cancelled["said"] == f"Cancelled pulling {PULLED}."
     assert ended["said"].startswith(f"cancelled: pulling {PULLED} again goes on from the")
     assert kept > 0  # what came before the cancel stays, for the next pull
+    assert [i["source"] for i in ended["interrupted"]] == [PULLED]  # offered again, after a restart too
+    assert done["interrupted"] == [] and moving["interrupted"] == []
     assert done["said"] == "Tiny-Pulled is here: choose Use to chat with it." and not done["suggestions"]
     assert used["said"].startswith("This chat now uses Tiny-Pulled")
     assert chat.conversation().model == "Tiny-Pulled" and chat.stats()  # it answered

@@ -6,11 +6,13 @@ also becomes docs/models-panel.png."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sqlite3
 import threading
 import time
 
+import httpx
 import pytest
 from support.browser import CHROMIUM, CHROMIUM_ARGS, STATS, need_browser
 from support.checkpoints import write_tiny_checkpoint
@@ -21,7 +23,7 @@ from model.options import Environment
 
 SHOTS = ROOT / "test-output" / "e2e-models"
 SCREENSHOT = ROOT / "docs" / "models-panel.png"
-PULLED = "acme/Tiny-Pulled"
+PULLED, OTHER = "acme/Tiny-Pulled", "acme/Tiny-Other"
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.timeout(300)
 def hub(tmp_path_factory):
     hub = FakeHub()
     hub.add_folder(PULLED, write_tiny_checkpoint(tmp_path_factory.mktemp("hub") / "Tiny-Pulled", seed=1))
+    hub.add_folder(OTHER, write_tiny_checkpoint(tmp_path_factory.mktemp("other") / "Tiny-Other", seed=2))
     yield hub
     hub.stop()
 
@@ -81,8 +84,18 @@ def test_a_first_chat_pulls_a_better_model_from_the_panel_and_chats_with_it(serv
             offer = page.get_by_text("Chatting with tiny: get a better model")
             offer.wait_for()
             shot(page, "01-welcome")
+            # A pull asked through Ollama's API (as `ollama pull` would) is the same job the panel shows
+            told = []
+            ollama = threading.Thread(target=lambda: told.extend(pull_lines(server.url, OTHER)))
+            ollama.start()
+            wait_for(lambda: hub.gets("model.safetensors"), "the API's pull under way")
             offer.click()
             page.wait_for_selector(".models-panel")
+            page.wait_for_selector(f'.models-pull[data-source="{OTHER}"]')
+            page.locator(f'.models-pull[data-source="{OTHER}"] button', has_text="Cancel").click()
+            ollama.join(60)
+            assert told[0] == {"status": "pulling manifest"} and "cancelled" in told[-1]["error"], told
+            hub.requests.clear()
             rows = page.locator(".models-row")
             assert rows.count() == 1 and "default" in rows.first.inner_text()
             assert "Llama-3.2-1B-Instruct" in page.locator(".models-panel").inner_text()
@@ -123,3 +136,8 @@ def test_a_first_chat_pulls_a_better_model_from_the_panel_and_chats_with_it(serv
     finally:
         hub.held = hub.held_files = None
     assert "loaded Tiny-Pulled" in server.log()
+
+
+def pull_lines(url: str, model: str) -> list[dict]:
+    with httpx.stream("POST", f"{url}/api/pull", json={"model": model}, timeout=120) as response:
+        return [json.loads(line) for line in response.iter_lines() if line]

@@ -31,10 +31,13 @@ import tempfile
 import threading
 import time
 import uuid
+from urllib.parse import unquote, urlsplit
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from model.convert.folder import partial_folder
+from model.convert.url import URL
 from model.options import PROJECT_ROOT
 
 from app.backend.protocol import Backend, is_remote
@@ -60,7 +63,7 @@ class Pull:
     repo_id: str  # or the path of a GGUF file or folder on this machine
     revision: str | None
     folder: Path | None  # the model's folder once it is in place (its name is the model's); an import's: once known
-    partial: Path | None  # where a download's files gather meanwhile (model.convert.hub.partial_folder)
+    partial: Path | None  # where a download's files gather meanwhile (model.convert.folder.partial_folder)
     sizes: dict[str, int] | None = None  # the files fetched and their sizes, once the hub has told them
     error: str | None = None
     cancelled: bool = False
@@ -104,7 +107,8 @@ class Weights:
 
     async def pull(self, repo_id: str, revision: str | None = None, local: bool = False) -> Pull:
         """The download of a Hugging Face repo's checkpoint (owner/name) into the weights folder, under way or
-        started now; with `local`, `repo_id` may also be a GGUF file or a folder of them on this machine."""
+        started now; with `local` (the operator's own: the chat's model admins), `repo_id` may also be a GGUF
+        file or a folder of them on this machine, or the http(s) address of a GGUF file."""
         if self.folder is None or any(is_remote(where) for where in self.backend.profiles.values()):
             raise Refused("models are not pulled here: this server fronts another one (LLAMA_BACKEND_URL)")
         key = (repo_id, revision)
@@ -114,17 +118,23 @@ class Weights:
             if not (path.is_dir() or path.suffix.lower() == ".gguf"):
                 raise Refused(f"{repo_id} is neither a .gguf file nor a folder of them")
             pull = Pull(repo_id, None, None, None)
+        elif local and URL.fullmatch(repo_id):
+            name = unquote(Path(urlsplit(repo_id).path).name)
+            if not name.lower().endswith(".gguf") or name.startswith("."):
+                raise Refused(f"{repo_id} is not the address of a .gguf file")
+            pull = Pull(repo_id, None, None, partial_folder(self.folder / name[:-len(".gguf")]))
         else:
             # huggingface_hub takes 0.6 s to import: at the first pull (on a thread: streams go on), not at start
             hub = await asyncio.to_thread(importlib.import_module, "model.convert.hub")
             if not hub.REPO_ID.fullmatch(repo_id):
                 raise Refused(f"{repo_id!r} is not a Hugging Face model id: expected owner/name, e.g. "
                               "meta-llama/Llama-3.2-1B-Instruct (this server pulls from Hugging Face, not from "
-                              "Ollama's library)" + (", or the full path of a .gguf file or folder" if local else ""))
+                              "Ollama's library)" + (", the full path of a .gguf file or folder, or a .gguf's "
+                                                     "http(s) address" if local else ""))
             if repo_id.split("/")[1].startswith("."):  # ".." or a hidden name: the folder would not be the model's
                 raise Refused(f"{repo_id!r} is not a model's name: a name may not begin with '.'")
             folder = self.folder / repo_id.split("/")[1]
-            pull = Pull(repo_id, revision, folder, hub.partial_folder(folder))
+            pull = Pull(repo_id, revision, folder, partial_folder(folder))
             if folder.is_dir():  # here already: not fetched again
                 pull.finished.set()
                 return pull

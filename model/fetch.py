@@ -3,6 +3,7 @@
     python -m model.fetch meta-llama/Llama-3.2-1B-Instruct  # download from Hugging Face
     python -m model.fetch path/to/model.gguf                # import a GGUF (llama.cpp, Ollama, LM Studio)
     python -m model.fetch ~/.lmstudio/models                # import every Llama GGUF in a folder
+    python -m model.fetch https://host/path/model.gguf     # download a GGUF, then import it
 
 Prints each model folder it wrote. A failure prints one line saying what to do, exits with status 2
 and leaves weights/ as it was (an interrupted download keeps a hidden folder to resume from).
@@ -21,12 +22,14 @@ from pathlib import Path
 from .convert.folder import ConversionError
 from .convert.gguf import import_ggufs
 from .convert.hub import REPO_ID, download
+from .convert.url import fetch_gguf_url, is_url
 from .options import Environment
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m model.fetch", description=__doc__.split("\n")[0])
-    parser.add_argument("source", help="a Hugging Face model id (owner/name), a .gguf file, or a folder of them")
+    parser.add_argument("source", help="a Hugging Face model id (owner/name), a .gguf file, a folder of them, or the "
+                                       "http(s) address of a .gguf file")
     parser.add_argument("--weights-dir", default="weights", help="where the model folder goes (default: weights)")
     parser.add_argument("--name", help="the model folder's name (default: the repo's or the file's name)")
     parser.add_argument("--revision", help="a branch, tag or commit of the Hugging Face repo (default: main)")
@@ -41,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if source.exists():
             folders = import_ggufs(source, weights_dir, args.name, args.force)
+        elif is_url(args.source):
+            folders = fetch_gguf_url(args.source, weights_dir, args.name, args.force,
+                                     on_files=(lambda sizes: report({"files": sizes})) if args.report else None)
         elif not REPO_ID.fullmatch(args.source):
             raise ConversionError(f"{args.source}: no such file or folder, and not a Hugging Face model id "
                                   "(owner/name, e.g. meta-llama/Llama-3.2-1B-Instruct)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import chainlit as cl
 
 from model.convert.folder import source_of
+from model.convert.url import URL
 from model.summary import summarize
 
 from app.backend.protocol import Backend, is_remote
@@ -30,6 +32,7 @@ from app.settings import Settings, save_default
 from app.weights import Pull, Refused, Weights
 
 WATCH_INTERVAL_S = 0.5
+HUB_PAGE = re.compile(r"(https?://)?(www\.)?(huggingface\.co|hf\.co)/", re.IGNORECASE)  # before owner/name
 FOLLOWING: set[asyncio.Task] = set()  # the tasks that keep panels' progress bars moving (held: tasks are weak)
 # Suggested on a first start, when the embedded default is the only model: (repo, download size in bytes).
 SUGGESTED = [("meta-llama/Llama-3.2-1B-Instruct", 2_471_645_608), ("meta-llama/Llama-3.2-3B-Instruct", 6_425_499_648)]
@@ -150,9 +153,11 @@ class ModelsPanel:
             return f"Removed {name}."
         if do == "pull":
             source = str(payload.get("source") or "").strip()
-            repo, _, revision = source.partition(":") if not source.startswith("/") else (source, "", "")
-            for prefix in ("https://huggingface.co/", "huggingface.co/", "hf.co/"):
-                repo = repo.removeprefix(prefix)
+            page = HUB_PAGE.match(source) if not source.lower().endswith(".gguf") else None
+            if page is None and (source.startswith(("/", "~")) or URL.fullmatch(source)):
+                repo, revision = source, ""  # a GGUF file or folder here, or a GGUF's address
+            else:  # a Hugging Face id, owner/name[:revision], maybe written as its page's address
+                repo, _, revision = source[page.end() if page else 0:].partition(":")
             if not repo:
                 return "Type a Hugging Face model id (owner/name), or the path of a .gguf file or folder."
             try:

@@ -93,6 +93,11 @@ def write_json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def partial_folder(out_dir: Path) -> Path:
+    """Where a download into `out_dir` gathers its files (hidden: the engine skips it), and resumes from."""
+    return out_dir.parent / f".{out_dir.name}.download"
+
+
 SOURCE_FILE = "llama-source.json"  # in a download folder's .cache/: which repo it is a download of
 
 

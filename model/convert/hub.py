@@ -32,7 +32,8 @@ from huggingface_hub.errors import (
 )
 
 from ..config import ConfigError, LlamaConfig
-from .folder import ConversionError, check_free_space, log, make_parent, move_into_place, note_source, undo
+from .folder import (ConversionError, check_free_space, log, make_parent, move_into_place, note_source,
+                     partial_folder, undo)
 
 WANTED = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
                     r"|model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json"
@@ -74,11 +75,6 @@ def download(repo_id: str, weights_dir: str | Path = "weights", *, name: str | N
 
 class NoLlamaCheckpoint(ConversionError):
     """The repo holds no Llama checkpoint the engine reads (another architecture, or no safetensors)."""
-
-
-def partial_folder(out_dir: Path) -> Path:
-    """Where a download into `out_dir` gathers its files (hidden: the engine skips it), and resumes from."""
-    return out_dir.parent / f".{out_dir.name}.download"
 
 
 def fetch_into(partial: Path, repo_id: str, revision: str | None, endpoint: str | None,

@@ -172,6 +172,31 @@ def test_a_folder_of_gguf_files_on_this_machine_is_imported(main, tmp_path):
     assert "GGUF import" in imported["details"] and "int8" in imported["details"]
 
 
+def test_a_gguf_address_is_downloaded_cut_then_resumed_and_imported(main, hub, tmp_path):
+    gguf = write_llama3_gguf(hf_model(seed=4), tmp_path / "Tiny-Llama-3-f16.gguf", "f16")
+    hub.add_folder("acme/GGUFs", tmp_path)
+    url = f"{hub.url}/acme/GGUFs/resolve/main/{gguf.name}"
+    hub.drop_after[gguf.name] = 20_000  # the first try is cut after 20 kB
+    chat = Chat(main)
+
+    async def ended(source: str) -> dict:
+        await click(chat, do="pull", source=source)
+        return await until(chat, lambda p: not p["pulls"] and "…" not in p["said"], timeout=120)
+
+    async def scenario():
+        await chat.start()
+        await chat.send("/models")
+        return await ended(url), await ended(url), await ended(f"{hub.url}/acme/GGUFs/resolve/main/notes.txt")
+
+    cut, done, refused = run(scenario(), 240)
+    assert cut["said"].startswith(f"Not pulled: {url}: the download was cut"), cut["said"]
+    assert [i["source"] for i in cut["interrupted"]] == [url]
+    assert done["said"] == "Tiny-Llama-3-f16 is here: choose Use to chat with it.", done["said"]
+    assert hub.gets(gguf.name) == [None, "bytes=20000-"]  # the second try went on from the cut
+    assert done["interrupted"] == [] and not list(main.SETTINGS.weights_dir.glob(".Tiny-Llama-3-f16*"))
+    assert refused["said"].startswith("Not pulled: ") and "not the address of a .gguf file" in refused["said"]
+
+
 def test_the_default_chosen_is_kept_in_the_data_folder_and_llama_checkpoint_comes_first(main, monkeypatch):
     chat = Chat(main)
     weights = main.SETTINGS.weights_dir

@@ -1,0 +1,69 @@
+"""A GGUF file named by its address (https://host/.../model.gguf): downloaded into a hidden folder beside the
+models (weights/.NAME.download/, as a Hugging Face download is), going on from the bytes already there when an
+earlier try was cut, then imported as a GGUF file on disk is (model.convert.gguf), and the download deleted.
+
+Plain HTTP(S) with the standard library: a Range request resumes, and a server that ignores it sends the
+whole file again."""
+
+from __future__ import annotations
+
+import http.client
+import re
+import shutil
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from .folder import ConversionError, check_free_space, note_source, partial_folder
+
+URL = re.compile(r"https?://\S+", re.IGNORECASE)
+CHUNK_BYTES = 1 << 20
+SPARE_BYTES = 10_000_000
+TIMEOUT_S = 60
+
+
+def is_url(source: str) -> bool:
+    return bool(URL.fullmatch(source))
+
+
+def fetch_gguf_url(url: str, weights_dir: Path, name: str | None = None, force: bool = False,
+                   on_files: Callable[[dict[str, int]], None] | None = None) -> list[Path]:
+    """Download the GGUF at `url` and import it into weights_dir (as `name`, default its file's); returns the
+    folder written. on_files: told the file and its size once the server has said it."""
+    file_name = urllib.parse.unquote(Path(urllib.parse.urlsplit(url).path).name)
+    if not file_name.lower().endswith(".gguf") or file_name.startswith("."):
+        raise ConversionError(f"{url}: expected the address of a .gguf file")
+    partial = partial_folder(weights_dir / (name or file_name[:-len(".gguf")]))
+    partial.mkdir(parents=True, exist_ok=True)
+    note_source(partial, url, None)
+    target = partial / file_name
+    have = target.stat().st_size if target.is_file() else 0
+    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            if have and response.status != 206:  # the server sends the whole file again
+                have = 0
+            total = have + int(response.headers.get("Content-Length") or 0)
+            if on_files is not None:
+                on_files({file_name: total})
+            check_free_space(weights_dir, total - have + SPARE_BYTES)
+            with open(target, "ab" if have else "wb") as out:
+                while chunk := response.read(CHUNK_BYTES):
+                    out.write(chunk)
+            if target.stat().st_size < total:  # the connection ended before the file did
+                raise ConnectionError("the server closed the connection")
+    except urllib.error.HTTPError as e:
+        if e.code != 416:  # 416: nothing past what is here: the file is whole
+            raise ConversionError(f"{url}: the server answered {e.code} {e.reason}; check the address") from None
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+        here = target.stat().st_size / 1e6 if target.is_file() else 0
+        reason = getattr(e, "reason", None) or e
+        raise ConversionError(f"{url}: the download was cut ({reason}) with {here:.0f} MB here; run the same "
+                              "again to go on from them") from None
+    from .gguf import import_ggufs  # (gguf and numpy: not for the web process, which checks addresses with URL)
+
+    folders = import_ggufs(target, weights_dir, name, force)
+    shutil.rmtree(partial, ignore_errors=True)
+    return folders

@@ -66,6 +66,7 @@ class Settings(ModelOptions):
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S
     write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
     model_admins: tuple[str, ...] | None = None  # who may pull and remove models in the chat; None: everyone
+    checkpoint_set: bool = False  # LLAMA_CHECKPOINT chose the default model (over the one chosen in the chat)
 
     @property
     def data_dir(self) -> Path:
@@ -118,6 +119,7 @@ class Settings(ModelOptions):
             write_timeout=env.number("LLAMA_WRITE_TIMEOUT", 0.0, 3600.0, low_open=True,
                                      default=DEFAULT_WRITE_TIMEOUT_S),
             model_admins=env.items("LLAMA_MODEL_ADMINS") if env.text("LLAMA_MODEL_ADMINS") is not None else None,
+            checkpoint_set=env.text("LLAMA_CHECKPOINT") is not None,
         )
         _check_sign_in(settings, auth)
         return settings

@@ -199,6 +199,7 @@ def test_a_resumed_chat_shows_its_files_and_sends_them_again(page, server, files
     page.locator('#thread-history a[href^="/thread/"]').first.click()
     question = page.locator(USER_MESSAGES).filter(has_text="When is the Falcon launch?")
     question.wait_for()
+    question.locator(".file-chip").nth(1).wait_for()  # (a custom element: drawn once its code has loaded)
     assert question.locator(".file-chip").count() == 2 and "12 pages" in question.inner_text()
     assert question.locator("canvas").count() == 0
     question.locator(".file-chip", has_text="report.pdf").click()

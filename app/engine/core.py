@@ -379,11 +379,16 @@ class Engine:
                     raise PromptTooLong(f"The prompt has {len(prompt)} tokens; the model reads at most "
                                         f"{info.context_limit} tokens at once, its reply included.")
             else:
-                if request.tools and not checkpoint.chat_format.supports_tools:
-                    raise Refused(f"tools: the model {request.model} has no tool calling (its chat template is given "
-                                  "no tools; Llama 3 checkpoints are), so it takes neither tools nor tool_choice: "
-                                  "send the request without them", "bad_request")
                 tool_options = dict(tools=request.tools, tool_choice=request.tool_choice)
+                if request.tools and not checkpoint.chat_format.supports_tools:
+                    # Clients that offer their tools with every message (Open WebUI does) get a reply in text, as
+                    # "auto" allows; only a call that tool_choice demands cannot be given.
+                    if forces_call(read_tool_choice(request.tool_choice, read_tools(request.tools))):
+                        raise Refused(f"tools: the model {request.model} has no tool calling (its chat template is "
+                                      "given no tools; Llama 3 checkpoints are), so it cannot be made to call one: "
+                                      "send the request without tool_choice (with \"auto\" it answers in text)",
+                                      "bad_request")
+                    tool_options = dict(tools=None, tool_choice=None)
                 messages, files = choose_prompt_files(checkpoint.chat_format, request.messages, info.context_limit,
                                                       settings.max_new_tokens, **tool_options)
                 prompt, left_out = fit_prompt(checkpoint.chat_format, messages, request.left_out,

@@ -89,7 +89,8 @@ class Sequence:
         self.prompt, self.settings, self._token_bytes = prompt, settings, token_bytes
         self.speculation = speculation
         request = self.request
-        tools = {t["function"]["name"] for t in request.tools or []} if request.tool_choice != "none" else set()
+        tools = ({t["function"]["name"] for t in request.tools or []}
+                 if request.tool_choice != "none" and checkpoint.chat_format.supports_tools else set())
         self.decoding = Decoding(
             checkpoint.tokenizer, prompt, max_new_tokens=settings.max_new_tokens, context_limit=limit,
             sampling=SamplingParams(

@@ -137,7 +137,7 @@ class ModelsPanel:
         if do == "default":
             if name not in self.backend.profiles or is_remote(self.backend.profiles[name]):
                 return f"There is no model {name!r} in the weights folder."
-            if os.environ.get("LLAMA_CHECKPOINT"):
+            if self.settings.checkpoint_set:
                 return f"LLAMA_CHECKPOINT is set, so it chooses the default: {name} would not become it."
             await asyncio.to_thread(save_default, self.settings.data_dir, name)
             return f"{name} is the default model from the next start of the server."

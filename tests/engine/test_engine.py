@@ -614,10 +614,16 @@ def test_a_call_that_tool_choice_asks_for_is_what_the_reply_is(tiny, checkpoint,
         assert all(isinstance(json.loads(c["function"]["arguments"])["city"], str) for c in done.tool_calls)
 
 
-def test_tools_for_a_model_without_tool_calling_are_a_bad_request_that_names_them(tmp_path):
+def test_a_model_without_tool_calling_answers_in_text_unless_a_call_is_demanded(tmp_path):
+    """Clients that offer their tools with every message (Open WebUI) get text, as "auto" allows; "required" or a
+    named function, which only a call satisfies, is a bad request that says why."""
     from support.special_checkpoints import write_chatml_checkpoint
     h = EngineHarness(write_chatml_checkpoint(tmp_path / "chatml"))
-    for tool_choice in (None, "required"):
+    plain = last(h.ask(r := request("Hi", GREEDY, model="chatml"))[r.id])
+    for tool_choice in (None, "auto", "none"):
+        done = last(h.ask(r := request("Hi", GREEDY, model="chatml", tools=WEATHER, tool_choice=tool_choice))[r.id])
+        assert done.text == plain.text and not done.tool_calls  # the same prompt: the tools left out
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         events = h.ask(r := request("Hi", GREEDY, model="chatml", tools=WEATHER, tool_choice=tool_choice))[r.id]
         assert last(events).reason == "bad_request" and "has no tool calling" in last(events).message
         assert last(events).message.startswith("tools: ") and "tool_choice" in last(events).message

@@ -5,6 +5,7 @@ default (kept in the data folder, LLAMA_CHECKPOINT first), remove, and who may d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -197,8 +198,10 @@ def test_a_gguf_address_is_downloaded_cut_then_resumed_and_imported(main, hub, t
     assert refused["said"].startswith("Not pulled: ") and "not the address of a .gguf file" in refused["said"]
 
 
-def test_the_default_chosen_is_kept_in_the_data_folder_and_llama_checkpoint_comes_first(main, monkeypatch):
+def test_the_default_chosen_is_kept_in_the_data_folder_and_llama_checkpoint_comes_first(main):
     chat = Chat(main)
+    unset = models_panel.ModelsPanel(main.BACKEND, main.MODELS.weights,
+                                     dataclasses.replace(main.SETTINGS, checkpoint_set=False))
     weights = main.SETTINGS.weights_dir
     write_tiny_checkpoint(weights / "other")
 
@@ -207,12 +210,11 @@ def test_the_default_chosen_is_kept_in_the_data_folder_and_llama_checkpoint_come
         await main.BACKEND.find_models()
         await chat.send("/models")
         overridden = await click(chat, do="default", name="other")
-        monkeypatch.delenv("LLAMA_CHECKPOINT")
-        return overridden, await click(chat, do="default", name="other")
+        return overridden, await unset.act({"do": "default", "name": "other"}, chat.conversation(), None, busy=False)
 
     overridden, chosen = run(scenario())
-    assert overridden["said"].startswith("LLAMA_CHECKPOINT is set")
-    assert chosen["said"] == "other is the default model from the next start of the server."
+    assert main.SETTINGS.checkpoint_set and overridden["said"].startswith("LLAMA_CHECKPOINT is set")
+    assert chosen == "other is the default model from the next start of the server."
     env = {"LLAMA_WEIGHTS_DIR": str(weights), "LLAMA_HISTORY_DB": str(main.SETTINGS.history_db)}
     assert Settings.from_env(env).checkpoint == weights / "other"
     assert Settings.from_env(env | {"LLAMA_CHECKPOINT": str(weights / "tiny")}).checkpoint == weights / "tiny"

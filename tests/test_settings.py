@@ -31,7 +31,7 @@ def test_settings_from_values():
     assert settings == Settings(checkpoint=Path("/models/llama"), weights_dir=Path("/models"),
                                 tokenizer=Path("/t/tokenizer.model"), device="cpu", dtype="bf16", max_context=2048,
                                 system_prompt="Be brief.", max_new_tokens=64, temperature=0.0, top_k=40,
-                                top_p=0.95, threads=2)
+                                top_p=0.95, threads=2, checkpoint_set=True)
     assert not settings.is_default_checkpoint
     assert Settings.from_env({"LLAMA_TEMPERATURE": "  ", "LLAMA_TOP_P": ""}).temperature is None
 

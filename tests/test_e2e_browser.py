@@ -55,20 +55,6 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def short_server(tmp_path_factory):
-    """The same default model, with replies of at most 400 tokens: eight pages drawing answers of 600 tokens each
-    (a page draws a message again as it grows), in software on 2 cores beside the server, fell a minute behind;
-    at 160 tokens every reply could end before the test had seen all eight begin."""
-    need_browser()
-    default_model()
-    folder = tmp_path_factory.mktemp("short")
-    (folder / "weights").mkdir()
-    env = server_env(checkpoint=DEFAULT_MODEL, weights_dir=folder / "weights", temperature=0, repetition_penalty=1,
-                     dtype="fp32", threads=1, max_new_tokens=400, history_db=folder / "history.db")
-    yield from ChainlitServer(env, log=folder / "chainlit.log").running()
-
-
-@pytest.fixture(scope="module")
 def page(server):
     from playwright.sync_api import sync_playwright
 
@@ -367,7 +353,7 @@ def test_a_model_is_chosen_loaded_and_its_math_rendered(page, server):
     assert "Traceback" not in server.log()
 
 
-def test_eight_tabs_are_answered_at_once(page, short_server):
+def test_eight_tabs_are_answered_at_once(page, server):
     """Eight tabs ask at about the same time: every one is streaming its answer before any has finished
     (one batch in the engine, no queue), and Stop ends each still running when it is clicked.
 
@@ -384,7 +370,7 @@ def test_eight_tabs_are_answered_at_once(page, short_server):
             sockets.append((i, "open", round(time.monotonic() - start, 1)))
             ws.on("close", lambda _: sockets.append((i, "close", round(time.monotonic() - start, 1))))
         tab.on("websocket", watch)
-        tab.goto(short_server.url)
+        tab.goto(server.url)
         tab.wait_for_selector("#chat-input")
         tabs.append(tab)
     try:
@@ -410,18 +396,18 @@ def test_eight_tabs_are_answered_at_once(page, short_server):
             time.sleep(0.5)
         lines = [stats_lines(tab) for tab in tabs]
         if not all(len(found) == 1 for found in lines):
-            with sqlite3.connect(short_server.log_path.parent / "history.db") as db:
+            with sqlite3.connect(server.log_path.parent / "history.db") as db:
                 rows = db.execute("SELECT output FROM steps WHERE name = 'stats'").fetchall()
             # (what matters last: a run's report may keep only the end of a failure)
-            raise AssertionError(f"server log: {short_server.log()[-3000:]}\nstats in the history: {rows}\n"
+            raise AssertionError(f"server log: {server.log()[-3000:]}\nstats in the history: {rows}\n"
                                  f"sockets (tab, event, s): {sockets}\nStop at {stop_at} s; "
                                  f"the stats lines of each tab: {lines}")
         assert sum("stopped by user" in found[0] for found in lines) >= 1, lines
-        shot(tabs[-1], "08-eighth-tab")  # (once the pages are still: drawing eight answers, one took over 60 s)
+        shot(tabs[-1], "08-eighth-tab")  # (once the pages are still: drawing eight long answers, one took over 60 s)
         for tab in tabs:
             assert answer_texts(tab)[0].strip()
             assert not tab.locator("text=/yours is (next|number)/").count()  # nobody waited in line
     finally:
         for tab in tabs:
             tab.close()
-    assert "Traceback" not in short_server.log()
+    assert "Traceback" not in server.log()

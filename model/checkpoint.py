@@ -36,6 +36,7 @@ from .checkpoint_files import CheckpointError, CheckpointFiles, find_checkpoint
 from .config import DEFAULT_MAX_CONTEXT, ConfigError, LlamaConfig
 from .cpu import has_native_bf16
 from .kernels import decode_path, kernels
+from .kv_cache import KV_TYPES, Q8_BLOCK
 from .linear import OUTPUT_HEAD, QUANTIZE, quantize_model
 from .llama import Llama
 from .memory import move_to_huge_pages, release_pages, scratch_returned
@@ -284,7 +285,8 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype | str | None = None, tokenizer: str | Path | None = None,
                     quantize: str | None = None, widen: bool | str = False, compile: bool = False,
-                    pack: bool | str = "auto", graphs: bool | None = None, slots: int = GRAPH_SLOTS) -> Checkpoint:
+                    pack: bool | str = "auto", graphs: bool | None = None, slots: int = GRAPH_SLOTS,
+                    kv_type: str = "bf16") -> Checkpoint:
     """Load a checkpoint folder or file: model (in eval mode), tokenizer, chat format and config.
 
     device: a torch device, or "auto" (resolve_device: CUDA, then MPS, then the CPU).
@@ -308,6 +310,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     replace widening on every product; True: on the CPU too (its ops do the same maths: tests); False: never.
     graphs: decode in steps of fixed shapes over `slots` static KV slots, each step a replayed CUDA graph
     (model/static_decode.py), captured here so the first reply does not pay for it. None: on CUDA devices.
+    kv_type: how the KV caches made for this model keep keys and values (model/kv_cache.py): "bf16" in the
+    activations' dtype, "q8" in 8-bit blocks (the static slots, and so the CUDA graphs, hold bf16 only).
     """
     quantize = None if quantize == "off" else quantize
     if quantize is not None and quantize not in QUANTIZE:
@@ -316,6 +320,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
         raise ValueError(f"widen={widen!r}: expected True, False or auto")
     if pack not in (True, False, "auto"):
         raise ValueError(f"pack={pack!r}: expected True, False or auto")
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"kv_type={kv_type!r}: expected one of {', '.join(KV_TYPES)}")
     dtype = torch_dtype(dtype)
     files = find_checkpoint(path)
     state, names = read_state_dict(files)
@@ -370,6 +376,10 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
         if config.tie_word_embeddings:  # a quantized embedding's head shares its scales and offsets
             model.output.scale, model.output.offset = model.tok_embeddings.scale, model.tok_embeddings.offset
         model.compute_dtype = compute
+        if kv_type == "q8" and config.head_dim % Q8_BLOCK:
+            raise CheckpointError(f"{files.folder}: a q8 KV cache takes a head_dim that is a multiple of {Q8_BLOCK}; "
+                                  f"this model's is {config.head_dim} (LLAMA_KV_TYPE=bf16 works for it)")
+        model.kv_type = kv_type
         if quantize is not None:
             quantize_model(model, OUTPUT_HEAD[quantize], row_scales)  # what is left: the output head
         if pack:
@@ -378,7 +388,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
                          device.type)
     model.setup_rope(min(config.max_seq_len, DEFAULT_MAX_CONTEXT))
     model.eval().requires_grad_(False)
-    if device.type == "cuda" if graphs is None else graphs:
+    if (device.type == "cuda" if graphs is None else graphs) and kv_type == "bf16":
         attach(model, slots, model.rope.max_len, compile=compile)
     elif compile:
         model.decode = torch.compile(model.decode, dynamic=True)

@@ -8,7 +8,8 @@ CPU when the kernel is on and built (LLAMA_KERNELS=off: model.kernels.configure)
 and activations in fp32 or bf16; otherwise the reference. The matrices are all bf16, all fp32, or quantized:
 int8 with group scales and int4 with block scales and offsets (model/quantize.py), mixed freely
 between the op's kernel calls (an int4 model keeps as int8 a matrix whose K is not whole blocks of 32)
-but of one kind within q|k|v and within w1|w3.
+but of one kind within q|k|v and within w1|w3. The KV caches are in the activations' dtype or in q8 blocks
+(model/kv_cache.py), one kind a call.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def decode_layers(model, x: torch.Tensor, rope: Rope, caches: list[KVCache], pos
         return None
     if not all(cache.k.is_contiguous() and cache.v.is_contiguous() for cache in caches):
         return None  # a static slot's views (model/static_decode.py): the op takes caches of their own
+    if len({cache.k.dtype for cache in caches}) > 1:
+        return None  # q8 blocks beside caches in x's dtype: the op takes one kind a call
     if model not in _layer_weights:
         _layer_weights[model] = LayerWeights(model)
     found = _layer_weights[model].current(x.dtype)

@@ -5,6 +5,16 @@ meet the same chunks: each position's keys and values come out bit for bit the s
 computes them. A later request may take over only such positions (`exact`); positions of a last,
 partial chunk or of decode steps were summed in another order and are computed again, so that a
 reply never depends on what a cache held before.
+
+Keys and values are kept in one of two types (`KV_TYPES`, LLAMA_KV_TYPE):
+- "bf16": as the model computes them, in its activations' dtype (bf16; fp32 on CPUs without bf16
+  arithmetic, model/cpu.py);
+- "q8": 8 bits, in blocks of 32 numbers along head_dim with one fp16 scale each, laid out as GGUF's
+  Q8_0 (the scale's 2 bytes, then 32 int8): a row of head_dim numbers is head_dim / 32 * 34 bytes,
+  0.53x bf16's and 0.27x fp32's. A block's scale is max|x| / 127 rounded to fp16; each number is
+  x / scale rounded to the nearest integer (ties to even). The decode op (csrc/decode_step.cpp) writes
+  and reads the blocks itself, a block at a time; the reference (LayerCache.update) widens a layer's
+  keys and values to fp32 for the attention of one forward pass.
 """
 
 from __future__ import annotations
@@ -16,6 +26,10 @@ import torch
 from .config import LlamaConfig
 from .cpu import has_amx
 
+KV_TYPES = ("bf16", "q8")
+Q8_BLOCK = 32  # numbers a q8 block holds
+Q8_BLOCK_BYTES = 2 + Q8_BLOCK  # its fp16 scale, then the numbers in int8
+
 # Prompt tokens per forward pass: a cancel, and in the engine the other streams' next decode step, wait
 # for one chunk at most. 256 was the fastest size on AVX-512 CPUs (docs/benchmarks.md); on CPUs with
 # AMX the bf16 products pay off at more rows (1B shape: 0.88x transformers' prefill in chunks of 256,
@@ -23,20 +37,48 @@ from .cpu import has_amx
 PREFILL_CHUNK = 512 if has_amx() else 256
 
 
+def q8_row_bytes(head_dim: int) -> int:
+    """Bytes of one position's head in q8 blocks."""
+    return head_dim // Q8_BLOCK * Q8_BLOCK_BYTES
+
+
+def quantize_q8(x: torch.Tensor) -> torch.Tensor:
+    """x (..., head_dim) -> its q8 blocks (..., head_dim / 32 * 34) in uint8 (the module's docstring)."""
+    blocks = x.float().unflatten(-1, (-1, Q8_BLOCK))  # (..., n_blocks, 32)
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).half()  # (..., n_blocks, 1)
+    wide = scale.float()
+    q = torch.where(wide > 0, blocks / wide, 0).round_().clamp_(-127, 127).to(torch.int8)
+    return torch.cat([scale.view(torch.uint8), q.view(torch.uint8)], -1).flatten(-2)
+
+
+def dequantize_q8(blocks: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """q8 blocks (..., row_bytes) -> the numbers (..., head_dim) they hold, in dtype (each q * scale in fp32)."""
+    blocks = blocks.unflatten(-1, (-1, Q8_BLOCK_BYTES))  # (..., n_blocks, 34)
+    scale = blocks[..., :2].contiguous().view(torch.float16).float()  # (..., n_blocks, 1)
+    q = blocks[..., 2:].view(torch.int8).float()  # (..., n_blocks, 32)
+    return (q * scale).flatten(-2).to(dtype)
+
+
 class LayerCache(NamedTuple):
-    """One layer's part of a KVCache: k, v (batch, n_kv_heads, max_len, head_dim), and the position
-    a decoded token is written at (the cache's length when this was taken)."""
+    """One layer's part of a KVCache: k, v (batch, n_kv_heads, max_len, head_dim), or their q8 blocks
+    (batch, n_kv_heads, max_len, row_bytes) in uint8, and the position a decoded token is written at (the
+    cache's length when this was taken)."""
 
     k: torch.Tensor
     v: torch.Tensor
     length: int
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (batch, n_kv_heads, seq, head_dim) at start.. and return all keys/values so far."""
+        """Write k, v (batch, n_kv_heads, seq, head_dim) at start.. and return all keys/values so far: as
+        stored, or widened to fp32 from q8 blocks."""
         end = start + k.shape[2]
         max_len = self.k.shape[2]
         if end > max_len:
             raise ValueError(f"KV cache holds {max_len} positions; asked to write up to {end}")
+        if self.k.dtype == torch.uint8:
+            self.k[:, :, start:end] = quantize_q8(k)
+            self.v[:, :, start:end] = quantize_q8(v)
+            return dequantize_q8(self.k[:, :, :end]), dequantize_q8(self.v[:, :, :end])
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
@@ -52,13 +94,24 @@ class KVCache:
 
     def __init__(self, config: LlamaConfig, max_len: int, *, batch: int = 1,
                  device=None, dtype=torch.float32, chunk: int | None = None,
-                 storage: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 storage: tuple[torch.Tensor, torch.Tensor] | None = None, kv_type: str = "bf16"):
         self.config = config
-        shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"KV type {kv_type!r}: expected one of {', '.join(KV_TYPES)}")
+        self.kv_type, self.dtype = kv_type, dtype  # dtype: the activations' (the stored numbers' unless q8)
+        if kv_type == "q8":
+            if config.head_dim % Q8_BLOCK:
+                raise ValueError(f"q8 KV blocks take a head_dim that is a multiple of {Q8_BLOCK}; this model's is "
+                                 f"{config.head_dim}")
+            dtype = torch.uint8
+        row = q8_row_bytes(config.head_dim) if kv_type == "q8" else config.head_dim
+        shape = (config.n_layers, batch, config.n_kv_heads, max_len, row)
         if storage is not None:  # tensors of that shape allocated by the caller (a slot: model/static_decode.py)
             self.k, self.v = storage
             if self.k.shape != shape or self.v.shape != shape:
                 raise ValueError(f"KV storage of shape {tuple(self.k.shape)}; expected {shape}")
+            if kv_type == "bf16":
+                self.dtype = self.k.dtype
         else:  # never read beyond what was written, so left uninitialized: pages are touched only as used
             self.k = torch.empty(shape, device=device, dtype=dtype)
             self.v = torch.empty(shape, device=device, dtype=dtype)
@@ -67,6 +120,16 @@ class KVCache:
         self.chunk = chunk or PREFILL_CHUNK  # prompt tokens per forward pass, chunks starting at its multiples
         self.tokens: list[int] = []
         self.exact = 0  # leading positions computed by whole chunks: the same for any request with these tokens
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_type == "q8"
+
+    @staticmethod
+    def bytes_per_position(config: LlamaConfig, kv_type: str, dtype: torch.dtype) -> int:
+        """Bytes one position's keys and values take in every layer."""
+        row = q8_row_bytes(config.head_dim) if kv_type == "q8" else config.head_dim * dtype.itemsize
+        return 2 * config.n_layers * config.n_kv_heads * row
 
     @property
     def length(self) -> int:
@@ -130,8 +193,8 @@ class KVCache:
 
     def copy_prefix(self, n: int, max_len: int, into: KVCache | None = None) -> KVCache:
         """A new cache of max_len positions holding this one's first n positions (`into`: that empty one)."""
-        new = into or KVCache(self.config, max_len, batch=self.k.shape[1], device=self.k.device, dtype=self.k.dtype,
-                              chunk=self.chunk)
+        new = into or KVCache(self.config, max_len, batch=self.k.shape[1], device=self.k.device, dtype=self.dtype,
+                              chunk=self.chunk, kv_type=self.kv_type)
         new.k[:, :, :, :n] = self.k[:, :, :, :n]
         new.v[:, :, :, :n] = self.v[:, :, :, :n]
         new.tokens = self.tokens[:n]

@@ -41,11 +41,11 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(start_pos, k, v)  # (b, kv, start_pos + s, d)
         if seq == 1:
-            return self.wo(self.attend_one(q, k, v).reshape(batch, 1, -1))
+            return self.wo(self.attend_one(q, k, v).reshape(batch, 1, -1).to(x.dtype))
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and start_pos == 0,
-            enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+            q.to(k.dtype), k, v, attn_mask=mask, is_causal=mask is None and start_pos == 0,
+            enable_gqa=self.n_kv_heads != self.n_heads)  # in fp32 where a q8 cache widened its keys to it
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1).to(x.dtype))
 
     def decode(self, x, rope: Rope, caches: list[LayerCache]):
         """One new token of each of len(caches) rows, x (b, 1, dim), each at its own position (its layer
@@ -54,7 +54,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, rope)
         out = torch.cat([self.attend_one(q[i:i + 1], *cache.update(cache.length, k[i:i + 1], v[i:i + 1]))
                          for i, cache in enumerate(caches)])  # (b, kv, groups, d)
-        return self.wo(out.reshape(len(caches), 1, -1))
+        return self.wo(out.reshape(len(caches), 1, -1).to(x.dtype))
 
     def attend_one(self, q, k, v):
         """One new query per sequence, q (b, h, 1, d), against keys/values (b, kv, n, d) -> (b, kv, groups, d).
@@ -63,7 +63,7 @@ class Attention(nn.Module):
         keys, and SDPA's fast kernels (its GQA path is many times slower for a single query).
         """
         batch, kv = k.shape[:2]
-        q = q.reshape(batch, kv, self.n_heads // kv, self.head_dim)
+        q = q.reshape(batch, kv, self.n_heads // kv, self.head_dim).to(k.dtype)
         return F.scaled_dot_product_attention(q, k, v)
 
 
@@ -112,6 +112,8 @@ class Llama(nn.Module):
         # Activations, norms and the KV cache use compute_dtype; matrices may be stored narrower
         # (bf16 or int8 weights with fp32 compute on CPUs without native bf16).
         self.compute_dtype = torch.float32
+        # How KV caches made for this model keep keys and values (model/kv_cache.py's KV_TYPES).
+        self.kv_type = "bf16"
         # Whether decode runs the layers as one C++ op where it applies (model/decode_step.py).
         self.fused_decode = True
         # Steps of fixed shapes over static KV slots (CUDA graphs): model/static_decode.py's attach().

@@ -180,21 +180,22 @@ class StaticDecoder:
 
 
 def new_cache(model, max_len: int, *, device=None, dtype=torch.float32) -> KVCache:
-    """A cache for one sequence of up to max_len positions: a free slot of the model's SlotCache where it
-    decodes with a StaticDecoder and the slot is long enough, else a KVCache of its own (decoded op by op)."""
+    """A cache for one sequence of up to max_len positions, of the model's KV type (model.kv_type): a free
+    slot of the model's SlotCache where it decodes with a StaticDecoder and the slot is long enough (the slots
+    hold unquantized keys and values), else a KVCache of its own (decoded op by op)."""
     static = model.static
-    if static is not None and max_len <= static.cache.max_len:
+    if static is not None and max_len <= static.cache.max_len and model.kv_type == "bf16":
         cache = static.cache.take()
         if cache is not None:
             return cache
-    return KVCache(model.config, max_len, device=device, dtype=dtype)
+    return KVCache(model.config, max_len, device=device, dtype=dtype, kv_type=model.kv_type)
 
 
 def in_slot(model, cache: KVCache) -> KVCache:
     """`cache` moved into a free slot of the model's SlotCache (copied), so its sequence decodes in the fixed
     steps; `cache` itself where it is a slot already, or no slot is free or long enough."""
     static = model.static
-    if static is None or cache.slot is not None or cache.max_len > static.cache.max_len:
+    if static is None or cache.slot is not None or cache.max_len > static.cache.max_len or cache.quantized:
         return cache
     slot = static.cache.take()
     if slot is None:

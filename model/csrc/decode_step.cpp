@@ -14,6 +14,10 @@
 // one kind for the matrices of one kernel call (q|k|v, wo, w1|w3, w2) and any kind from call to
 // call: an int4 model keeps a matrix whose K is not whole blocks of 32 as int8.
 //
+// The KV caches hold keys and values in T, or in q8 blocks (model/kv_cache.py: per 32 numbers of a head
+// an fp16 scale and 32 int8, GGUF's Q8_0 layout), written here a row at a time and read by attention a
+// block at a time, never widened as a whole.
+//
 // Activations are fp32 or bf16 (T). In bf16 each value is rounded to bf16 where the reference
 // stores a bf16 tensor (the norm's output, RoPE's products and their sum, the residual sums, SiLU
 // and its product with up, attention's probabilities as ATen's CPU flash attention rounds them)
@@ -24,6 +28,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -122,6 +127,60 @@ inline float sum16(f32x16 v) {  // halves added as vectors: a chain of 16 scalar
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+// A cache's row: one position of one KV head, head_dim numbers. Plain<E> keeps them as E; Q8 as blocks of
+// 32 (an fp16 scale, then 32 int8). `load(row, c)` gives numbers 16c..16c + 15 in fp32, `at(row, i)` number
+// i, `write` stores a row; `Weights` is the type the softmax's weights are rounded to, as the reference
+// rounds them: the activations' dtype over a cache in it, fp32 over q8 blocks (the reference widens those
+// to fp32 and attends in fp32).
+template <typename E>
+struct Plain {
+  using Weights = E;
+  static int64_t row_bytes(int64_t head_dim) { return head_dim * static_cast<int64_t>(sizeof(E)); }
+  static f32x16 load(const uint8_t* row, int c) { return load16(reinterpret_cast<const E*>(row) + 16 * c); }
+  static float at(const uint8_t* row, int64_t i) { return f32(reinterpret_cast<const E*>(row)[i]); }
+  static void write(const E* x, int64_t head_dim, uint8_t* row) { std::copy(x, x + head_dim, reinterpret_cast<E*>(row)); }
+};
+
+struct Q8 {
+  using Weights = float;
+  static constexpr int64_t kBlock = 32, kBlockBytes = 2 + kBlock;
+  static int64_t row_bytes(int64_t head_dim) { return head_dim / kBlock * kBlockBytes; }
+  static float scale(const uint8_t* block) {
+    c10::Half s;
+    std::memcpy(&s, block, sizeof s);
+    return static_cast<float>(s);
+  }
+  static f32x16 load(const uint8_t* row, int c) {
+    const uint8_t* block = row + (c / 2) * kBlockBytes;
+    i8x16 q;
+    std::memcpy(&q, block + 2 + (c % 2) * 16, sizeof q);
+    return __builtin_convertvector(q, f32x16) * scale(block);
+  }
+  static float at(const uint8_t* row, int64_t i) {
+    const uint8_t* block = row + (i / kBlock) * kBlockBytes;
+    return static_cast<float>(static_cast<int8_t>(block[2 + i % kBlock])) * scale(block);
+  }
+  // As model/kv_cache.py's quantize_q8: scale = fp16(max|x| / 127), q = x / scale to the nearest (ties to even).
+  template <typename T>
+  static void write(const T* x, int64_t head_dim, uint8_t* row) {
+    for (int64_t b = 0; b < head_dim / kBlock; b++) {
+      const T* xb = x + b * kBlock;
+      uint8_t* block = row + b * kBlockBytes;
+      float amax = 0.f;
+      for (int64_t i = 0; i < kBlock; i++) amax = std::max(amax, std::fabs(f32(xb[i])));
+      const c10::Half s(amax / 127.f);
+      std::memcpy(block, &s, sizeof s);
+      const float d = static_cast<float>(s);
+      for (int64_t i = 0; i < kBlock; i++) {
+        const float q = d > 0.f ? std::min(127.f, std::max(-127.f, std::nearbyint(f32(xb[i]) / d))) : 0.f;
+        block[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      }
+    }
+  }
+};
+
 // One task of attention: the `groups` query heads q (groups, head_dim) that share one KV head,
 // against n of its cached keys and values k, v (n, head_dim), from the softmax's point of view a
 // piece of the positions: its scores' maximum top[g], sum[g] = sum of exp(score - top[g]) and
@@ -183,8 +242,8 @@ inline f32x16 sums16(const f32x16* v) {
 // score does not depend on where its key falls. Written element by element (attend_any), the compiler
 // kept the sums in memory and reduced each dot product with a chain of scalar adds (docs/benchmarks.md).
 // `scores` holds G * n floats.
-template <int C, int G, typename T>
-void attend_vectors(const T* q, const T* k, const T* v, int64_t n, float* scores, Partial out) {
+template <int C, int G, typename T, typename KV>
+void attend_vectors(const T* q, const uint8_t* k, const uint8_t* v, int64_t n, float* scores, Partial out) {
   constexpr int64_t head_dim = 16 * C;
   const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
   f32x16 acc[G][C];  // the queries, then the weighted sums of values
@@ -194,10 +253,10 @@ void attend_vectors(const T* q, const T* k, const T* v, int64_t n, float* scores
   for (int64_t first = 0; first < n; first += 16) {
     const int64_t keys = std::min<int64_t>(16, n - first);
     for (int64_t i = 0; i < keys; i++) {
-      const T* key = k + (first + i) * head_dim;
+      const uint8_t* key = k + (first + i) * KV::row_bytes(head_dim);
       prefetch_ahead(key);
       f32x16 ki[C];
-      for (int c = 0; c < C; c++) ki[c] = load16(key + 16 * c);
+      for (int c = 0; c < C; c++) ki[c] = KV::load(key, c);
       for (int g = 0; g < G; g++) {
         f32x16 dot = acc[g][0] * ki[0];
         for (int c = 1; c < C; c++) dot += acc[g][c] * ki[c];
@@ -211,14 +270,14 @@ void attend_vectors(const T* q, const T* k, const T* v, int64_t n, float* scores
     }
   }
   for (int g = 0; g < G; g++) {
-    softmax_piece<T>(scores + g * n, n, &out.top[g], &out.sum[g]);
+    softmax_piece<typename KV::Weights>(scores + g * n, n, &out.top[g], &out.sum[g]);
     for (int c = 0; c < C; c++) acc[g][c] = f32x16{};
   }
   for (int64_t j = 0; j < n; j++) {
-    const T* value = v + j * head_dim;
+    const uint8_t* value = v + j * KV::row_bytes(head_dim);
     prefetch_ahead(value);
     f32x16 vj[C];
-    for (int c = 0; c < C; c++) vj[c] = load16(value + 16 * c);
+    for (int c = 0; c < C; c++) vj[c] = KV::load(value, c);
     for (int g = 0; g < G; g++)
       for (int c = 0; c < C; c++) acc[g][c] += scores[g * n + j] * vj[c];
   }
@@ -227,58 +286,60 @@ void attend_vectors(const T* q, const T* k, const T* v, int64_t n, float* scores
 }
 
 // The same for any head_dim, element by element. `scratch` holds groups * (head_dim + n) floats.
-template <typename T>
-void attend_any(const T* q, const T* k, const T* v, int64_t groups, int64_t n, int64_t head_dim, float* scratch,
-                Partial out) {
+template <typename T, typename KV>
+void attend_any(const T* q, const uint8_t* k, const uint8_t* v, int64_t groups, int64_t n, int64_t head_dim,
+                float* scratch, Partial out) {
+  const int64_t row = KV::row_bytes(head_dim);
   float* q_f = scratch;                       // (groups, head_dim)
   float* scores = scratch + groups * head_dim;  // (groups, n)
   const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
   for (int64_t i = 0; i < groups * head_dim; i++) q_f[i] = f32(q[i]);
   for (int64_t j = 0; j < n; j++) {
-    const T* key = k + j * head_dim;
+    const uint8_t* key = k + j * row;
     for (int64_t g = 0; g < groups; g++) {
       float dot = 0.f;
-      for (int64_t d = 0; d < head_dim; d++) dot += q_f[g * head_dim + d] * f32(key[d]);
+      for (int64_t d = 0; d < head_dim; d++) dot += q_f[g * head_dim + d] * KV::at(key, d);
       scores[g * n + j] = dot * scale;
     }
   }
   for (int64_t g = 0; g < groups; g++) {
     float* p = scores + g * n;
-    softmax_piece<T>(p, n, &out.top[g], &out.sum[g]);
+    softmax_piece<typename KV::Weights>(p, n, &out.top[g], &out.sum[g]);
     float* acc = out.acc + g * head_dim;
     std::fill(acc, acc + head_dim, 0.f);
     for (int64_t j = 0; j < n; j++) {
-      const T* value = v + j * head_dim;
-      for (int64_t d = 0; d < head_dim; d++) acc[d] += p[j] * f32(value[d]);
+      const uint8_t* value = v + j * row;
+      for (int64_t d = 0; d < head_dim; d++) acc[d] += p[j] * KV::at(value, d);
     }
   }
 }
 
 // attend_vectors for G = groups, 4 at most a call (G = 6: 4 then 2, each query head on its own in any case).
-template <int C, typename T>
-void attend_groups(const T* q, const T* k, const T* v, int64_t groups, int64_t n, float* scores, Partial out) {
+template <int C, typename T, typename KV>
+void attend_groups(const T* q, const uint8_t* k, const uint8_t* v, int64_t groups, int64_t n, float* scores,
+                   Partial out) {
   for (int64_t g = 0; g < groups; g += 4) {
     const Partial part{out.top + g, out.sum + g, out.acc + g * 16 * C};
     const T* qg = q + g * 16 * C;
     switch (std::min<int64_t>(4, groups - g)) {
-      case 1: attend_vectors<C, 1>(qg, k, v, n, scores, part); break;
-      case 2: attend_vectors<C, 2>(qg, k, v, n, scores, part); break;
-      case 3: attend_vectors<C, 3>(qg, k, v, n, scores, part); break;
-      default: attend_vectors<C, 4>(qg, k, v, n, scores, part); break;
+      case 1: attend_vectors<C, 1, T, KV>(qg, k, v, n, scores, part); break;
+      case 2: attend_vectors<C, 2, T, KV>(qg, k, v, n, scores, part); break;
+      case 3: attend_vectors<C, 3, T, KV>(qg, k, v, n, scores, part); break;
+      default: attend_vectors<C, 4, T, KV>(qg, k, v, n, scores, part); break;
     }
   }
 }
 
-template <typename T>
-void attend(const T* q, const T* k, const T* v, int64_t groups, int64_t n, int64_t head_dim,
+template <typename T, typename KV>
+void attend(const T* q, const uint8_t* k, const uint8_t* v, int64_t groups, int64_t n, int64_t head_dim,
             std::vector<float>& scratch, Partial out) {
   scratch.resize(groups * (head_dim + n));
   switch (head_dim) {
-    case 16: return attend_groups<1>(q, k, v, groups, n, scratch.data(), out);
-    case 32: return attend_groups<2>(q, k, v, groups, n, scratch.data(), out);
-    case 64: return attend_groups<4>(q, k, v, groups, n, scratch.data(), out);
-    case 128: return attend_groups<8>(q, k, v, groups, n, scratch.data(), out);
-    default: return attend_any(q, k, v, groups, n, head_dim, scratch.data(), out);
+    case 16: return attend_groups<1, T, KV>(q, k, v, groups, n, scratch.data(), out);
+    case 32: return attend_groups<2, T, KV>(q, k, v, groups, n, scratch.data(), out);
+    case 64: return attend_groups<4, T, KV>(q, k, v, groups, n, scratch.data(), out);
+    case 128: return attend_groups<8, T, KV>(q, k, v, groups, n, scratch.data(), out);
+    default: return attend_any<T, KV>(q, k, v, groups, n, head_dim, scratch.data(), out);
   }
 }
 
@@ -320,17 +381,16 @@ struct Step {
 
 // Rotate sequence s's new query and key heads and write its keys and values at the sequence's
 // position: `qkv` row s is (n_heads + 2 n_kv_heads, head_dim).
-template <typename T>
+template <typename T, typename KV>
 void rotate_and_cache(const Step& st, int64_t layer, int64_t s, T* qkv, const T* cos, const T* sin) {
-  const int64_t d = st.head_dim, pos = st.positions[s];
+  const int64_t d = st.head_dim, pos = st.positions[s], row_bytes = KV::row_bytes(d);
   T* row = qkv + s * (st.n_heads + 2 * st.n_kv_heads) * d;
   for (int64_t h = 0; h < st.n_heads + st.n_kv_heads; h++) apply_rope(row + h * d, cos + s * d, sin + s * d, d);
   for (int64_t kv = 0; kv < st.n_kv_heads; kv++) {
-    const int64_t head = (layer * st.n_kv_heads + kv) * st.max_len[s] * d;  // this layer's and head's (max_len, d)
-    const T* k_new = row + (st.n_heads + kv) * d;
-    std::copy(k_new, k_new + d, static_cast<T*>(st.k_caches[s]) + head + pos * d);
-    std::copy(row + (st.n_heads + st.n_kv_heads + kv) * d, row + (st.n_heads + st.n_kv_heads + kv + 1) * d,
-              static_cast<T*>(st.v_caches[s]) + head + pos * d);
+    const int64_t head = (layer * st.n_kv_heads + kv) * st.max_len[s] * row_bytes;  // this layer's and head's rows
+    KV::write(row + (st.n_heads + kv) * d, d, static_cast<uint8_t*>(st.k_caches[s]) + head + pos * row_bytes);
+    KV::write(row + (st.n_heads + st.n_kv_heads + kv) * d, d,
+              static_cast<uint8_t*>(st.v_caches[s]) + head + pos * row_bytes);
   }
 }
 
@@ -340,9 +400,9 @@ constexpr int64_t kPositionsPerTask = 256;
 
 // attn (b, n_heads * head_dim) = each sequence's attention over its cache, in tasks of
 // (sequence, KV head, up to kPositionsPerTask positions) across the threads, merged per query head.
-template <typename T>
+template <typename T, typename KV>
 void attention(const Step& st, int64_t layer, const T* qkv, T* attn) {
-  const int64_t d = st.head_dim, groups = st.n_heads / st.n_kv_heads;
+  const int64_t d = st.head_dim, groups = st.n_heads / st.n_kv_heads, row_bytes = KV::row_bytes(d);
   std::vector<int64_t> first{0};  // first[s]: sequence s's first task; (kv, piece) within it
   std::vector<int64_t> pieces;
   for (int64_t s = 0; s < st.batch; s++) {
@@ -358,11 +418,11 @@ void attention(const Step& st, int64_t layer, const T* qkv, T* attn) {
       while (task >= first[s + 1]) s++;
       const int64_t kv = (task - first[s]) / pieces[s], piece = (task - first[s]) % pieces[s];
       const int64_t from = piece * kPositionsPerTask, n = std::min(kPositionsPerTask, st.positions[s] + 1 - from);
-      const int64_t head = (layer * st.n_kv_heads + kv) * st.max_len[s] * d;
+      const int64_t head = (layer * st.n_kv_heads + kv) * st.max_len[s] * row_bytes;
       const T* q = qkv + (s * (st.n_heads + 2 * st.n_kv_heads) + kv * groups) * d;  // the heads that share kv
-      attend(q, static_cast<const T*>(st.k_caches[s]) + head + from * d,
-             static_cast<const T*>(st.v_caches[s]) + head + from * d, groups, n, d, scratch,
-             Partial{&top[task * groups], &sum[task * groups], &acc[task * groups * d]});
+      attend<T, KV>(q, static_cast<const uint8_t*>(st.k_caches[s]) + head + from * row_bytes,
+                    static_cast<const uint8_t*>(st.v_caches[s]) + head + from * row_bytes, groups, n, d, scratch,
+                    Partial{&top[task * groups], &sum[task * groups], &acc[task * groups * d]});
     }
   });
   for (int64_t s = 0; s < st.batch; s++)
@@ -373,7 +433,7 @@ void attention(const Step& st, int64_t layer, const T* qkv, T* attn) {
       }
 }
 
-template <typename T>
+template <typename T, typename KV>
 at::Tensor run(const Step& st, const at::Tensor& x_in, const at::Tensor& cos_t, const at::Tensor& sin_t) {
   at::Tensor x = x_in.clone();  // (b, dim): the residual stream, updated layer by layer
   at::Tensor h = at::empty_like(x);  // (b, dim): a norm's output
@@ -396,8 +456,8 @@ at::Tensor run(const Step& st, const at::Tensor& x_in, const at::Tensor& cos_t, 
     at::Tensor qkv = st.matvec(h, layer, kWq, 3);  // (b, (n_heads + 2 n_kv_heads) head_dim)
     T* qkv_p = qkv.data_ptr<T>();
     T* attn_p = attn.data_ptr<T>();
-    for (int64_t s = 0; s < b; s++) rotate_and_cache(st, layer, s, qkv_p, cos, sin);
-    attention(st, layer, qkv_p, attn_p);
+    for (int64_t s = 0; s < b; s++) rotate_and_cache<T, KV>(st, layer, s, qkv_p, cos, sin);
+    attention<T, KV>(st, layer, qkv_p, attn_p);
     residual(st.matvec(attn, layer, kWo, 1));
 
     for (int64_t s = 0; s < b; s++) rms_norm(xp + s * dim, ffn_norm, dim, st.eps, hp + s * dim);
@@ -427,7 +487,7 @@ void check_tensor(const char* what, const at::Tensor& t, at::ScalarType dtype, a
 // layer, Matrix's order), scales (none for bf16 weights, else one per weight: fp32 for int8, fp16
 // for int4), offsets (none, or one per weight: an int4 matrix's fp16 offsets or none for Q4_0
 // blocks, none for the other kinds), cos and sin (b, head_dim) rows of each sequence's position,
-// k_caches and v_caches one per sequence, written at positions[s]. Returns the new x; the caches
+// k_caches and v_caches one per sequence (in x's dtype, or all in q8 blocks), written at positions[s]. Returns the new x; the caches
 // are written in place.
 at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorList weights, at::TensorList scales,
                          const c10::List<std::optional<at::Tensor>>& offsets, const at::Tensor& cos,
@@ -489,10 +549,16 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorLi
               positions.size() == k_caches.size(),
               "decode_layers: ", st.batch, " rows of x but ", k_caches.size(), " key caches, ", v_caches.size(),
               " value caches and ", positions.size(), " positions");
+  // every cache in x's dtype, or every one in q8 blocks (uint8): rows of head_dim / 32 blocks of 34 bytes
+  const bool q8 = !k_caches.empty() && k_caches[0].scalar_type() == at::kByte;
+  TORCH_CHECK(!q8 || st.head_dim % Q8::kBlock == 0, "decode_layers: q8 KV caches take a head_dim that is a multiple of ",
+              Q8::kBlock, "; got ", st.head_dim);
+  const auto cache_dtype = q8 ? at::kByte : dtype;
+  const int64_t row = q8 ? Q8::row_bytes(st.head_dim) : st.head_dim;
   for (int64_t s = 0; s < st.batch; s++) {
     const int64_t max_len = k_caches[s].dim() == 5 ? k_caches[s].size(3) : 0;
-    check_tensor("a key cache", k_caches[s], dtype, {st.n_layers, 1, st.n_kv_heads, max_len, st.head_dim});
-    check_tensor("a value cache", v_caches[s], dtype, {st.n_layers, 1, st.n_kv_heads, max_len, st.head_dim});
+    check_tensor("a key cache", k_caches[s], cache_dtype, {st.n_layers, 1, st.n_kv_heads, max_len, row});
+    check_tensor("a value cache", v_caches[s], cache_dtype, {st.n_layers, 1, st.n_kv_heads, max_len, row});
     TORCH_CHECK(positions[s] >= 0 && positions[s] < max_len, "decode_layers: sequence ", s, " writes position ",
                 positions[s], " of a cache that holds ", max_len);
     st.positions.push_back(positions[s]);
@@ -500,7 +566,8 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorLi
     st.k_caches.push_back(k_caches[s].data_ptr());
     st.v_caches.push_back(v_caches[s].data_ptr());
   }
-  return dtype == at::kBFloat16 ? run<BFloat16>(st, x, cos, sin) : run<float>(st, x, cos, sin);
+  if (q8) return dtype == at::kBFloat16 ? run<BFloat16, Q8>(st, x, cos, sin) : run<float, Q8>(st, x, cos, sin);
+  return dtype == at::kBFloat16 ? run<BFloat16, Plain<BFloat16>>(st, x, cos, sin) : run<float, Plain<float>>(st, x, cos, sin);
 }
 
 }  // namespace

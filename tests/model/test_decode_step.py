@@ -104,10 +104,10 @@ def as_q4_0(net):
             module.scale, module.offset = scale, None
 
 
-def prefilled(ckpt, lengths, max_len=32) -> list[KVCache]:
+def prefilled(ckpt, lengths, max_len=32, kv_type="bf16") -> list[KVCache]:
     caches = []
     for i, n in enumerate(lengths):
-        cache = KVCache(ckpt.config, max_len, dtype=ckpt.model.compute_dtype)
+        cache = KVCache(ckpt.config, max_len, dtype=ckpt.model.compute_dtype, kv_type=kv_type)
         ids = [(7 * i + 3 * j + 11) % 500 for j in range(n)]
         with torch.inference_mode():
             ckpt.model(torch.tensor([ids]), 0, cache)
@@ -116,10 +116,10 @@ def prefilled(ckpt, lengths, max_len=32) -> list[KVCache]:
     return caches
 
 
-def decode_both(ckpt, ops, lengths=CACHED, steps=STEPS):
+def decode_both(ckpt, ops, lengths=CACHED, steps=STEPS, kv_type="bf16"):
     """Greedy decode of a batch by the fused op (`ops`) and by the reference, each on its own copy of
     the caches: per step (fused logits, reference logits), and the caches at the end."""
-    fused_caches = prefilled(ckpt, lengths)
+    fused_caches = prefilled(ckpt, lengths, kv_type=kv_type)
     reference_caches = copy.deepcopy(fused_caches)
     counting = CountingOps(ops)
     tokens = torch.tensor([5 + i for i in range(len(lengths))])
@@ -479,3 +479,79 @@ def test_the_default_model_in_int4_with_x_in_int8_blocks_picks_the_reference_tok
         agree += int(same.sum())
     assert decided > 0.6 * 20 * 63
     assert agree > 0.95 * 20 * 63
+
+
+@pytest.mark.parametrize("head_dim,n_heads,n_kv_heads", [(32, 4, 4), (64, 6, 2), (128, 8, 2), (96, 3, 1)])
+@pytest.mark.parametrize("activations", [torch.float32, torch.bfloat16])
+def test_q8_caches_give_the_reference_logits(ops, folders_by_shape, monkeypatch, head_dim, n_heads, n_kv_heads,
+                                             activations):
+    """Keys and values in q8 blocks (model/kv_cache.py), written and read by the op a block at a time, against
+    the reference, which writes the same blocks and widens them to fp32 to attend (96: no whole vectors of 16
+    in the op's element-by-element path). Both attend in fp32 over the same numbers.
+
+    fp32 activations: while a row's caches hold the same bytes, its logits agree within 2e-5 of their scale
+    (head_dim 128's longer sums). The new key and value come out of the products a last bit apart, and one
+    number in a few thousand then rounds to the other integer: the first layer's blocks (computed from the
+    same x) must be the reference's but for such numbers, one step apart with the same scale; from there on
+    that row's logits differ by what one step of a value moves (we see up to 3e-4 of the scale), held to 2e-3.
+    bf16 activations: a key rounded to bf16 the other way changes its block's scale too, so no bytes are
+    compared; the logits must agree as closely as the same steps over bf16 caches do (up to 6% of the scale
+    at head_dim 64 here), 2^-5 more."""
+    ckpt = tiny(folders_by_shape(head_dim, n_heads, n_kv_heads), monkeypatch, n_heads, n_kv_heads, activations,
+                head_dim=head_dim)
+    lengths = [1, 6, 17, 25]
+    fused_caches = prefilled(ckpt, lengths, kv_type="q8")
+    reference_caches = copy.deepcopy(fused_caches)
+    assert all(cache.k.dtype == torch.uint8 for cache in fused_caches)
+    tokens = torch.tensor([5 + i for i in range(len(lengths))])
+    apart = [False] * len(lengths)  # rows whose caches came to differ by a number rounded the other way
+    counting = CountingOps(ops)
+    if activations == torch.float32:
+        tight = 2e-5
+    else:  # as far apart as the same steps over caches in bf16 on this model, and 2^-5 more
+        steps, _, _ = decode_both(ckpt, ops, lengths=lengths, steps=6)
+        tight = max(float((f - r).abs().max() / r.abs().max()) for f, r in steps) + 2**-5
+    worst = 0.0
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model.decode_step, "kernels", lambda: counting)
+        for _ in range(6):
+            fused = ckpt.model.decode(tokens, fused_caches)
+            reference = ckpt.model.decode(tokens, reference_caches, fused=False)
+            for row, (a, b) in enumerate(zip(fused_caches, reference_caches)):
+                at = a.length  # the position this step wrote, in every layer
+                for blocks_a, blocks_b in ((a.k[:, :, :, at], b.k[:, :, :, at]), (a.v[:, :, :, at], b.v[:, :, :, at])):
+                    if torch.equal(blocks_a, blocks_b):
+                        continue
+                    apart[row] = True
+                    if activations != torch.float32:
+                        continue
+                    # the first layer's blocks (from the same x): the same scales, numbers a step apart at most
+                    first_a, first_b = blocks_a[0].unflatten(-1, (-1, 34)), blocks_b[0].unflatten(-1, (-1, 34))
+                    assert torch.equal(first_a[..., :2], first_b[..., :2])
+                    q_a, q_b = first_a[..., 2:].view(torch.int8).int(), first_b[..., 2:].view(torch.int8).int()
+                    assert (q_a - q_b).abs().max() <= 1
+                    assert (q_a != q_b).float().mean() < 0.01
+                scale = float(reference[row].abs().max())
+                tol = 2e-3 if apart[row] and activations == torch.float32 else tight
+                torch.testing.assert_close(fused[row], reference[row], atol=tol * scale, rtol=0)
+                worst = max(worst, float((fused[row] - reference[row]).abs().max()) / scale)
+            if activations == torch.float32:
+                assert fused.argmax(-1).tolist() == reference.argmax(-1).tolist()
+            for caches in (fused_caches, reference_caches):
+                for cache, token in zip(caches, reference.argmax(-1).tolist()):
+                    cache.tokens.append(token)
+            tokens = reference.argmax(-1)
+    assert counting.calls == 6, "the fused op did not run"
+    assert worst > 0  # the two paths were compared, not the same path twice
+    if activations == torch.float32:
+        assert not all(apart), "every row drifted: the comparison above tested little"
+
+
+def test_q8_and_plain_caches_in_one_batch_go_to_the_reference(tmp_path, monkeypatch):
+    ckpt = tiny(tmp_path, monkeypatch, 4, 2, torch.float32, head_dim=32)
+    caches = prefilled(ckpt, [3], kv_type="q8") + prefilled(ckpt, [5])
+    x = torch.zeros(2, ckpt.config.dim)
+    rope = Rope(torch.ones(2, 32), torch.zeros(2, 32))
+    assert decode_layers(ckpt.model, x, rope, caches) is None
+    one = Rope(torch.ones(1, 32), torch.zeros(1, 32))
+    assert decode_layers(ckpt.model, x[:1], one, caches[:1]) is not None

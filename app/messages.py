@@ -35,7 +35,6 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from model.config import DEFAULT_MAX_CONTEXT
 from model.stats import Stats  # a reply's figures: generate() reports the same type
 from model.options import ModelOptions
 
@@ -128,7 +127,8 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     device: str = ModelOptions.device
     dtype: str = ModelOptions.dtype
     quantize: str = ModelOptions.quantize
-    max_context: int = DEFAULT_MAX_CONTEXT
+    kv_type: str = ModelOptions.kv_type  # "bf16" or "q8" (model/kv_cache.py)
+    max_context: int | None = None  # LLAMA_MAX_CONTEXT; None: each model's own within the memory budget
     defaults: ReplySettings = ReplySettings()  # the server's defaults (LLAMA_TEMPERATURE, ...)
     max_batch: int = DEFAULT_MAX_BATCH  # sequences decoded together; more wait
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB  # kept and running KV caches together

@@ -36,11 +36,11 @@ from .checkpoint_files import CheckpointError, CheckpointFiles, find_checkpoint
 from .config import DEFAULT_MAX_CONTEXT, ConfigError, LlamaConfig
 from .cpu import has_native_bf16
 from .kernels import decode_path, kernels
-from .kv_cache import KV_TYPES, Q8_BLOCK
+from .kv_cache import Q8_BLOCK
 from .linear import OUTPUT_HEAD, QUANTIZE, quantize_model
 from .llama import Llama
 from .memory import move_to_huge_pages, release_pages, scratch_returned
-from .options import DTYPES
+from .options import DTYPES, KV_TYPES
 from .packed import packed_kinds, repack_model
 from .quantize import INT4_GROUP, can_quantize_int4, dequantize, quantize_int4, quantize_int8
 from .rope import permute_qk_rows

@@ -25,8 +25,7 @@ import torch
 
 from .config import LlamaConfig
 from .cpu import has_amx
-
-KV_TYPES = ("bf16", "q8")
+from .options import KV_TYPES
 Q8_BLOCK = 32  # numbers a q8 block holds
 Q8_BLOCK_BYTES = 2 + Q8_BLOCK  # its fp16 scale, then the numbers in int8
 

@@ -119,3 +119,18 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
             if libc.madvise(ctypes.c_void_p(page), ctypes.c_size_t(HUGE_PAGE), MADV_COLLAPSE) == 0:
                 moved += HUGE_PAGE
     return moved
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory free for new tensors on `device`: the GPU's free memory, or the system's MemAvailable (the
+    page cache it may take back counted as free), or the free pages where /proc/meminfo is not there."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

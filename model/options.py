@@ -22,8 +22,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import DEFAULT_MAX_CONTEXT
-
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_WEIGHTS_DIR = PROJECT_ROOT / "weights"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # converted by model.prepare_default on first use
@@ -32,6 +30,7 @@ DEFAULT_MAX_NEW_TOKENS = 1024
 DEVICES = ("auto", "cpu", "cuda", "mps")  # auto: CUDA, then MPS, then the CPU
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # how weights are stored: our name -> torch's
 QUANTIZE = ("off", "int8", "int4")
+KV_TYPES = ("bf16", "q8")  # how KV caches keep keys and values: as computed, or in 8-bit blocks (model/kv_cache.py)
 SPECULATE = ("auto", "off")  # auto: decode steps guess tokens ahead (model/speculation.py), with LLAMA_DRAFT's model if set
 SWITCH = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 
@@ -108,7 +107,8 @@ class ModelOptions:
     device: str = "auto"
     dtype: str = "auto"  # auto: bf16 where that runs fast, else fp32 (model.checkpoint.default_dtype)
     quantize: str = "off"  # "int8" / "int4": linear weights stored as int8 / int4 (faster decode)
-    max_context: int = DEFAULT_MAX_CONTEXT
+    kv_type: str = "bf16"  # "q8": keys and values in 8-bit blocks, half the memory and bytes read
+    max_context: int | None = None  # None: the model's own, within the memory budget (model/context.py)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     system_prompt: str | None = None
     # Sampling; None: the checkpoint's generation_config.json (model.generation.sampling_defaults).
@@ -152,7 +152,8 @@ def read_model_options(env: Environment) -> dict:
         device=env.choice("LLAMA_DEVICE", DEVICES, "auto"),
         dtype=env.choice("LLAMA_DTYPE", ("auto", *DTYPES), "auto"),
         quantize=env.choice("LLAMA_QUANTIZE", QUANTIZE, "off"),
-        max_context=env.integer("LLAMA_MAX_CONTEXT", low=16, default=DEFAULT_MAX_CONTEXT),
+        kv_type=env.choice("LLAMA_KV_TYPE", KV_TYPES, "bf16"),
+        max_context=env.integer("LLAMA_MAX_CONTEXT", low=16),
         max_new_tokens=env.integer("LLAMA_MAX_NEW_TOKENS", low=1, default=DEFAULT_MAX_NEW_TOKENS),
         system_prompt=env.text("LLAMA_SYSTEM_PROMPT"),
         temperature=env.number("LLAMA_TEMPERATURE", low=0.0, high=100.0),

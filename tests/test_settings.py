@@ -15,7 +15,8 @@ def test_settings_defaults():
     settings = Settings.from_env({})
     assert settings.checkpoint.name == "SmolLM2-135M-Instruct" and settings.is_default_checkpoint
     assert settings.weights_dir.name == "weights"
-    assert (settings.device, settings.dtype, settings.max_context) == ("auto", "auto", 8192)
+    assert (settings.device, settings.dtype, settings.max_context) == ("auto", "auto", None)  # None: the model's own
+    assert settings.kv_type == "bf16"
     assert settings.max_new_tokens == DEFAULT_MAX_NEW_TOKENS
     assert (settings.temperature, settings.top_k, settings.top_p, settings.threads) == (None, None, None, None)
     assert settings.system_prompt is None
@@ -24,12 +25,12 @@ def test_settings_defaults():
 def test_settings_from_values():
     settings = Settings.from_env({
         "LLAMA_CHECKPOINT": "/models/llama", "LLAMA_WEIGHTS_DIR": "/models", "LLAMA_TOKENIZER": "/t/tokenizer.model",
-        "LLAMA_DEVICE": "CPU", "LLAMA_DTYPE": "bf16", "LLAMA_MAX_CONTEXT": "2048",
+        "LLAMA_DEVICE": "CPU", "LLAMA_DTYPE": "bf16", "LLAMA_MAX_CONTEXT": "2048", "LLAMA_KV_TYPE": "Q8",
         "LLAMA_SYSTEM_PROMPT": "Be brief.", "LLAMA_MAX_NEW_TOKENS": "64", "LLAMA_TEMPERATURE": "0",
         "LLAMA_TOP_K": "40", "LLAMA_TOP_P": "0.95", "LLAMA_THREADS": "2", "LLAMA_SEED_UNUSED": "x",
     })
     assert settings == Settings(checkpoint=Path("/models/llama"), weights_dir=Path("/models"),
-                                tokenizer=Path("/t/tokenizer.model"), device="cpu", dtype="bf16", max_context=2048,
+                                tokenizer=Path("/t/tokenizer.model"), device="cpu", dtype="bf16", max_context=2048, kv_type="q8",
                                 system_prompt="Be brief.", max_new_tokens=64, temperature=0.0, top_k=40,
                                 top_p=0.95, threads=2, checkpoint_set=True)
     assert not settings.is_default_checkpoint
@@ -47,6 +48,7 @@ def test_settings_from_values():
     ("LLAMA_THREADS", "-2", "LLAMA_THREADS=-2: expected a whole number of at least 1"),
     ("LLAMA_DEVICE", "tpu", "LLAMA_DEVICE=tpu: expected one of auto, cpu, cuda, mps"),
     ("LLAMA_DTYPE", "int4", "LLAMA_DTYPE=int4: expected one of auto, bf16, fp16, fp32"),
+    ("LLAMA_KV_TYPE", "q4", "LLAMA_KV_TYPE=q4: expected one of bf16, q8"),
 ])
 def test_bad_settings_name_the_variable(name, value, message):
     with pytest.raises(SettingsError) as error:
@@ -60,7 +62,7 @@ def test_every_setting_is_documented():
             for name in re.findall(r'"(LLAMA_[A-Z_0-9]+)"', (root / reader).read_text())}
     table = set(re.findall(r"^\| `(LLAMA_[A-Z_0-9]+)`", (root / "chainlit.md").read_text(), re.MULTILINE))
     example = set(re.findall(r"^(LLAMA_[A-Z_0-9]+)=", (root / ".env.example").read_text(), re.MULTILINE))
-    assert len(read) == 47 and read == table == example
+    assert len(read) == 48 and read == table == example
 
 
 def test_kv_cache_budget_setting():

@@ -412,7 +412,7 @@ async def load_or_unload(backend: Backend, run: Run) -> Response:
 
 # ---- routes -------------------------------------------------------------------------------------
 
-def add_routes(router: APIRouter, backend: Backend, max_body_mb: int, weights: Weights, max_context: int) -> None:
+def add_routes(router: APIRouter, backend: Backend, max_body_mb: int, weights: Weights, max_context: int | None) -> None:
     """Ollama's routes on the API's router (its key check too), each answering errors in Ollama's shape."""
     def route(path: str, methods: list[str]):
         def add(endpoint):

@@ -95,17 +95,17 @@ def config(where: str) -> LlamaConfig | None:
         return None
 
 
-def context_length(backend: Backend, name: str, max_context: int) -> int | None:
+def context_length(backend: Backend, name: str, max_context: int | None) -> int | None:
     """The context the model runs with: the engine's word once it has loaded it; before, its config's length
     within LLAMA_MAX_CONTEXT."""
     try:
         return backend.context_limit(name)
     except EngineError:
         found = config(backend.profiles[name])
-        return min(found.max_seq_len, max_context) if found else None
+        return min(found.max_seq_len, max_context or found.max_seq_len) if found else None
 
 
-def show(backend: Backend, name: str, max_context: int, started: float) -> ShowReply:
+def show(backend: Backend, name: str, max_context: int | None, started: float) -> ShowReply:
     """A model as /api/show tells it (reads its config and tokenizer files: call on a thread)."""
     listed, where = entry(backend, name, started), backend.profiles[name]
     found = None if is_remote(where) else config(where)
@@ -149,7 +149,7 @@ def chat_template(where: str) -> tuple[str, bool]:
     return template if isinstance(template, str) else "", False
 
 
-def running(backend: Backend, name: str, max_context: int, started: float) -> ModelEntry:
+def running(backend: Backend, name: str, max_context: int | None, started: float) -> ModelEntry:
     """A loaded model as /api/ps lists it."""
     listed = entry(backend, name, started)
     unloads = backend.unloads_at(name)
@@ -165,7 +165,7 @@ def model_asked(body: object, profiles: dict | None) -> tuple[str, ModelBody]:
     return (model_named(named, profiles) if profiles is not None else named or ""), asked
 
 
-def add_routes(route, backend: Backend, max_body_mb: int, weights: Weights, max_context: int) -> None:
+def add_routes(route, backend: Backend, max_body_mb: int, weights: Weights, max_context: int | None) -> None:
     """The model routes, added with app.api.ollama's `route` (Ollama's error shape, the API's key check); pulls
     and removals are `weights`' jobs (the chat's models panel shares them)."""
     started = time.time()

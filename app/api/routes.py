@@ -93,7 +93,6 @@ from app.api.openai import (
 from app.settings import DEFAULT_MAX_BODY_MB
 from app.weights import Weights
 from model.options import Environment
-from model.config import DEFAULT_MAX_CONTEXT
 from app.web.users import LOCAL_USER, utf8
 
 log = logging.getLogger(__name__)
@@ -108,7 +107,7 @@ def key_user(api_key: str) -> str:
 # ---- routes -------------------------------------------------------------------------------------
 
 def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
-                  stored=dict, weights_dir: Path | None = None, max_context: int = DEFAULT_MAX_CONTEXT,
+                  stored=dict, weights_dir: Path | None = None, max_context: int | None = None,
                   weights: Weights | None = None) -> APIRouter:
     """The /v1 routes over a backend (`app.backend.protocol.Backend`), and Ollama's /api routes (app.api.ollama:
     models are pulled into and removed from weights_dir; max_context: the context a model not loaded yet will
@@ -310,7 +309,7 @@ def sse(shape: Struct) -> str:
 
 
 def mount(app: FastAPI, backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
-          stored=dict, weights_dir: Path | None = None, max_context: int = DEFAULT_MAX_CONTEXT,
+          stored=dict, weights_dir: Path | None = None, max_context: int | None = None,
           weights: Weights | None = None) -> None:
     """Add the API's routes to an app, in front of its own: Chainlit's catch-all GET route would
     otherwise answer /v1/models (and /api/tags) with its web page. stored: the bytes on disk by part, for
@@ -337,7 +336,7 @@ async def answer_error(http_request: HttpRequest, error: ApiError) -> Response:
 # ---- standalone server --------------------------------------------------------------------------
 
 def create_app(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
-               weights_dir: Path | None = None, max_context: int = DEFAULT_MAX_CONTEXT) -> FastAPI:
+               weights_dir: Path | None = None, max_context: int | None = None) -> FastAPI:
     """The API alone; /health says 200 once the default model is loaded."""
 
     @contextlib.asynccontextmanager

@@ -93,7 +93,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         checkpoint=str(settings.checkpoint), weights_dir=str(settings.weights_dir),
         prepare_default=settings.is_default_checkpoint,
         tokenizer=str(settings.tokenizer) if settings.tokenizer else None,
-        device=settings.device, dtype=settings.dtype, quantize=settings.quantize,
+        device=settings.device, dtype=settings.dtype, quantize=settings.quantize, kv_type=settings.kv_type,
         max_context=settings.max_context,
         defaults=ReplySettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                top_k=settings.top_k, top_p=settings.top_p, min_p=settings.min_p,

@@ -132,7 +132,7 @@ class RemoteClient:
         defaults = ReplySettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                  top_k=settings.top_k, top_p=settings.top_p, min_p=settings.min_p,
                                  repetition_penalty=settings.repetition_penalty)
-        return cls(url, models, key=settings.backend_key, max_context=settings.max_context, defaults=defaults,
+        return cls(url, models, key=settings.backend_key, max_context=settings.max_context or DEFAULT_MAX_CONTEXT, defaults=defaults,
                    **options)
 
     # -- what EngineClient offers

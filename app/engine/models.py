@@ -24,7 +24,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from model.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_checkpoint
+from model.context import choose_context
 from model.generation import sampling_defaults
+from model.kv_cache import KVCache
+from model.memory import available_bytes
 from model.options import DEFAULT_MAX_NEW_TOKENS
 from model.speculation import same_tokenizer
 
@@ -176,7 +179,7 @@ class Models:
                 raise CheckpointError(str(e)) from None
         # The default model's Q4_1 blocks are widened where they would decode slower than bf16 (a GPU, no
         # kernel); it is small. Other imported blocks stay as they are: widened, a large model may not fit.
-        return load_checkpoint(path, device=c.device, dtype=c.dtype, quantize=c.quantize,
+        return load_checkpoint(path, device=c.device, dtype=c.dtype, quantize=c.quantize, kv_type=c.kv_type,
                                widen="auto" if prepared else False,
                                tokenizer=c.tokenizer if name == self.default else None)
 
@@ -184,7 +187,7 @@ class Models:
     def _load_draft(self, checkpoint: Checkpoint) -> Checkpoint:
         """LLAMA_DRAFT's model, for the default model: refused unless it reads and writes the same ids."""
         c = self.config
-        draft = load_checkpoint(Path(c.draft), device=c.device, dtype=c.dtype, quantize=c.quantize)
+        draft = load_checkpoint(Path(c.draft), device=c.device, dtype=c.dtype, quantize=c.quantize, kv_type=c.kv_type)
         why = same_tokenizer(checkpoint.tokenizer, draft.tokenizer)
         if why is not None:
             raise CheckpointError(f"LLAMA_DRAFT={c.draft}: {draft.name} cannot draft for {checkpoint.name}: {why}")
@@ -200,8 +203,21 @@ def model_info(name: str, checkpoint: Checkpoint, config: EngineConfig, load_sec
                         top_p=s.top_p, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
                         frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty)
     held = sum(t.nbytes for t in [*checkpoint.model.parameters(), *checkpoint.model.buffers()])
-    return ModelInfo(name, min(config.max_context, checkpoint.config.max_seq_len), config.defaults.over(own),
+    return ModelInfo(name, context_of(name, checkpoint, config.max_context), config.defaults.over(own),
                      load_seconds, held)
+
+
+def context_of(name: str, checkpoint: Checkpoint, asked: int | None) -> int:
+    """The context `checkpoint` runs with (model/context.py's choose_context), logged with what it costs."""
+    kv_type = checkpoint.model.kv_type
+    per_position = KVCache.bytes_per_position(checkpoint.config, kv_type, checkpoint.dtype)
+    available = available_bytes(checkpoint.device)
+    tokens, why = choose_context(checkpoint.config.max_seq_len, asked, per_position, available)
+    kind = "q8" if kv_type == "q8" else str(checkpoint.dtype).removeprefix("torch.")
+    log.info("%s: context of %d tokens (%s); KV cache in %s, %.1f KB a token, %.0f MB at full length; %.0f MB "
+             "of memory available", name, tokens, why, kind, per_position / 1024, tokens * per_position / 2**20,
+             available / 2**20)
+    return tokens
 
 
 def find_profiles(checkpoint: Path, weights_dir: Path | None) -> dict[str, Path]:

@@ -76,13 +76,16 @@ def same(a: list[tuple], b: list[tuple]) -> list[int]:
     return [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x[:2] != y[:2]]
 
 
-@pytest.fixture(scope="module", params=["served", "bf16"])
+@pytest.fixture(scope="module", params=["served", "served-q8", "bf16"])
 def default_model_as(request):
     """The default model as the engine serves it on this CPU (its Q4_1 blocks where the decode kernel runs,
-    bf16 activations where the CPU has them), and widened to bf16 (as served without the kernel)."""
+    bf16 activations where the CPU has them), the same with a q8 KV cache (LLAMA_KV_TYPE=q8), and widened to
+    bf16 (as served without the kernel)."""
     folder = default_model()
     if request.param == "served":
         return folder, load_checkpoint(folder, widen="auto")  # as app/engine/core.py loads it
+    if request.param == "served-q8":
+        return folder, load_checkpoint(folder, widen="auto", kv_type="q8")
     return folder, load_checkpoint(folder, dtype=torch.bfloat16, widen=True)
 
 

@@ -14,12 +14,13 @@ conversation, after a restart prefills its new tokens only, with the reply it wo
   made exact further is saved again; the longer file replaces the shorter.
 - Key: the model's identity (`model_identity`: its files' paths, sizes and modification times, the
   dtypes and shapes of its loaded tensors (its dtype, its quantization), the compute dtype, the device,
-  the decode kernel, the CPU, torch and its threads: what changes the numbers), the user, the prefill
+  the decode kernel, the CPU, torch and its threads: what changes the numbers; the KV type, so a file of
+  the other type is never used, and stays for when that type comes back), the user, the prefill
   chunk and the ids. A user's files serve that user alone; they hold a hash of the user, never the name.
   A file whose model files changed or went is removed at start.
 - File: MAGIC, the version and the header's length (u32 each), the header (JSON: the model's identity
   and its digest, the user's hash, the prefill chunk, the ids, dtype and shape), keys and values (n_layers, n_kv_heads,
-  positions, head_dim) each, and the crc32 of all that. Written under a temporary name, renamed when
+  positions, head_dim; or q8 blocks: uint8 and head_dim / 32 * 34 bytes) each, and the crc32 of all that. Written under a temporary name, renamed when
   whole. A file that is not whole, not ours, whose length is not what its header says, or whose crc32
   differs is not used, and removed, with a log line.
 - An index in memory, built at start from the headers, answers lookups without reading a file; a load
@@ -69,7 +70,7 @@ PREAMBLE = struct.Struct("<8sII")  # magic, version, the header's length
 CRC = struct.Struct("<I")  # the file's last 4 bytes: crc32 of all before them
 ALIGN = 64  # the header is padded so that the tensors start at a multiple of this
 SUFFIX = ".kv"
-STORED = set(DTYPES.values())  # torch's names of the dtypes a cache may hold, from the one table
+STORED = {*DTYPES.values(), "uint8"}  # torch's names of the dtypes a cache may hold (uint8: q8 blocks)
 
 
 class BadFile(ValueError):
@@ -126,6 +127,7 @@ def model_identity(checkpoint: Checkpoint) -> Identity:
     for name, tensor in checkpoint.model.state_dict().items():
         tensors.update(f"{name} {tensor.dtype} {tuple(tensor.shape)};".encode())
     fields = {"files": stats, "tensors": tensors.hexdigest(), "compute": str(checkpoint.dtype),
+              "kv": checkpoint.model.kv_type,
               "device": str(checkpoint.device), "kernel": [kernels.decode_path(), kernels.configured().deterministic],
               "cpu": cpu_tag(), "torch": torch.__version__, "threads": torch.get_num_threads()}
     digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=16).hexdigest()

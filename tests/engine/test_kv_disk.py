@@ -264,3 +264,49 @@ def test_with_no_disk_bound_nothing_is_written(tiny, checkpoint, tmp_path):
     h = harness(tiny, checkpoint, tmp_path / "kv", kv_disk_mb=0)
     ask(h, chat("Hello"))
     assert h.engine.kv_disk is None and not (tmp_path / "kv").exists()
+
+
+# ---- q8 caches -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """A tiny checkpoint whose head_dim (32) q8 blocks take."""
+    from support.checkpoints import hf_model
+    folder = tmp_path_factory.mktemp("weights") / "wide"
+    hf_model(num_hidden_layers=2, hidden_size=128).save_pretrained(folder)
+    return folder
+
+
+def test_a_q8_cache_is_written_and_read_back_exactly_and_a_file_of_the_other_type_is_not_used(wide_heads, tmp_path):
+    plain = load_checkpoint(wide_heads, dtype=torch.float32)
+    q8 = load_checkpoint(wide_heads, dtype=torch.float32, kv_type="q8")
+    ids = random_ids(q8, PREFILL_CHUNK + 40, seed=3)
+    whole = KVCache(q8.config, len(ids), dtype=q8.dtype, kv_type="q8")
+    logits = prefill(q8, whole, ids)
+    written = KVDisk(tmp_path / "kv", 2**30)
+    written.save(q8, "", whole)
+    assert written.flush(60) and len(written) == 1
+    [file] = files(tmp_path / "kv")
+    entry = read_entry(file)[0]
+    assert entry.dtype == "uint8" and entry.shape[-1] == 34  # head_dim 32: one block a row
+    # the file is 0.53x what the same positions take in bf16 (0.27x fp32's), less the header
+    assert file.stat().st_size - entry.offset < 0.54 * 2 * whole.k[:, 0, :, :PREFILL_CHUNK].numel() / 34 * 32 * 2
+
+    restarted = KVDisk(tmp_path / "kv", 2**30)
+    assert restarted.take(plain, "", ids, len(ids), new_cache(plain)) is None  # a bf16 model does not use it
+
+    def q8_cache(max_len):
+        return KVCache(q8.config, max_len, dtype=q8.dtype, kv_type="q8")
+
+    cache, reused = restarted.take(q8, "", ids, len(ids), q8_cache)
+    assert reused == PREFILL_CHUNK and torch.equal(cache.k[:, :, :, :reused], whole.k[:, :, :, :reused])
+    assert torch.equal(prefill(q8, cache, ids), logits)
+    assert file.exists()  # not removed: it serves the q8 model
+
+    plain_whole = KVCache(plain.config, len(ids), dtype=plain.dtype)
+    prefill(plain, plain_whole, ids)
+    restarted.save(plain, "", plain_whole)
+    assert restarted.flush(60) and len(restarted) == 2  # each type its own file
+    again = KVDisk(tmp_path / "kv", 2**30)
+    assert again.take(q8, "", ids, len(ids), q8_cache)[0].k.dtype == torch.uint8
+    assert again.take(plain, "", ids, len(ids), new_cache(plain))[0].k.dtype == torch.float32

@@ -42,7 +42,8 @@ def test_each_number_is_within_half_a_step_of_its_block(scale):
     step = (x.abs().unflatten(-1, (-1, 32)).amax(-1, keepdim=True) / 127).expand(-1, -1, -1, -1, 32).flatten(-2)
     assert ((back - x).abs() <= step * 0.5 * 1.002 + 1e-12).all()  # half a step (its fp16 scale: 1 + 2^-11)
     assert torch.equal(back[0, 0, 0], torch.zeros(64))
-    torch.testing.assert_close(back[0, 0, 1, :32], x[0, 0, 1, :32], rtol=2**-11, atol=0)
+    # the scale's own rounding to fp16: 2^-11 of it, coarser where it is subnormal (below 2^-14: scale 1e-3)
+    torch.testing.assert_close(back[0, 0, 1, :32], x[0, 0, 1, :32], rtol=2**-11 if scale >= 0.01 else 1e-3, atol=0)
     assert torch.isfinite(dequantize_q8(quantize_q8(torch.full((64,), 6e4)))).all()  # near fp16's largest scale
 
 

@@ -17,7 +17,7 @@ import torch
 from . import kernels
 from .checkpoint import CheckpointError, load_checkpoint
 from .generation import PromptTooLong, generate, sampling_defaults
-from .options import DEVICES, DTYPES, QUANTIZE, SPECULATE, ModelOptions, SettingsError
+from .options import DEVICES, DTYPES, KV_TYPES, QUANTIZE, SPECULATE, ModelOptions, SettingsError
 from .speculation import same_tokenizer
 
 
@@ -47,7 +47,9 @@ def parse_args(argv: list[str] | None = None, options: ModelOptions | None = Non
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end the reply where this text would begin (may be given more than once)")
     p.add_argument("--max-context", type=int, default=o.max_context,
-                   help="context limit in tokens (default: %(default)s)")
+                   help="context limit in tokens (default: the model's own, up to 8192)")
+    p.add_argument("--kv-type", choices=KV_TYPES, default=o.kv_type,
+                   help="KV cache: as computed, or in 8-bit blocks (default: %(default)s)")
     p.add_argument("--device", default=o.device,
                    help=f"{', '.join(DEVICES)} or a torch device such as cuda:1 (default: %(default)s; "
                         "auto: CUDA, then MPS, then the CPU)")
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
     try:
         ckpt = load_checkpoint(args.checkpoint, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer,
                                quantize=args.quantize, widen="auto" if default else False,  # as the engine
-                               compile=args.compile)
+                               compile=args.compile, kv_type=args.kv_type)
         speculate = args.speculate
         if args.draft is not None and speculate != "off":
             speculate = load_checkpoint(args.draft, device=args.device, dtype=args.dtype, quantize=args.quantize)

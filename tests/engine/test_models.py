@@ -67,7 +67,7 @@ def test_a_model_loads_once_on_a_thread_and_is_handed_over_with_its_info_and_tok
     assert calls == [("tiny", tiny, False)] and (name, result) == ("tiny", checkpoint) and seconds > 0
     assert not models.loading and models.checkpoints == {"tiny": checkpoint}
     info = models.infos["tiny"]
-    assert (info.name, info.context_limit, info.defaults.max_new_tokens) == ("tiny", 8192, 77)
+    assert (info.name, info.context_limit, info.defaults.max_new_tokens) == ("tiny", 131072, 77)  # its own
     assert info.load_seconds == seconds
     assert reads == [1] and models.token_bytes("tiny") is table and reads == [1]  # read as it loaded, once
     models.load("tiny")  # loaded: nothing more
@@ -85,3 +85,23 @@ def test_a_model_that_fails_to_load_is_handed_over_as_its_error_and_may_be_tried
     assert models.checkpoints == {} and models.infos == {} and not models.loading
     models.load("tiny")
     assert isinstance(loaded(models)[0][1], CheckpointError)
+
+
+def test_the_context_is_the_models_own_within_a_quarter_of_the_memory_and_the_log_says_so(tiny, checkpoint,
+                                                                                         monkeypatch, caplog):
+    """LLAMA_MAX_CONTEXT unset: the model's own 131,072 tokens where a quarter of the free memory holds one
+    conversation's KV cache at that length, else what that quarter holds; set: as asked."""
+    import app.engine.models
+    from app.engine.models import context_of
+    per_token = 2 * checkpoint.config.n_layers * checkpoint.config.n_kv_heads * checkpoint.config.head_dim * 4
+    monkeypatch.setattr(app.engine.models, "available_bytes", lambda device: 4 * per_token * 131072)
+    with caplog.at_level("INFO", logger="app.engine"):
+        assert context_of("tiny", checkpoint, None) == 131072
+    assert "tiny: context of 131072 tokens (the model's own); KV cache in float32, " in caplog.text
+    monkeypatch.setattr(app.engine.models, "available_bytes", lambda device: 4 * per_token * 10_000)
+    assert context_of("tiny", checkpoint, None) == 9984  # 10,000 in whole 256s
+    assert context_of("tiny", checkpoint, 4096) == 4096
+    models = Models(EngineConfig(checkpoint=str(tiny), max_context=2048), lambda name, path: checkpoint)
+    models.load("tiny")
+    loaded(models)
+    assert models.infos["tiny"].context_limit == 2048

@@ -38,7 +38,7 @@
 #include <optional>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -127,10 +127,60 @@ inline float sum16(f32x16 v) {  // halves added as vectors: a chain of 16 scalar
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+// Lanes of a and b (0-15: a's, 16-31: b's) picked by constant indices: __builtin_shufflevector (clang, GCC
+// 12 and later), or GCC's older __builtin_shuffle with the indices as a vector.
+#if defined(__clang__) || __GNUC__ >= 12
+#define PICK16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+#define PICK16(a, b, ...) __builtin_shuffle(a, b, i32x16{__VA_ARGS__})
+#endif
+
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
+// Attention's vectors are the machine's own width (kLanes floats: one AVX-512 register, or one AVX2 register):
+// a 16-float vector on AVX2 is a pair of registers that GCC 12 moved through the stack and general registers
+// wherever it sat in an array (the weighted sums of values, the widened keys), at several times the cost of
+// the arithmetic. The plain x86-64 build takes the AVX2 width, as two SSE registers.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+typedef f32x16 f32xN;
+typedef uint16_t u16xN __attribute__((vector_size(32)));
+typedef uint32_t u32xN __attribute__((vector_size(64)));
+typedef int8_t i8xN __attribute__((vector_size(16)));
+#else
+constexpr int kLanes = 8;
+typedef f32x8 f32xN;
+typedef uint16_t u16xN __attribute__((vector_size(16)));
+typedef uint32_t u32xN __attribute__((vector_size(32)));
+typedef int8_t i8xN __attribute__((vector_size(8)));
+#endif
+
+inline f32xN loadN(const float* p) {
+  f32xN v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f32xN loadN(const BFloat16* p) {  // bf16 is the top half of an fp32
+  u16xN h;
+  std::memcpy(&h, p, sizeof h);
+  return (f32xN)(__builtin_convertvector(h, u32xN) << 16);
+}
+// kLanes int8 to fp32 (GCC 12 turns __builtin_convertvector of int8 into scalar conversions on AVX2)
+inline f32xN widenN(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (f32xN)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (f32xN)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  i8xN q;
+  std::memcpy(&q, p, sizeof q);
+  return __builtin_convertvector(q, f32xN);
+#endif
+}
+
 // A cache's row: one position of one KV head, head_dim numbers. Plain<E> keeps them as E; Q8 as blocks of
-// 32 (an fp16 scale, then 32 int8). `load(row, c)` gives numbers 16c..16c + 15 in fp32, `at(row, i)` number
+// 32 (an fp16 scale, then 32 int8). `load(row, c)` gives numbers c kLanes.. (c + 1) kLanes - 1 in fp32, `at(row, i)` number
 // i, `write` stores a row; `Weights` is the type the softmax's weights are rounded to, as the reference
 // rounds them: the activations' dtype over a cache in it, fp32 over q8 blocks (the reference widens those
 // to fp32 and attends in fp32).
@@ -138,7 +188,7 @@ template <typename E>
 struct Plain {
   using Weights = E;
   static int64_t row_bytes(int64_t head_dim) { return head_dim * static_cast<int64_t>(sizeof(E)); }
-  static f32x16 load(const uint8_t* row, int c) { return load16(reinterpret_cast<const E*>(row) + 16 * c); }
+  static f32xN load(const uint8_t* row, int c) { return loadN(reinterpret_cast<const E*>(row) + kLanes * c); }
   static float at(const uint8_t* row, int64_t i) { return f32(reinterpret_cast<const E*>(row)[i]); }
   static void write(const E* x, int64_t head_dim, uint8_t* row) { std::copy(x, x + head_dim, reinterpret_cast<E*>(row)); }
 };
@@ -148,15 +198,19 @@ struct Q8 {
   static constexpr int64_t kBlock = 32, kBlockBytes = 2 + kBlock;
   static int64_t row_bytes(int64_t head_dim) { return head_dim / kBlock * kBlockBytes; }
   static float scale(const uint8_t* block) {
+#if defined(__F16C__)
+    uint16_t h;
+    std::memcpy(&h, block, sizeof h);
+    return _cvtsh_ss(h);  // exact, as c10::Half's conversion
+#else
     c10::Half s;
     std::memcpy(&s, block, sizeof s);
     return static_cast<float>(s);
+#endif
   }
-  static f32x16 load(const uint8_t* row, int c) {
-    const uint8_t* block = row + (c / 2) * kBlockBytes;
-    i8x16 q;
-    std::memcpy(&q, block + 2 + (c % 2) * 16, sizeof q);
-    return __builtin_convertvector(q, f32x16) * scale(block);
+  static f32xN load(const uint8_t* row, int c) {  // numbers kLanes c .. kLanes c + kLanes - 1
+    const uint8_t* block = row + (c * kLanes / kBlock) * kBlockBytes;
+    return widenN(block + 2 + c * kLanes % kBlock) * scale(block);
   }
   static float at(const uint8_t* row, int64_t i) {
     const uint8_t* block = row + (i / kBlock) * kBlockBytes;
@@ -206,14 +260,6 @@ void softmax_piece(float* p, int64_t n, float* top, float* sum) {
   *sum = total;
 }
 
-// Lanes of a and b (0-15: a's, 16-31: b's) picked by constant indices: __builtin_shufflevector (clang, GCC
-// 12 and later), or GCC's older __builtin_shuffle with the indices as a vector.
-#if defined(__clang__) || __GNUC__ >= 12
-#define PICK16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-#define PICK16(a, b, ...) __builtin_shuffle(a, b, i32x16{__VA_ARGS__})
-#endif
 
 // out[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairs of vectors are folded into one, half
 // of each, and added, four times (15 additions of two shuffles for 16 sums, where one sum alone takes 4
@@ -234,6 +280,25 @@ inline f32x16 sums16(const f32x16* v) {
          PICK16(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// The same for 8 vectors of 8 (the AVX2 width): out[i] = the sum of v[i]'s lanes, each vector's lanes added
+// in one order whatever its i (halves, quarters, pairs); the last shuffle puts the sums in order.
+#define PICK8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+inline f32x8 sums8(const f32x8* v) {
+  f32x8 a[4], b[2];
+  for (int i = 0; i < 4; i++)  // lanes 0-3: v[2i]'s sums of 2, 4-7: v[2i + 1]'s
+    a[i] = PICK8(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) + PICK8(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; i++)  // v[4i], v[4i + 2], v[4i + 1], v[4i + 3]: 2 lanes each
+    b[i] = PICK8(a[2 * i], a[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) + PICK8(a[2 * i], a[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  const f32x8 c = PICK8(b[0], b[1], 0, 8, 2, 10, 4, 12, 6, 14) + PICK8(b[0], b[1], 1, 9, 3, 11, 5, 13, 7, 15);
+  return PICK8(c, c, 0, 4, 2, 6, 1, 5, 3, 7);  // c holds v0, v4, v2, v6, v1, v5, v3, v7
+}
+
+#if defined(__AVX512F__)
+inline f32xN sumsN(const f32xN* v) { return sums16(v); }
+#else
+inline f32xN sumsN(const f32xN* v) { return sums8(v); }
+#endif
+
 // head_dim is C pieces of 16 (Llama's 64 and 128: 4 and 8) and G query heads share the KV head (Llama
 // 3.2's 3 and 4), both known to the compiler, so the queries and the weighted sums stay in registers.
 // Each key and each value is read once for all the groups, in order, and asked for from memory 8 KB
@@ -245,44 +310,51 @@ inline f32x16 sums16(const f32x16* v) {
 template <int C, int G, typename T, typename KV>
 void attend_vectors(const T* q, const uint8_t* k, const uint8_t* v, int64_t n, float* scores, Partial out) {
   constexpr int64_t head_dim = 16 * C;
+  constexpr int D = head_dim / kLanes;  // vectors a head
+  const int64_t row = KV::row_bytes(head_dim);
   const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
-  f32x16 acc[G][C];  // the queries, then the weighted sums of values
+  f32xN qs[G][D];  // the queries, scaled
   for (int g = 0; g < G; g++)
-    for (int c = 0; c < C; c++) acc[g][c] = load16(q + g * head_dim + 16 * c) * scale;
-  f32x16 dots[G][16];  // per query, 16 keys' products, lane by lane
-  for (int64_t first = 0; first < n; first += 16) {
-    const int64_t keys = std::min<int64_t>(16, n - first);
-    for (int64_t i = 0; i < keys; i++) {
-      const uint8_t* key = k + (first + i) * KV::row_bytes(head_dim);
+    for (int d = 0; d < D; d++) qs[g][d] = loadN(q + g * head_dim + kLanes * d) * scale;
+  // Scores a block of kLanes keys at a time: the keys widened to fp32 once (L1), then one query at a time
+  // against them, its products with each key summed lane by lane, and the kLanes keys' lanes summed at once.
+  f32xN keys[kLanes][D], dots[kLanes];
+  for (int64_t first = 0; first < n; first += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n - first);
+    for (int64_t i = 0; i < count; i++) {
+      const uint8_t* key = k + (first + i) * row;
       prefetch_ahead(key);
-      f32x16 ki[C];
-      for (int c = 0; c < C; c++) ki[c] = KV::load(key, c);
-      for (int g = 0; g < G; g++) {
-        f32x16 dot = acc[g][0] * ki[0];
-        for (int c = 1; c < C; c++) dot += acc[g][c] * ki[c];
-        dots[g][i] = dot;
-      }
+      for (int d = 0; d < D; d++) keys[i][d] = KV::load(key, d);
     }
     for (int g = 0; g < G; g++) {
-      for (int64_t i = keys; i < 16; i++) dots[g][i] = f32x16{};
-      const f32x16 sums = sums16(dots[g]);
-      std::memcpy(scores + g * n + first, &sums, keys * sizeof(float));
+      for (int64_t i = 0; i < count; i++) {
+        f32xN dot = qs[g][0] * keys[i][0];
+        for (int d = 1; d < D; d++) dot += qs[g][d] * keys[i][d];
+        dots[i] = dot;
+      }
+      for (int64_t i = count; i < kLanes; i++) dots[i] = f32xN{};
+      const f32xN sums = sumsN(dots);
+      std::memcpy(scores + g * n + first, &sums, count * sizeof(float));
     }
   }
-  for (int g = 0; g < G; g++) {
-    softmax_piece<typename KV::Weights>(scores + g * n, n, &out.top[g], &out.sum[g]);
-    for (int c = 0; c < C; c++) acc[g][c] = f32x16{};
-  }
-  for (int64_t j = 0; j < n; j++) {
-    const uint8_t* value = v + j * KV::row_bytes(head_dim);
-    prefetch_ahead(value);
-    f32x16 vj[C];
-    for (int c = 0; c < C; c++) vj[c] = KV::load(value, c);
+  for (int g = 0; g < G; g++) softmax_piece<typename KV::Weights>(scores + g * n, n, &out.top[g], &out.sum[g]);
+  // The weighted sums of values P vectors of each at a time (G * P sums in registers: 12 of AVX2's 16), each
+  // value's numbers read (and widened) once, the positions in order. One vector a pass made a pass over the
+  // rows for every 8 numbers, and those loads (a row apart) were the step's slowest.
+  constexpr int P = std::min(D, G <= 3 ? 4 : 2);
+  for (int first = 0; first < D; first += P) {
+    f32xN acc[G][P] = {};
+    for (int64_t j = 0; j < n; j++) {
+      const uint8_t* value = v + j * row;
+      if (first == 0) prefetch_ahead(value);
+      for (int d = 0; d < P; d++) {
+        const f32xN vj = KV::load(value, first + d);
+        for (int g = 0; g < G; g++) acc[g][d] += scores[g * n + j] * vj;
+      }
+    }
     for (int g = 0; g < G; g++)
-      for (int c = 0; c < C; c++) acc[g][c] += scores[g * n + j] * vj[c];
+      for (int d = 0; d < P; d++) std::memcpy(out.acc + g * head_dim + kLanes * (first + d), &acc[g][d], sizeof(f32xN));
   }
-  for (int g = 0; g < G; g++)
-    for (int c = 0; c < C; c++) std::memcpy(out.acc + g * head_dim + 16 * c, &acc[g][c], sizeof(f32x16));
 }
 
 // The same for any head_dim, element by element. `scratch` holds groups * (head_dim + n) floats.

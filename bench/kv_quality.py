@@ -2,13 +2,13 @@
 
     python bench/kv_quality.py [--threads 2] [--only perplexity,agreement,needle] [--out FILE]
 
-1. Perplexity of a long text (`long_text()`: the GFDL 1.3 and the Apache 2.0 licences as Debian ships them,
+1. Perplexity of a long text (tests/support/needle.py's `long_text()`: the GFDL 1.3 and Apache 2.0 licences,
    about 7,500 tokens, within the model's 8,192) read through the KV cache in the engine's prefill chunks:
    every chunk attends over the keys and values the earlier chunks left in the cache, in either type.
 2. Greedy agreement: 12 everyday questions answered (64 tokens at most, temperature 0) with each cache type:
    how many replies are the same text, and the common prefix of the others, in tokens.
-3. A needle in a haystack (`needle_prompt()`): a sentence with a password placed at 10%, 50% and 90% of a
-   6,000-token document, the question at the end; found when the greedy reply names the password.
+3. A needle in a haystack (tests/support/needle.py): a sentence with a password placed at 10%, 50% and 90% of
+   a 6,000-token document, the question at the end; found when the greedy reply names the password.
 
 The default model is loaded as served (its Q4_1 blocks and the decode kernel, speculation off); the model
 reads no other text in between.
@@ -19,64 +19,32 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 
 import torch  # noqa: E402
 from common import machine  # noqa: E402
+from support.needle import PLACES, found, long_text, needle_prompt  # noqa: E402
 
 from model.checkpoint import load_checkpoint  # noqa: E402
 from model.generation import generate  # noqa: E402
 from model.kv_cache import KVCache  # noqa: E402
 from model.options import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR  # noqa: E402
 
-LICENCES = Path("/usr/share/common-licenses")
 QUESTIONS = ["What is the capital of France?", "How do I boil an egg?", "Write a haiku about autumn.",
              "What is 17 times 23?", "Explain photosynthesis in one paragraph.",
              "Give me three tips for sleeping better.", "What is the difference between a list and a tuple in Python?",
              "Who wrote Pride and Prejudice?", "Translate 'good morning' into Spanish.", "Why is the sky blue?",
              "Suggest a name for a pet goldfish.", "How many legs does a spider have?"]
-NEEDLE = "Note for the reader: the secret password is BLUE HARBOR."
-ASK = "What is the secret password mentioned in the text above? Answer with the password only."
-PLACES = (0.1, 0.5, 0.9)
-
-
-def long_text() -> str:
-    return "\n\n".join((LICENCES / name).read_text() for name in ("GFDL-1.3", "Apache-2.0"))
-
-
-def needle_prompt(checkpoint, place: float, tokens: int = 6000) -> list[int]:
-    """A chat prompt: a document of about `tokens` tokens (the licences' paragraphs, repeated as needed) with
-    NEEDLE as its own paragraph where `place` of the document lies before it, then ASK."""
-    paragraphs = [p.strip() for p in re.split(r"\n\s*\n", long_text()) if p.strip()]
-    doc, size, i = [], 0, 0
-    while size < tokens:
-        paragraph = paragraphs[i % len(paragraphs)]
-        doc.append(paragraph)
-        size += len(checkpoint.tokenizer.encode(paragraph)) + 1
-        i += 1
-    before, cut = 0, len(doc)
-    for j, paragraph in enumerate(doc):
-        if before >= place * size:
-            cut = j
-            break
-        before += len(checkpoint.tokenizer.encode(paragraph)) + 1
-    text = "\n\n".join(doc[:cut] + [NEEDLE] + doc[cut:])
-    return checkpoint.chat_format.encode_dialog([{"role": "user", "content": f"{text}\n\n{ASK}"}])
 
 
 def answer(checkpoint, ids: list[int], max_new_tokens: int = 24) -> str:
     reply = generate(checkpoint, ids, max_new_tokens=max_new_tokens, temperature=0.0, max_context=8192,
                      speculate="off")
     return "".join(reply)
-
-
-def found(reply: str) -> bool:
-    return "blue harbor" in reply.lower()
 
 
 def perplexity(checkpoint, ids: list[int]) -> float:

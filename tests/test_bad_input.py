@@ -54,7 +54,7 @@ def weights(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["llama3", "chatml"])
 def service(request, weights):
-    client = EngineClient(EngineConfig(checkpoint=str(weights / request.param), threads=1))
+    client = EngineClient(EngineConfig(checkpoint=str(weights / request.param), threads=1, max_context=8192))
     run(client.load())
     yield client
     client.close()

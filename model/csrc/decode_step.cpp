@@ -334,7 +334,10 @@ void attend_vectors(const T* q, const uint8_t* k, const uint8_t* v, int64_t n, f
       }
       for (int64_t i = count; i < kLanes; i++) dots[i] = f32xN{};
       const f32xN sums = sumsN(dots);
-      std::memcpy(scores + g * n + first, &sums, count * sizeof(float));
+      if (count == kLanes)  // a copy of fixed size: one store (a variable size was a `rep movs`)
+        std::memcpy(scores + g * n + first, &sums, sizeof sums);
+      else
+        std::memcpy(scores + g * n + first, &sums, count * sizeof(float));
     }
   }
   for (int g = 0; g < G; g++) softmax_piece<typename KV::Weights>(scores + g * n, n, &out.top[g], &out.sum[g]);

@@ -53,7 +53,7 @@ def test_a_reply_streams_text_then_done(client):
 
 def test_models_defaults_and_limits_come_from_the_engine(client, tiny):
     assert client.profiles == {"tiny": str(tiny)} and client.default == "tiny" and client.ready
-    assert client.context_limit() == 8192 and client.reply_defaults().top_p == 0.9
+    assert client.context_limit() == 131072 and client.reply_defaults().top_p == 0.9  # the model's own
     with pytest.raises(EngineError, match="no model named 'nothing'"):
         run(client.load("nothing"))
     with pytest.raises(ValueError, match="no model named"):

@@ -39,7 +39,8 @@ def test_unset_and_empty_variables_give_the_defaults():
                                     "LLAMA_CACHE_DIR", "LLAMA_KERNEL_MARCH", "LLAMA_SYSTEM_PROMPT")}
     assert ModelOptions.from_env(blank) == ModelOptions()
     defaults = ModelOptions()
-    assert (defaults.device, defaults.dtype, defaults.quantize, defaults.max_context) == ("auto", "auto", "off", 8192)
+    assert (defaults.device, defaults.dtype, defaults.quantize, defaults.max_context) == ("auto", "auto", "off", None)
+    assert defaults.kv_type == "bf16"
     assert (defaults.kernels, defaults.kernel_march, defaults.deterministic) == (True, "native", False)
     assert defaults.checkpoint == DEFAULT_WEIGHTS_DIR / DEFAULT_MODEL_NAME and defaults.is_default_checkpoint
     assert defaults.cache_dir == Path.home() / ".cache" / "llama-chat" == DEFAULT_CACHE_DIR

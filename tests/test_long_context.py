@@ -1,0 +1,33 @@
+"""Long contexts on the default model's real weights: a password placed at 10%, 50% and 90% of a 6,000-token
+document (tests/support/needle.py) is found by the greedy answer to a question at the end, with the KV cache
+in bf16 and in q8 (LLAMA_KV_TYPE) alike (bench/kv_quality.py measures the rest: perplexity, agreement)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.needle import PLACES, found, needle_prompt
+from support.special_checkpoints import default_model
+
+from model.checkpoint import load_checkpoint
+from model.generation import generate
+
+pytestmark = pytest.mark.timeout(1200)
+
+
+@pytest.fixture(scope="module", params=["bf16", "q8"])
+def served(request):
+    """The default model as the engine serves it (its Q4_1 blocks, the decode kernel), with that KV type."""
+    return load_checkpoint(default_model(), widen="auto", kv_type=request.param)
+
+
+def test_a_needle_in_6000_tokens_is_found_wherever_it_lies(served):
+    torch.set_num_threads(2)
+    replies = {}
+    for place in PLACES:
+        ids = needle_prompt(served, place)
+        assert 6000 <= len(ids) < 8192 - 32  # a long document, within the model's context and the reply's room
+        reply = generate(served, ids, max_new_tokens=24, temperature=0.0, speculate="off")
+        replies[place] = "".join(reply)
+        assert reply.kv_cache.quantized == (served.model.kv_type == "q8")
+    assert all(found(text) for text in replies.values()), replies

@@ -200,3 +200,23 @@ def test_the_engine_reports_the_files_and_reuses_the_cache_on_the_next_turn(tiny
     assert isinstance(second, Done) and second.context.files == []
     assert first.stats.prompt_tokens - PREFILL_CHUNK < second.stats.reused_tokens  # (reused in whole chunks)
     assert first.stats.prompt_tokens > use.tokens > LIMIT // 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("one_thread")
+def test_a_long_file_goes_in_whole_where_the_models_own_context_holds_it(tiny):
+    """LLAMA_MAX_CONTEXT unset: the model's own 131,072 tokens (within the memory), so the 80,000-character file
+    that a context of 8,192 cuts into chunks goes into the prompt whole, and the reply reads it."""
+    checkpoint = load_checkpoint(tiny, dtype=torch.float32)
+    settings = ReplySettings(max_new_tokens=4, temperature=0.0)
+    uses = {}
+    for limit in (None, 8192):
+        h = EngineHarness(tiny, loader=lambda name, path: checkpoint, max_context=limit)
+        conversation = Conversation()
+        conversation.add("user", QUESTION, files=[long_file()])
+        done = last(h.ask(r := request(conversation, settings))[r.id])
+        assert isinstance(done, Done), done
+        (uses[limit],) = done.context.files
+        if limit is None:
+            assert done.stats.prompt_tokens > uses[limit].tokens > 8192
+    assert uses[None].chosen == WHOLE and uses[8192].chosen != WHOLE

@@ -105,3 +105,17 @@ def test_the_context_is_the_models_own_within_a_quarter_of_the_memory_and_the_lo
     models.load("tiny")
     loaded(models)
     assert models.infos["tiny"].context_limit == 2048
+
+
+def test_llama_kv_type_reaches_the_models_load_and_a_head_size_q8_cannot_take_is_refused_by_name(tiny, tmp_path):
+    from support.checkpoints import hf_model
+    wide = tmp_path / "wide"
+    hf_model(num_hidden_layers=2, hidden_size=128).save_pretrained(wide)  # head_dim 32
+    models = Models(EngineConfig(checkpoint=str(wide), kv_type="q8", dtype="fp32"))
+    models.load("wide")
+    (name, checkpoint, _), = loaded(models)
+    assert checkpoint.model.kv_type == "q8" and models.infos["wide"].context_limit > 0
+    narrow = Models(EngineConfig(checkpoint=str(tiny), kv_type="q8"))  # head_dim 16
+    narrow.load("tiny")
+    (name, error, _), = loaded(narrow)
+    assert isinstance(error, CheckpointError) and "multiple of 32" in str(error) and "LLAMA_KV_TYPE=bf16" in str(error)

@@ -18,6 +18,8 @@ def imported_app(**llama):
     env |= {f"LLAMA_{name.upper()}": str(value) for name, value in llama.items()}
     if "kv_disk_dir" not in llama:  # not the KV caches of the developer's chats
         env["LLAMA_KV_DISK_DIR"] = tempfile.mkdtemp(prefix="llama-kv-")
+    if "max_context" not in llama:  # the tiny models' own 131,072 would take hostile input in (support/servers.py)
+        env["LLAMA_MAX_CONTEXT"] = "8192"
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     forget()

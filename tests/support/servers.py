@@ -37,6 +37,10 @@ def server_env(**llama) -> dict[str, str]:
         env["LLAMA_HISTORY_DB"] = str(Path(tempfile.mkdtemp(prefix="llama-history-")) / "history.db")
     if "kv_disk_dir" not in llama:  # nor KV caches of the developer's (or of an earlier run's) chats
         env["LLAMA_KV_DISK_DIR"] = tempfile.mkdtemp(prefix="llama-kv-")
+    # The tiny test models say 131,072 positions: their own context would let a test's hostile megabyte
+    # through as a prompt of hours. The servers' tests were written for 8,192 (the default model's own);
+    # the engine's tests take the models' own context (tests/engine/test_models.py, test_files_prompt.py).
+    env.setdefault("LLAMA_MAX_CONTEXT", "8192")
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONFAULTHANDLER"] = "1"  # a crash in native code leaves its threads' stacks in the log
     env["CHAINLIT_ENV_FILE"] = os.devnull  # a developer's .env must not change what is tested

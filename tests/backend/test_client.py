@@ -209,7 +209,7 @@ def test_an_unloaded_model_is_known_as_such_and_its_next_request_loads_it_again(
             while client.is_loaded() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert not client.is_loaded() and client.in_memory("tiny") is False
-            assert client.ready and client.context_limit() == 8192  # known still: it loads again on demand
+            assert client.ready and client.context_limit() == 131072  # known still: it loads again on demand
             events = await client.stream(chat("Hi"), ReplySettings(max_new_tokens=4)).events()
             return events
 

@@ -1,7 +1,6 @@
 """The q8 KV cache (model/kv_cache.py): GGUF's Q8_0 layout, each number within half a step of its block,
 0.53x the memory of bf16, kept through copies; and the context a model gets (model/context.py)."""
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType

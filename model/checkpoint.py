@@ -67,7 +67,8 @@ class Checkpoint:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of activations and of the KV cache."""
+        """The dtype of activations, and of the KV cache's keys and values unless they are q8 blocks
+        (model.kv_type)."""
         return self.model.compute_dtype
 
     @property

@@ -2,7 +2,8 @@
 
     python bench/speculative.py [--rounds 2] [--tokens 256] [--penalty 1.0|model] [--threads N] [--skip-1b] [--out FILE]
                                 [--chart] [--chart-from FILE]
-    python bench/speculative.py --served [--rounds 3] [--tokens 256] [--threads N] [--asks held-out|tuning] [--out FILE]
+    python bench/speculative.py --served [--rounds 3] [--tokens 256] [--threads N] [--asks held-out|tuning] [--penalty P]
+                                [--out FILE]
 
 `--served` measures where users meet it: two API servers (`python -m app.api`, engine process and
 all) on the default model, one with LLAMA_SPECULATE=off and one with the default (auto), asked in
@@ -198,7 +199,8 @@ def many_streams(harness_for, asks: list[str], rounds: int, settings) -> dict:
     return result
 
 
-def served(asks: dict[str, dict[str, str]], rounds: int, tokens: int, threads: int | None) -> dict:
+def served(asks: dict[str, dict[str, str]], rounds: int, tokens: int, threads: int | None,
+           penalty: str | None = None) -> dict:
     """Two API servers, speculation off and auto, asked in turn: each ask's median wall time, off / auto."""
     import statistics
     import tempfile
@@ -210,6 +212,8 @@ def served(asks: dict[str, dict[str, str]], rounds: int, tokens: int, threads: i
     default_model()
     folder = Path(tempfile.mkdtemp(prefix="speculative-served-"))
     extra = {"threads": threads} if threads else {}
+    if penalty not in (None, "model"):  # else the server's default: the checkpoint's
+        extra["repetition_penalty"] = penalty
     servers = {mode: ApiServer(server_env(checkpoint=DEFAULT_MODEL, weights_dir=DEFAULT_MODEL.parent, speculate=mode,
                                           kv_cache_mb=0, **extra), folder / f"{mode}.log")
                for mode in ("off", "auto")}
@@ -336,7 +340,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--penalty", default="1.0", help="repetition penalty: a number, or 'model' for the checkpoint's")
+    p.add_argument("--penalty", help="repetition penalty: a number, or 'model' for the checkpoint's (default: 1.0; "
+                                     "--served: the server's default, the checkpoint's)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-1b", action="store_true")
     p.add_argument("--only-1b", action="store_true")
@@ -351,9 +356,10 @@ def main() -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the two servers too (finally)
         asks = ({"copy asks": HELD_OUT_COPY, "plain questions": HELD_OUT_QUESTIONS} if args.asks == "held-out" else
                 {"copy asks": GROUNDED, "plain questions": QUESTIONS})
-        results = {"machine": machine(), "tokens": args.tokens, "rounds": args.rounds, "asks": args.asks}
+        results = {"machine": machine(), "tokens": args.tokens, "rounds": args.rounds, "asks": args.asks,
+                   "penalty": args.penalty or "the server's"}
         print(f"[bench] {results['machine']['cpu']}, served, {args.asks} asks", flush=True)
-        results["served"] = served(asks, args.rounds, args.tokens, args.threads)
+        results["served"] = served(asks, args.rounds, args.tokens, args.threads, args.penalty)
         for kind, rows in results["served"].items():
             results[f"{kind} geomean"] = geometric_mean([r["ratio"] for r in rows])
         if args.out:
@@ -379,7 +385,7 @@ def main() -> int:
 
     from app.messages import ReplySettings
     settings = ReplySettings(max_new_tokens=args.tokens, temperature=0.0,
-                             repetition_penalty=None if args.penalty == "model" else float(args.penalty))
+                             repetition_penalty=None if args.penalty == "model" else float(args.penalty or 1.0))
     results = {"machine": machine(), "tokens": args.tokens, "rounds": args.rounds, "penalty": args.penalty}
     print(f"[bench] {results['machine']['cpu']}, {torch.get_num_threads()} threads", flush=True)
     if args.only_1b:

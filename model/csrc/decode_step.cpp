@@ -92,27 +92,6 @@ void apply_rope(T* head, const T* cos, const T* sin, int64_t head_dim) {
 // Sixteen floats as one value of the compiler's vector extension: one AVX-512 register, two AVX2
 // ones, four SSE or NEON ones, whatever the build's -march has, from one piece of code.
 typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline f32x16 load16(const BFloat16* p) {  // bf16 is the top half of an fp32
-#if defined(__AVX512F__)
-  // GCC 12 widens a u16x16 to 32 bits in halves (5 instructions where AVX-512 has one)
-  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-#else
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-#endif
-  f32x16 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 inline float sum16(f32x16 v) {  // halves added as vectors: a chain of 16 scalar adds was the dot products' cost
@@ -135,8 +114,6 @@ inline float sum16(f32x16 v) {  // halves added as vectors: a chain of 16 scalar
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 #define PICK16(a, b, ...) __builtin_shuffle(a, b, i32x16{__VA_ARGS__})
 #endif
-
-typedef int8_t i8x16 __attribute__((vector_size(16)));
 
 // Attention's vectors are the machine's own width (kLanes floats: one AVX-512 register, or one AVX2 register):
 // a 16-float vector on AVX2 is a pair of registers that GCC 12 moved through the stack and general registers
@@ -162,9 +139,14 @@ inline f32xN loadN(const float* p) {
   return v;
 }
 inline f32xN loadN(const BFloat16* p) {  // bf16 is the top half of an fp32
+#if defined(__AVX512F__)
+  // GCC 12 widens a u16x16 to 32 bits in halves (5 instructions where AVX-512 has one)
+  return (f32xN)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
   u16xN h;
   std::memcpy(&h, p, sizeof h);
   return (f32xN)(__builtin_convertvector(h, u32xN) << 16);
+#endif
 }
 // kLanes int8 to fp32 (GCC 12 turns __builtin_convertvector of int8 into scalar conversions on AVX2)
 inline f32xN widenN(const uint8_t* p) {

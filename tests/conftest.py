@@ -8,7 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from model.options import DEFAULT_MODEL_NAME, Environment, ModelOptions
+# LLAMA_TEST_AS_AMX=1 runs the tests as on a CPU with AMX (Sapphire Rapids), as far as our own rules ask about
+# it (model/cpu.py's has_amx, has_native_bf16: a prefill chunk of 512, bf16 activations), on any machine. The
+# kernel's build still follows the real CPU (-march=native). Set before anything imports those rules.
+if os.environ.get("LLAMA_TEST_AS_AMX") == "1":
+    import model.cpu
+
+    model.cpu.has_amx = model.cpu.has_native_bf16 = lambda: True
+
+# Triton's kernels (model/triton_kernels.py) run in its interpreter on the CPU: the switch is read when a kernel
+# is defined, so before anything imports them. On a GPU (LLAMA_TEST_DEVICE=cuda) they compile.
+if os.environ.get("LLAMA_TEST_DEVICE", "cpu").strip() == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from model.options import DEFAULT_MODEL_NAME, Environment, ModelOptions  # noqa: E402
 
 # The tests' process takes the model's options from LLAMA_* as the app and the CLI do (LLAMA_KERNELS=off
 # runs them without the decode kernel); a test that needs other options says so.

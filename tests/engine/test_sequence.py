@@ -32,7 +32,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def words(checkpoint) -> list[int]:
     """Ordinary token ids (no stop id among them), for prompts and replies."""
-    ids = checkpoint.tokenizer.encode(" ".join(f"word{i}" for i in range(200)))
+    ids = checkpoint.tokenizer.encode(" ".join(f"word{i}" for i in range(PREFILL_CHUNK)))
     assert len(ids) > PREFILL_CHUNK + 10 and not set(ids) & checkpoint.stop_ids
     return ids
 

@@ -18,6 +18,7 @@ from support.gguf_checkpoints import write_llama3_gguf
 from model import KVCache, generate, load_checkpoint
 from model.convert.gguf import convert_gguf
 from model.generation import PREFILL_CHUNK
+from model.packed import packed_kinds
 from model.structured import JsonConstraint
 
 
@@ -44,19 +45,30 @@ def weights_bytes(model) -> int:
 
 
 def test_weights_load_onto_the_gpu_once(hf_folder, gpu):
+    """One copy of the weights at any moment: each tensor is moved, never built twice. With the decode steps'
+    CUDA graphs (the default on CUDA) the load holds, besides, the static KV slots and each graph's logits."""
     if gpu.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-    ckpt = load_checkpoint(hf_folder, dtype=torch.float32, device=gpu)
+    ckpt = load_checkpoint(hf_folder, dtype=torch.float32, device=gpu, graphs=False)
     tensors = [*ckpt.model.parameters(), *ckpt.model.buffers(), ckpt.model.rope.cos, ckpt.model.rope.sin]
     assert {t.device.type for t in tensors} == {gpu.type} and ckpt.device.type == gpu.type
-    if gpu.type == "cuda":  # one copy of the weights at any moment: each tensor is moved, never built twice
-        held, peak = torch.cuda.memory_allocated() - before, torch.cuda.max_memory_allocated() - before
-        weights = weights_bytes(ckpt.model)
-        rope = ckpt.model.rope.cos.nbytes + ckpt.model.rope.sin.nbytes
-        assert weights <= held <= weights + rope + 2**20
-        assert peak <= weights + rope + ckpt.model.tok_embeddings.weight.nbytes + 2**20
+    if gpu.type != "cuda":
+        return
+    held, peak = torch.cuda.memory_allocated() - before, torch.cuda.max_memory_allocated() - before
+    weights = weights_bytes(ckpt.model)
+    rope = ckpt.model.rope.cos.nbytes + ckpt.model.rope.sin.nbytes
+    assert weights <= held <= weights + rope + 2**20
+    assert peak <= weights + rope + ckpt.model.tok_embeddings.weight.nbytes + 2**20
+    del ckpt, tensors
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    ckpt = load_checkpoint(hf_folder, dtype=torch.float32, device=gpu)
+    static = ckpt.model.static
+    extra = torch.cuda.memory_allocated() - before - weights - rope
+    slots = static.cache.k.nbytes + static.cache.v.nbytes
+    assert slots <= extra <= slots + static.held_bytes() + 2**20
 
 
 @pytest.mark.parametrize("fmt", ["hf", "meta", "gguf f32"])
@@ -131,8 +143,10 @@ def test_a_batched_decode_step_is_each_sequences_step_alone(hf_folder, gpu):
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_quantized_weights_on_the_gpu_compute_what_the_cpu_computes(hf_folder, gpu, quantize):
+    """Unpacked (pack=False): the GPU stores what the CPU stores. Packed, as a GPU loads by default, the
+    weights are in the ops' own layouts: tests/model/test_packed.py."""
     on_cpu = load_checkpoint(hf_folder, dtype=torch.float32, quantize=quantize)
-    on_gpu = load_checkpoint(hf_folder, dtype=torch.float32, quantize=quantize, device=gpu)
+    on_gpu = load_checkpoint(hf_folder, dtype=torch.float32, quantize=quantize, device=gpu, pack=False)
     assert on_gpu.model.layers[0].attention.wq.weight.dtype == (torch.int8 if quantize == "int8" else torch.uint8)
     stored, expected = on_gpu.model.state_dict(), on_cpu.model.state_dict()
     assert stored.keys() == expected.keys()
@@ -153,10 +167,17 @@ def test_quantized_weights_on_the_gpu_compute_what_the_cpu_computes(hf_folder, g
 
 def test_quantized_gguf_blocks_stay_quantized_on_the_gpu(reference, tmp_path, gpu):
     path = convert_gguf(write_llama3_gguf(reference, tmp_path / "tiny.gguf", "q4_0"), tmp_path / "from-gguf")
-    on_cpu, on_gpu = load_checkpoint(path, dtype=torch.float32), load_checkpoint(path, dtype=torch.float32, device=gpu)
+    """The file's Q4_0 blocks as they are (pack=False): the CPU's numbers. By default a GPU with tinygemm repacks
+    them once, at load, into its tiles (and never widens them): the blocks' values are kept, tested bit for bit
+    in tests/model/test_packed.py."""
+    on_cpu = load_checkpoint(path, dtype=torch.float32)
+    on_gpu = load_checkpoint(path, dtype=torch.float32, device=gpu, pack=False)
     assert on_gpu.model.layers[0].feed_forward.w1.weight.dtype == torch.uint8
     ids = prompt_ids(n=16)
     assert close(on_gpu.model(ids.to(gpu)), on_cpu.model(ids), 1e-5)
+    if "int4" in packed_kinds(gpu):
+        packed = load_checkpoint(path, dtype=torch.float32, device=gpu).model.layers[0].feed_forward.w1
+        assert packed.weight.dtype == torch.int32 and packed.scale.shape[-1] == 2
 
 
 def test_seeded_sampling_on_the_gpu_repeats_and_the_seed_matters(hf_folder, gpu):

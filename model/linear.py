@@ -117,6 +117,51 @@ def widen(weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor
     return dequantize(weight, scale, offset, dtype)
 
 
+# Rows of a packed int4 matrix a fused one may be cut at: the tile rows of the device's layout (model/packed.py;
+# the CPU's layout was seen to separate at multiples of 32 rows).
+FUSE_ROWS = {"cuda": 8, "cpu": 64}
+
+
+def out_features(layer: Linear) -> int:
+    """N of a Linear in any storage: packed int4 keeps it in its scales' shape (K // 32, N, 2)."""
+    return layer.scale.shape[1] if layer.scale is not None and layer.scale.dim() == 3 else layer.weight.shape[0]
+
+
+@torch.no_grad()
+def fuse(*layers: Linear) -> Linear | None:
+    """One Linear whose output rows are those of `layers` (the same input; q|k|v, gate|up), in order, so one
+    product replaces several; the layers' own weights, scales and offsets become views of its rows, so the
+    weights stay in memory once. None where the layers are stored in different kinds, or a packed layout
+    cannot be cut at their boundaries. The fused layer is not a submodule: state_dict is as before."""
+    first = layers[0]
+    kind = lambda layer: (layer.weight.dtype, layer.weight.shape[1:], layer.offset is None,  # noqa: E731
+                          None if layer.scale is None else (layer.scale.dtype, layer.scale.dim()))
+    if any(kind(layer) != kind(first) for layer in layers):
+        return None
+    sizes = [out_features(layer) for layer in layers]
+    int4_tiles = first.scale is not None and first.scale.dim() == 3
+    if int4_tiles and any(n % FUSE_ROWS.get(first.weight.device.type, 64) for n in sizes):
+        return None
+    with torch.device("meta"):
+        fused = Linear(first.in_features, sum(sizes))
+    fused.weight = nn.Parameter(torch.cat([layer.weight for layer in layers]), requires_grad=False)
+    if first.scale is not None:
+        fused.scale = torch.cat([layer.scale for layer in layers], dim=1 if int4_tiles else 0)
+    if first.offset is not None:
+        fused.offset = torch.cat([layer.offset for layer in layers])
+    per_row = fused.weight.shape[0] / fused.out_features  # leading index a row takes (tinygemm's CUDA tiles: 1/8)
+    start = 0
+    for layer, n in zip(layers, sizes):
+        rows = slice(int(start * per_row), int((start + n) * per_row))
+        layer.weight = nn.Parameter(fused.weight[rows], requires_grad=False)
+        if layer.scale is not None:
+            layer.scale = fused.scale[:, start:start + n] if int4_tiles else fused.scale[start:start + n]
+        if layer.offset is not None:
+            layer.offset = fused.offset[start:start + n]
+        start += n
+    return fused
+
+
 def project(x: torch.Tensor, *layers: Linear) -> torch.Tensor:
     """x through several Linear layers of the same input size, outputs side by side (q|k|v, gate|up)."""
     return linears(x, [layer.weight for layer in layers], [layer.scale for layer in layers],

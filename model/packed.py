@@ -143,5 +143,5 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp
             y = F.linear(flat, weight.to(flat.dtype)) * s.to(flat.dtype)
     else:  # int4: tinygemm, x in its scales' dtype, the sums in fp32, y rounded to that dtype
         op = aten._weight_int4pack_mm if weight.device.type == "cuda" else aten._weight_int4pack_mm_for_cpu
-        y = op(flat.to(scale.dtype).contiguous(), weight, INT4_GROUP, scale)
+        y = op(flat.to(scale.dtype).contiguous(), weight, INT4_GROUP, scale.contiguous())  # a fused one's part: a view
     return y.to(torch.float32 if fp32_out else x.dtype).view(*x.shape[:-1], n)

@@ -17,8 +17,12 @@ key and value in memory allocated once. So here
 
 The step (`_step`) is the reference's maths in one batch: every row's keys and values are written into
 its slot at its position before any row attends, and a row attends to its slot's positions up to its
-own (a mask), so rows sharing a slot at consecutive positions (a speculative check) see each other as
-in Llama.decode. model/llama.py stays the reference; this module adds nothing to its maths.
+own, so rows sharing a slot at consecutive positions (a speculative check) see each other as in
+Llama.decode. model/llama.py stays the reference; this module adds nothing to its maths. It is written
+for few kernels a layer: q|k|v and gate|up each one product (`fuse`: their matrices side by side, the
+layers' own tensors views of them), and the rest as model/step_ops.py's operations, Triton kernels on a
+GPU: the norm with the residual add before it, RoPE with the KV writes, attention over each row's own
+length (so one graph a batch size serves every length), SiLU with the product by up.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ import torch.nn.functional as F
 
 from .config import LlamaConfig
 from .kv_cache import KVCache
-from .linear import project
-from .rope import Rope, rotate_half
+from .linear import fuse, linears, project
+from .rope import Rope
+from .step_ops import step_ops
 
 BATCH_SIZES = (1, 2, 4, 8)  # rows of one step: the engine's batches are padded up to one of these
 MIN_LENGTH = 256  # keys attended: the next power of two above the furthest position, at least this
@@ -85,12 +90,19 @@ class StaticDecoder:
         model.ensure_rope(cache.max_len)
         self.rope = Rope(model.rope.cos[:cache.max_len].to(model.compute_dtype),
                          model.rope.sin[:cache.max_len].to(model.compute_dtype))  # (max_len, head_dim)
+        self.ops = step_ops(device, model.config.head_dim)
+        # each layer's q|k|v and gate|up as one matrix where their storage allows (else the layers side by side)
+        self.projections = [(fused_or(block.attention.wq, block.attention.wk, block.attention.wv),
+                             fused_or(block.feed_forward.w1, block.feed_forward.w3)) for block in model.layers]
         self.step = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None  # one memory pool for every graph's intermediates (they never run at once)
 
     def lengths(self) -> list[int]:
-        """The key lengths steps are run at: powers of two from MIN_LENGTH, and max_len."""
+        """The key lengths steps are run at: powers of two from MIN_LENGTH, and max_len; max_len alone where
+        attention reads each row's own length (the Triton kernels)."""
+        if self.ops.reads_own_length:
+            return [self.cache.max_len]
         lengths, length = [], MIN_LENGTH
         while length < self.cache.max_len:
             lengths.append(length)
@@ -153,30 +165,39 @@ class StaticDecoder:
             torch.cuda.synchronize()
         return len(self.graphs)
 
+    def held_bytes(self) -> int:
+        """Device memory this decoder holds besides its slots: the fixed inputs, RoPE tables of its dtype where
+        they are copies, and each graph's logits (its other intermediates are freed into the graphs' pool)."""
+        inputs = self.tokens.nbytes + self.slots.nbytes + self.positions.nbytes
+        rope = sum(t.nbytes for t in (self.rope.cos, self.rope.sin)
+                   if t.untyped_storage().data_ptr() != self.model.rope.cos.untyped_storage().data_ptr()
+                   and t.untyped_storage().data_ptr() != self.model.rope.sin.untyped_storage().data_ptr())
+        return inputs + rope + sum(logits.nbytes for _, logits in self.graphs.values())
+
     def _step(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, length: int):
         """One decode step of fixed shapes: tokens, slots, positions (b,), keys attended over `length`
-        positions of each row's slot -> logits (b, vocab) in fp32. No Python branch looks at the data."""
-        model, config = self.model, self.model.config
-        b, h, kv, d = tokens.shape[0], config.n_heads, config.n_kv_heads, config.head_dim
-        x = model.tok_embeddings(tokens).to(model.compute_dtype)  # (b, dim)
-        cos, sin = self.rope.cos[positions][:, None], self.rope.sin[positions][:, None]  # (b, 1, d)
-        seen = torch.arange(length, device=tokens.device)[None, :] <= positions[:, None]  # (b, length)
-        mask = torch.zeros(seen.shape, dtype=x.dtype, device=x.device).masked_fill_(~seen, float("-inf"))
-        mask = mask[:, None, None, :]  # (b, 1, 1, length): one row of keys for every query head
-        heads = torch.arange(kv, device=tokens.device)[None, :]  # (1, kv)
-        for i, block in enumerate(model.layers):
-            attention = block.attention
-            qkv = project(block.attention_norm(x), attention.wq, attention.wk, attention.wv).view(b, h + 2 * kv, d)
-            qk = qkv[:, :h + kv] * cos + rotate_half(qkv[:, :h + kv]) * sin  # queries and keys rotated
-            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv:]  # (b, h, d), (b, kv, d), (b, kv, d)
+        positions of each row's slot (or each row's own, as self.ops reads them) -> logits (b, vocab) in fp32.
+        No Python branch looks at the data."""
+        model, ops, n_heads = self.model, self.ops, self.model.config.n_heads
+        layers, b = model.layers, tokens.shape[0]
+        x = model.tok_embeddings(tokens).to(model.compute_dtype)  # (b, dim): the residual stream, added to in place
+        h = ops.add_rms_norm(x, None, layers[0].attention_norm)
+        for i, (block, (qkv, gate_up)) in enumerate(zip(layers, self.projections)):
             layer_k, layer_v = self.cache.k[i], self.cache.v[i]  # (slots + 1, kv, max_len, d)
-            layer_k[slots[:, None], heads, positions[:, None]] = k  # every row written before any attends
-            layer_v[slots[:, None], heads, positions[:, None]] = v
-            keys, values = layer_k[slots, :, :length], layer_v[slots, :, :length]  # (b, kv, length, d)
-            out = F.scaled_dot_product_attention(q.view(b, kv, h // kv, d), keys, values, attn_mask=mask)
-            x = x + attention.wo(out.reshape(b, h * d))  # out (b, kv, groups, d): a KV head's query heads
-            x = x + block.feed_forward(block.ffn_norm(x))
-        return model.logits(x)
+            q = ops.rope_write(project(h, *qkv), self.rope.cos, self.rope.sin, positions, slots, layer_k, layer_v,
+                               n_heads)  # (b, h, d); every row's key and value written before any attends
+            out = ops.attend(q, layer_k, layer_v, slots, positions, length)  # (b, h, d)
+            h = ops.add_rms_norm(x, block.attention.wo(out.view(b, -1)), block.ffn_norm)
+            after = layers[i + 1].attention_norm if i + 1 < len(layers) else model.norm
+            h = ops.add_rms_norm(x, block.feed_forward.w2(ops.silu_mul(project(h, *gate_up))), after)
+        head = model.output
+        return linears(h, [head.weight], [head.scale], [head.offset], fp32_out=True)
+
+
+def fused_or(*layers) -> tuple:
+    """The layers as one fused Linear (model/linear.py's fuse), or as they are where they cannot be."""
+    fused = fuse(*layers)
+    return layers if fused is None else (fused,)
 
 
 def new_cache(model, max_len: int, *, device=None, dtype=torch.float32) -> KVCache:

@@ -13,7 +13,7 @@ from support.checkpoints import prompt_ids
 import model.linear
 from model import load_checkpoint
 from model.kv_cache import KVCache
-from model.linear import Linear, widen
+from model.linear import Linear, fuse, out_features, widen
 from model.packed import (
     INT8_MM_ROWS,
     inner_k_tiles,
@@ -300,3 +300,42 @@ def test_on_a_gpu_load_checkpoint_packs_for_tinygemm_by_default(tiny, unpacked_l
     tolerance = logits_tolerance(torch.device("cuda"), "int4", cuda_int4_floor)
     for got, want in zip(logits(net, "cuda"), unpacked_logits["int4"]):
         assert (got - want).abs().max() < tolerance * want.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "q4_1", "q4_0", "packed int8", "packed int4"])
+def test_fused_layers_give_each_layers_rows_and_keep_one_copy(device, kind):
+    """model/linear.py's fuse (q|k|v and gate|up of the static decode step): the fused product is the layers'
+    products side by side, bit for bit, a few rows (the decode kernel on the CPU) and many; the layers' own
+    tensors become views of the fused ones, and still give what they gave."""
+    sizes = (128, 64, 64)  # a multiple of the CPU's int4 tiles that fuse may cut at
+    layers = []
+    for i, n in enumerate(sizes):
+        w = weights(n, 256, seed=i)
+        if kind in ("float32", "bfloat16"):
+            layer = Linear(256, n)
+            layer.weight = torch.nn.Parameter(w.to(getattr(torch, kind)), requires_grad=False)
+            layer = layer.to(device)
+        else:
+            layer = stored_linear(w, kind.removeprefix("packed ").replace("int4", "q4_1"), device)
+            if kind.startswith("packed"):
+                assert repack_linear(layer, torch.float32 if device.type == "cpu" else torch.bfloat16)
+        layers.append(layer)
+    x_few, x_many = torch.randn(3, 256, device=device), torch.randn(40, 256, device=device)
+    if kind == "packed int4" and device.type == "cuda":
+        x_few, x_many = x_few.bfloat16(), x_many.bfloat16()
+    before = [torch.cat([layer(x) for layer in layers], dim=-1) for x in (x_few, x_many)]
+    fused = fuse(*layers)
+    assert fused is not None and out_features(fused) == sum(sizes)
+    for x, want in zip((x_few, x_many), before):
+        assert torch.equal(fused(x), want)
+        assert torch.equal(torch.cat([layer(x) for layer in layers], dim=-1), want)
+    storage = fused.weight.untyped_storage().data_ptr()
+    assert all(layer.weight.untyped_storage().data_ptr() == storage for layer in layers)
+
+
+def test_layers_of_different_kinds_are_not_fused():
+    a, b = stored_linear(weights(64, 256), "int8", "cpu"), stored_linear(weights(64, 256), "q4_1", "cpu")
+    assert fuse(a, b) is None
+    c, d = stored_linear(weights(64, 256), "q4_1", "cpu"), stored_linear(weights(48, 256), "q4_1", "cpu")
+    assert repack_linear(c, torch.float32) and repack_linear(d, torch.float32)
+    assert fuse(c, d) is None  # 64 rows and 48: the CPU's int4 tiles cannot be cut after 64 + 48 rows

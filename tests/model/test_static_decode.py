@@ -152,3 +152,36 @@ def test_a_reply_through_static_slots_is_the_reply_of_the_reference(tiny, device
     texts = [list(reply) and reply.tokens for reply in replies]
     assert texts[0] == texts[1] == texts[2] == texts[3] and len(texts[0]) == 40
     assert replies[3].kv_cache.slot is not None and replies[3].stats.decode_steps < 40  # it guessed, in a slot
+
+
+def test_the_step_with_the_triton_kernels_gives_the_reference_logits_in_one_length(model, monkeypatch):
+    """The step as a GPU runs it (model/step_ops.py's Triton forms, here in Triton's interpreter): attention
+    reads each row's own keys, so a single key length (one graph a batch size) serves every position."""
+    from model import static_decode, step_ops
+    if step_ops.triton_ops() is None:
+        pytest.skip("Triton is not installed (requirements-test.txt has it)")
+    monkeypatch.setattr(static_decode, "step_ops", lambda device, head_dim: step_ops.triton_ops())
+    max_len = MIN_LENGTH + 40
+    decoder = attach(model, slots=2, max_len=max_len)
+    assert decoder.ops.name == "triton" and decoder.lengths() == [max_len]
+    slots = prefilled(model, PROMPTS[:2], lambda: new_cache(model, max_len))
+    plain = prefilled(model, PROMPTS[:2], reference(model, max_len))
+    for step in range(3):
+        got, want = step_both(model, slots, plain, [3 + step, 40 + step])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        for cache, token in zip(slots + plain, [3 + step, 40 + step] * 2):
+            cache.tokens.append(token)
+    start = slots[0].length  # and a speculative check: rows of one slot see the rows before them
+    got, want = step_both(model, slots, plain, [5, 6, 7], positions=[start, start + 1, start + 2], rows=[0, 0, 0])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_attaching_fuses_q_k_v_and_gate_up_keeping_one_copy_of_the_weights(model):
+    attention = model.layers[0].attention
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    decoder = attach(model, slots=1, max_len=MIN_LENGTH)
+    (qkv,), (gate_up,) = decoder.projections[0]
+    assert qkv.weight.shape[0] == sum(layer.weight.shape[0] for layer in (attention.wq, attention.wk, attention.wv))
+    assert attention.wk.weight.data_ptr() == qkv.weight[attention.wq.weight.shape[0]:].data_ptr()  # a view
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[name], t) for name, t in before.items())

@@ -27,6 +27,9 @@ copy: the embedding keeps its blocks, of which lookups widen only the rows they 
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +37,7 @@ from torch import nn
 from .quantize import INT4_GROUP, Q4_0_ZERO, dequantize_int8, int4_offset, unpack_int4
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 INNER_K_TILES = (8, 4, 2)  # tinygemm's tiles of 16 k packed side by side; the widest that divides K is taken
 ROWS_MULTIPLE = {"cuda": 8, "cpu": 16}  # N of an int4 matrix the device's tile layout takes
 INT8_MM_ROWS = 16  # up to this many rows of x go to `_weight_int8pack_mm`; more (prefill) to F.linear, see below
@@ -124,6 +128,23 @@ def repack_model(model: nn.Module) -> int:
     return sum(repack_linear(m, dtype, kinds) for m in model.modules() if isinstance(m, nn.Linear))
 
 
+DECODE_ROWS = 8  # rows of x (a decode step's) that go to the Triton int8 kernel on CUDA
+
+
+@functools.cache
+def triton_int8():
+    """model/triton_kernels.py's int8_rows where Triton is installed and it runs here, else None (torch's op is
+    used). Tried once on a small product: a kernel Triton cannot build for this GPU leaves torch's op in use."""
+    try:
+        from .triton_kernels import int8_rows
+        x = torch.ones(1, 32, device="cuda")
+        int8_rows(x, torch.ones(16, 32, dtype=torch.int8, device="cuda"), torch.ones(16, device="cuda"), x.dtype)
+    except Exception as e:  # noqa: BLE001  (ImportError, or a compile error of this Triton on this GPU)
+        log.warning("int8 decode products through torch's op: the Triton kernel is not available (%s)", e)
+        return None
+    return int8_rows
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
     """x (..., K) @ a packed matrix (N, K).T -> (..., N) in x's dtype (fp32 with fp32_out), any number of rows.
 
@@ -137,7 +158,9 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp
     elif scale.dim() == 1:  # int8 rows
         flat = (flat.float() if fp32_out else flat).contiguous()
         s = scale if weight.device.type == "cuda" else scale.to(flat.dtype)  # the CPU's op takes x's dtype
-        if flat.shape[0] <= INT8_MM_ROWS:
+        if flat.shape[0] <= DECODE_ROWS and weight.device.type == "cuda" and (rows := triton_int8()) is not None:
+            y = rows(flat, weight, s, flat.dtype)
+        elif flat.shape[0] <= INT8_MM_ROWS:
             y = aten._weight_int8pack_mm(flat, weight, s)
         else:
             y = F.linear(flat, weight.to(flat.dtype)) * s.to(flat.dtype)

@@ -27,6 +27,7 @@ length (so one graph a batch size serves every length), SiLU with the product by
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -36,8 +37,9 @@ from .config import LlamaConfig
 from .kv_cache import KVCache
 from .linear import fuse, linears, project
 from .rope import Rope
-from .step_ops import step_ops
+from .step_ops import TORCH, step_ops
 
+log = logging.getLogger(__name__)
 BATCH_SIZES = (1, 2, 4, 8)  # rows of one step: the engine's batches are padded up to one of these
 MIN_LENGTH = 256  # keys attended: the next power of two above the furthest position, at least this
 
@@ -77,7 +79,7 @@ def padded(n: int, sizes) -> int:
 class StaticDecoder:
     """Llama.decode over a SlotCache in steps of fixed shapes: replayed CUDA graphs on a GPU, eagerly elsewhere."""
 
-    def __init__(self, model, cache: SlotCache, *, batch_sizes=BATCH_SIZES, compile: bool = False):
+    def __init__(self, model, cache: SlotCache, *, batch_sizes=BATCH_SIZES, compile: bool = False, ops=None):
         self.model, self.cache = model, cache
         self.batch_sizes = tuple(sorted(batch_sizes))
         device = cache.k.device
@@ -90,7 +92,7 @@ class StaticDecoder:
         model.ensure_rope(cache.max_len)
         self.rope = Rope(model.rope.cos[:cache.max_len].to(model.compute_dtype),
                          model.rope.sin[:cache.max_len].to(model.compute_dtype))  # (max_len, head_dim)
-        self.ops = step_ops(device, model.config.head_dim)
+        self.ops = ops or step_ops(device, model.config.head_dim)
         # each layer's q|k|v and gate|up as one matrix where their storage allows (else the layers side by side)
         self.projections = [(fused_or(block.attention.wq, block.attention.wk, block.attention.wv),
                              fused_or(block.feed_forward.w1, block.feed_forward.w3)) for block in model.layers]
@@ -227,10 +229,18 @@ def in_slot(model, cache: KVCache) -> KVCache:
 
 def attach(model, slots: int, max_len: int, *, compile: bool = False, capture: bool = True) -> StaticDecoder:
     """Give `model` a SlotCache of `slots` sequences of max_len positions and decode its slots' rows with a
-    StaticDecoder (model.static); with capture, every step's graph is recorded now (on CUDA)."""
+    StaticDecoder (model.static); with capture, every step's graph is recorded now (on CUDA). Where the Triton
+    kernels fail to build or run here, the step falls back to the torch forms, said in the log."""
     cache = SlotCache(model.config, slots, max_len, device=model.tok_embeddings.weight.device,
                       dtype=model.compute_dtype)
     model.static = StaticDecoder(model, cache, compile=compile)
     if capture:
-        model.static.capture_all()
+        try:
+            model.static.capture_all()
+        except Exception as e:  # noqa: BLE001  (a Triton compile error on this GPU: the torch forms still work)
+            if model.static.ops is TORCH:
+                raise
+            log.warning("decode step: the Triton kernels failed here (%s); using the torch forms", e)
+            model.static = StaticDecoder(model, cache, compile=compile, ops=TORCH)
+            model.static.capture_all()
     return model.static

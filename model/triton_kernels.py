@@ -181,3 +181,34 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul[(b, triton.cdiv(width, block))](gate_up, out, width, BLOCK=block)
     return out
+
+
+@triton.jit
+def _int8_rows(x_ptr, q_ptr, scale_ptr, y_ptr, m, n, k, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, ROWS)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for first in range(0, k, BLOCK_K):
+        ks = first + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * k + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
+                    other=0.0).to(tl.float32)  # (ROWS, BLOCK_K)
+        w = tl.load(q_ptr + outputs[:, None] * k + ks[None, :], mask=(outputs[:, None] < n) & (ks[None, :] < k),
+                    other=0).to(tl.float32)  # (BLOCK_N, BLOCK_K): the int8 weights, widened in registers only
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    scale = tl.load(scale_ptr + outputs, mask=outputs < n, other=0.0)
+    tl.store(y_ptr + rows[:, None] * n + outputs[None, :], (acc * scale[None, :]).to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < m) & (outputs[None, :] < n))
+
+
+def int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """x (M, K), M <= 8 (a decode step's rows) @ int8 q (N, K).T times the row scales (N,) -> (M, N) in out_dtype:
+    each weight read once for all rows and widened in registers (torch's `_weight_int8pack_mm` keeps a few of
+    a GPU's threads busy at one row), the sums in fp32."""
+    m, k = x.shape
+    n = q.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    block_n = 16 if m > 2 else 32
+    _int8_rows[(triton.cdiv(n, block_n),)](x.contiguous(), q, scale, y, m, n, k, ROWS=triton.next_power_of_2(m),
+                                           BLOCK_N=block_n, BLOCK_K=128)
+    return y

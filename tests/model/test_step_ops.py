@@ -104,3 +104,19 @@ def test_the_step_takes_triton_on_cuda_only_and_for_heads_of_a_power_of_two():
     assert step_ops.step_ops(torch.device("cpu"), 64) is step_ops.TORCH
     assert step_ops.step_ops(torch.device("cuda"), 64) is ops
     assert step_ops.step_ops(torch.device("cuda"), 80) is step_ops.TORCH
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_int8_rows_give_torchs_int8_op(device, m, out_dtype):
+    """The int8 decode product (rows of x against int8 rows with one scale each) against torch's
+    `_weight_int8pack_mm`: the same fp32 sums of the same products, in another order."""
+    from model.triton_kernels import int8_rows
+    g = torch.Generator().manual_seed(m)
+    q = torch.randint(-127, 128, (200, 320), generator=g, dtype=torch.int8).to(device)  # N, K not tile multiples
+    scale = (torch.rand(200, generator=g) / 100).to(device)
+    x = torch.randn(m, 320, generator=g).to(device)
+    want = torch.ops.aten._weight_int8pack_mm(x, q, scale if device.type == "cuda" else scale.to(x.dtype))
+    got = int8_rows(x, q, scale, out_dtype)
+    assert got.dtype == out_dtype
+    torch.testing.assert_close(got.float(), want.to(out_dtype).float(), **tolerance(out_dtype))

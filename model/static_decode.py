@@ -10,10 +10,11 @@ key and value in memory allocated once. So here
   KVCache (views of its slot, so prefill, Generation and the engine use it as any other), and the slot
   comes back when that KVCache is collected. The last slot is scratch, written by padding rows.
 - `StaticDecoder.decode` is Llama.decode for rows whose caches are all slots of its SlotCache: the rows
-  are padded to a batch size of BATCH_SIZES and the keys attended over a length of a power of two (at
-  least MIN_LENGTH), so a few shapes serve every step, each replayed from its own graph on CUDA
-  (captured on first use, or all at once by `capture_all` while the model loads). On the CPU the same
-  step runs eagerly, which is how it is tested against the reference (Block.decode).
+  are padded to a batch size of BATCH_SIZES, so a few shapes serve every step, each replayed from its own
+  graph on CUDA (captured on first use, or all at once by `capture_all` while the model loads). With the
+  Triton kernels attention reads each row's own length, so one graph a batch size; with the torch forms
+  the keys are attended over a length of a power of two (at least MIN_LENGTH), a graph for each. On the
+  CPU the same step runs eagerly, which is how it is tested against the reference (Block.decode).
 
 The step (`_step`) is the reference's maths in one batch: every row's keys and values are written into
 its slot at its position before any row attends, and a row attends to its slot's positions up to its

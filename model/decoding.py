@@ -188,6 +188,13 @@ class Decoding:
             self._logprob = Logprob(token, *token_logprobs(logits, token, self.top_logprobs))
         return token
 
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """sample() as a 0-dim tensor on the logits' device, not waited for: for a reply without a constraint or
+        logprobs (both need the host first), whose next step is queued on the token before it is read."""
+        if self.constraint is not None or self.top_logprobs is not None:
+            raise ValueError("draw(): a reply with a constraint or logprobs samples on the host (sample())")
+        return self.sampler.draw(logits)
+
     def accept(self, token: int) -> str:
         """Take the sampled token: the text it adds now (often "": a partial character, a possible stop
         string or tool call). Afterwards `finish_reason` says whether and why the reply ended."""

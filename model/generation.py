@@ -88,6 +88,9 @@ class Generation:
                 chunk = self.prompt_ids[start:cache.chunk_end(len(self.prompt_ids))]
                 logits = self._prefill(chunk, start)
                 cache.extend(chunk)
+            if self._pipelines():
+                yield from self._pipelined(logits)
+                return
             rows, inputs, guesses = logits[None], [], []  # the prompt's last row: no guesses
             while not decoding.finished and not self.should_stop():
                 taken = 0
@@ -110,6 +113,48 @@ class Generation:
                 yield piece
         finally:  # also when the caller stops reading: the reply ends there, "cancelled"
             decoding.end()
+
+    def _pipelines(self) -> bool:
+        """Whether decode steps are queued a token ahead (`_pipelined`): a cache in a static slot (a GPU's CUDA
+        graphs), no speculation (its guesses need the last token on the host), no constraint or logprobs."""
+        d = self.decoding
+        return (self.kv_cache.slot is not None and self.speculation is None and d.constraint is None
+                and d.top_logprobs is None)
+
+    def _pipelined(self, logits: torch.Tensor) -> Iterator[str]:
+        """Decode with each step queued on the token sampled on the device before the host reads that token:
+        the host detokenizes and checks token t while the GPU runs the step after it (gpt-fast's loop has no
+        `.item()` at all; here the token comes back through pinned memory, waited for alone). A step after the
+        reply's last token runs for nothing. The tokens, the cache and the stats are plain decoding's."""
+        decoding, cache, model = self.decoding, self.kv_cache, self._model
+        gpu = logits.device.type == "cuda"
+        host = torch.empty(1, dtype=torch.long, pin_memory=gpu)  # where each token comes back
+        ready = torch.cuda.Event() if gpu else None
+        first = True
+        while not decoding.finished and not self.should_stop():
+            token = decoding.draw(logits).view(1)  # on the device
+            host.copy_(token, non_blocking=gpu)
+            if gpu:
+                ready.record()
+            position = cache.length
+            ahead = len(decoding.tokens) + 1 < decoding.max_new_tokens and position + 1 < cache.max_len
+            if ahead:  # the next step, queued before the token is read
+                with torch.inference_mode():
+                    logits = model.decode(token, [cache], positions=[position])[0]
+            if gpu:
+                ready.synchronize()
+            piece = decoding.accept(int(host[0]))
+            if not first:
+                self.stats.step(0, 1)
+            first = False
+            if piece:
+                yield piece
+            if decoding.finished or not ahead:
+                break
+            cache.extend([int(host[0])])
+        piece = decoding.end()
+        if piece:
+            yield piece
 
     @property
     def max_new_tokens(self) -> int:

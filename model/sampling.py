@@ -142,9 +142,14 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """The next token for logits (vocab,) of the next position; does not accept it."""
+        return int(self.draw(logits))
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """sample() as a 0-dim tensor on the logits' device, without waiting for it (a GPU's next step can be
+        queued on it before the host reads it); does not accept it."""
         self.started = True
         p = self.params
-        return int(sample(self.penalized(logits), p.temperature, p.top_k, p.top_p, self.generator, p.min_p))
+        return sample(self.penalized(logits), p.temperature, p.top_k, p.top_p, self.generator, p.min_p)
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top_n: int = 0) -> tuple[float, list[tuple[int, float]]]:

@@ -87,9 +87,14 @@ class StaticDecoder:
         self.graphs_on = device.type == "cuda"
         rows = self.batch_sizes[-1]
         # the inputs of every step, at fixed addresses: a step of b rows reads their first b entries
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slots = torch.full((rows,), cache.scratch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.inputs = torch.zeros(3, rows, dtype=torch.long, device=device)
+        self.tokens, self.slots, self.positions = self.inputs  # (rows,) views
+        self.slots.fill_(cache.scratch)
+        # written on the host, then copied in one go: pinned on a GPU (no staging copy, no wait), a ring of two
+        # so the host fills one while the other's copy may still be queued (each waited for by its event)
+        self.staging = [torch.zeros(3, rows, dtype=torch.long, pin_memory=self.graphs_on) for _ in range(2)]
+        self.staged = [torch.cuda.Event() if self.graphs_on else None for _ in range(2)]
+        self.turn = 0
         model.ensure_rope(cache.max_len)
         self.rope = Rope(model.rope.cos[:cache.max_len].to(model.compute_dtype),
                          model.rope.sin[:cache.max_len].to(model.compute_dtype))  # (max_len, head_dim)
@@ -125,16 +130,31 @@ class StaticDecoder:
             return torch.cat([self.decode(tokens[i:i + step], caches[i:i + step], positions[i:i + step])
                               for i in range(0, rows, step)])
         batch, length = self.shape(rows, max(positions))
-        self.tokens[:rows].copy_(tokens)
-        self.slots[:rows].copy_(torch.tensor([cache.slot for cache in caches]), non_blocking=True)
-        self.positions[:rows].copy_(torch.tensor(positions), non_blocking=True)
-        self.tokens[rows:batch].zero_(), self.slots[rows:batch].fill_(self.cache.scratch)
-        self.positions[rows:batch].zero_()  # padding rows write the scratch slot's position 0
+        self.stage(tokens, [cache.slot for cache in caches], positions, batch)
         if not self.graphs_on:
             return self.step(self.tokens[:batch], self.slots[:batch], self.positions[:batch], length)[:rows]
         graph, logits = self.graphs.get((batch, length)) or self.capture(batch, length)
         graph.replay()
         return logits[:rows].clone()  # the graph's output buffer is written again by the next replay
+
+    def stage(self, tokens: torch.Tensor, slots: list[int], positions: list[int], batch: int) -> None:
+        """The step's inputs into their fixed buffers: rows' tokens, slots and positions, then padding rows (token
+        0 at the scratch slot's position 0) up to `batch`, in one copy from the host; tokens already on the
+        device (sampled there) are copied on the device, never through the host."""
+        rows = len(slots)
+        host, copied = self.staging[self.turn], self.staged[self.turn]
+        self.turn ^= 1
+        if copied is not None:
+            copied.synchronize()  # this buffer's previous copy has left
+        on_device = tokens.device == self.inputs.device
+        host[0, :rows] = 0 if on_device else tokens
+        host[1, :rows], host[2, :rows] = torch.tensor(slots), torch.tensor(positions)
+        host[0, rows:batch], host[1, rows:batch], host[2, rows:batch] = 0, self.cache.scratch, 0
+        self.inputs[:, :batch].copy_(host[:, :batch], non_blocking=copied is not None)
+        if copied is not None:
+            copied.record()
+        if on_device:
+            self.tokens[:rows].copy_(tokens)
 
     def capture(self, batch: int, length: int):
         """Record the step of this shape in a CUDA graph (after two runs on a side stream, which let lazy
@@ -171,7 +191,7 @@ class StaticDecoder:
     def held_bytes(self) -> int:
         """Device memory this decoder holds besides its slots: the fixed inputs, RoPE tables of its dtype where
         they are copies, and each graph's logits (its other intermediates are freed into the graphs' pool)."""
-        inputs = self.tokens.nbytes + self.slots.nbytes + self.positions.nbytes
+        inputs = self.inputs.nbytes
         rope = sum(t.nbytes for t in (self.rope.cos, self.rope.sin)
                    if t.untyped_storage().data_ptr() != self.model.rope.cos.untyped_storage().data_ptr()
                    and t.untyped_storage().data_ptr() != self.model.rope.sin.untyped_storage().data_ptr())

@@ -185,3 +185,37 @@ def test_attaching_fuses_q_k_v_and_gate_up_keeping_one_copy_of_the_weights(model
     assert attention.wk.weight.data_ptr() == qkv.weight[attention.wq.weight.shape[0]:].data_ptr()  # a view
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[name], t) for name, t in before.items())
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0), dict(temperature=1.0, top_p=0.9, seed=3),
+                                      dict(temperature=0.8, top_k=20, seed=5, repetition_penalty=1.3)])
+def test_a_reply_queued_a_token_ahead_is_plain_decodings_reply(tiny, device, monkeypatch, settings):
+    """In a slot, without speculation, Generation queues each step on the token sampled on the device before
+    reading it (model/generation.py's _pipelined): the same tokens, stats and cache as plain decoding, a
+    seeded draw and a repetition penalty included; it ends at a stop id and at the token limit alike."""
+    from model.generation import Generation, generate
+    from model.sampling import SamplingParams
+
+    plain = load_checkpoint(tiny, device=device, dtype="float32", graphs=False)
+    static = load_checkpoint(tiny, device=device, dtype="float32", graphs=True, slots=1)
+    prompt = [7, 8, 9, 10, 11, 3, 5]
+    params = SamplingParams(**{"top_k": 0, **settings})
+
+    def reply(checkpoint, **options):
+        gen = generate(checkpoint, prompt, max_new_tokens=30, sampling=params, speculate="off", **options)
+        return gen, "".join(gen)
+
+    want, want_text = reply(plain, stop_ids=set())
+    queued = []
+    monkeypatch.setattr(Generation, "_pipelined", lambda self, logits, real=Generation._pipelined:
+                        queued.append(1) or real(self, logits))
+    got, got_text = reply(static, stop_ids=set())
+    assert queued and got.kv_cache.slot is not None
+    assert got.tokens == want.tokens and got_text == want_text and len(got.tokens) == 30
+    assert got.stats.decode_steps == want.stats.decode_steps == 29 and got.finish_reason == "length"
+    assert got.kv_cache.tokens == want.kv_cache.tokens  # the last token's step ran for nothing: not recorded
+    stop = want.tokens[10]
+    want, _ = reply(plain, stop_ids={stop})
+    got, _ = reply(static, stop_ids={stop})
+    assert got.tokens == want.tokens and got.finish_reason == want.finish_reason == "stop"
+    assert got.kv_cache.tokens == want.kv_cache.tokens

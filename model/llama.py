@@ -8,12 +8,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import LlamaConfig
 from .decode_step import decode_layers
 from .kv_cache import KVCache, LayerCache
 from .linear import MAX_KERNEL_ROWS, Embedding, Linear, linears, project
 from .rope import Rope
+
+
+# SDPA's backends on CUDA without cuDNN's: it builds an execution plan for each new key length (tens to hundreds
+# of ms, and every decode step and prefill chunk has a new one), where flash and memory-efficient attention take
+# any length as it comes.
+CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
+    """F.scaled_dot_product_attention, on CUDA through CUDA_ATTENTION's backends."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, **options)
+    with sdpa_kernel(CUDA_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, **options)
 
 
 class Attention(nn.Module):
@@ -42,7 +57,7 @@ class Attention(nn.Module):
             k, v = cache.update(start_pos, k, v)  # (b, kv, start_pos + s, d)
         if seq == 1:
             return self.wo(self.attend_one(q, k, v).reshape(batch, 1, -1).to(x.dtype))
-        out = F.scaled_dot_product_attention(
+        out = sdpa(
             q.to(k.dtype), k, v, attn_mask=mask, is_causal=mask is None and start_pos == 0,
             enable_gqa=self.n_kv_heads != self.n_heads)  # in fp32 where a q8 cache widened its keys to it
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1).to(x.dtype))
@@ -64,7 +79,7 @@ class Attention(nn.Module):
         """
         batch, kv = k.shape[:2]
         q = q.reshape(batch, kv, self.n_heads // kv, self.head_dim).to(k.dtype)
-        return F.scaled_dot_product_attention(q, k, v)
+        return sdpa(q, k, v)
 
 
 class FeedForward(nn.Module):

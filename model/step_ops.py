@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .llama import sdpa
 from .rope import rotate_half
 
 
@@ -49,8 +50,8 @@ def attend(q, layer_k, layer_v, slots, positions, length: int) -> torch.Tensor:
     keys, values = layer_k[slots, :, :length], layer_v[slots, :, :length]  # (b, kv, length, d)
     seen = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # (b, length)
     mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
-    out = F.scaled_dot_product_attention(q.reshape(b, n_kv_heads, n_heads // n_kv_heads, d), keys, values,
-                                         attn_mask=mask[:, None, None, :])  # (b, kv, groups, d)
+    out = sdpa(q.reshape(b, n_kv_heads, n_heads // n_kv_heads, d), keys, values,
+               attn_mask=mask[:, None, None, :])  # (b, kv, groups, d)
     return out.view(b, n_heads, d)
 
 

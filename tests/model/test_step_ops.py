@@ -120,3 +120,11 @@ def test_int8_rows_give_torchs_int8_op(device, m, out_dtype):
     got = int8_rows(x, q, scale, out_dtype)
     assert got.dtype == out_dtype
     torch.testing.assert_close(got.float(), want.to(out_dtype).float(), **tolerance(out_dtype))
+
+
+def test_attention_on_cuda_leaves_cudnn_out():
+    """cuDNN's SDPA builds a plan for each new key length: every decode step and prefill chunk would pay it."""
+    from torch.nn.attention import SDPBackend
+
+    from model.llama import CUDA_ATTENTION
+    assert SDPBackend.CUDNN_ATTENTION not in CUDA_ATTENTION and SDPBackend.MATH in CUDA_ATTENTION

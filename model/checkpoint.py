@@ -270,9 +270,12 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def blocks_decode_fast(device: torch.device) -> bool:
     """Whether int8 and int4 weights decode faster than float ones on `device`: on the CPU, where the decode
-    kernel streams the blocks (the default model's Q4_1: 1.2-1.9x its bf16 speed, docs/benchmarks.md); not
-    on a GPU, nor without the kernel, where every product widens the whole matrix first (on an H100, a tenth
-    of bf16's speed)."""
+    kernel streams the blocks (the default model's Q4_1: 1.2-1.9x its bf16 speed, docs/benchmarks.md); on a
+    GPU whose ops take both kinds repacked once at load (model/packed.py: tinygemm's int4, int8 rows); not
+    elsewhere, nor on the CPU without the kernel, where every product would widen the whole matrix first (on
+    an H100, a tenth of bf16's speed)."""
+    if device.type == "cuda":
+        return {"int4", "int8"} <= set(packed_kinds(device))
     return device.type == "cpu" and kernels() is not None
 
 

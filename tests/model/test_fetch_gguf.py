@@ -240,7 +240,11 @@ def test_widen_auto_keeps_the_blocks_only_where_the_kernel_multiplies_them(impor
     monkeypatch.setattr(model.checkpoint, "kernels", lambda: None)  # no compiler, or LLAMA_KERNELS=off
     m = load_checkpoint(folder, dtype=torch.bfloat16, widen="auto").model
     assert m.layers[0].attention.wq.weight.dtype == torch.bfloat16 and m.layers[0].attention.wq.scale is None
-    assert not blocks_decode_fast(torch.device("cuda"))  # a GPU widens every matrix at each product
+    assert not blocks_decode_fast(torch.device("mps"))  # no op takes the blocks there: widened at every product
+    monkeypatch.setattr(model.checkpoint, "packed_kinds", lambda device: ("int4", "int8"))
+    assert blocks_decode_fast(torch.device("cuda"))  # a GPU whose ops take them repacked: kept, and packed
+    monkeypatch.setattr(model.checkpoint, "packed_kinds", lambda device: ("int8",))  # before Ampere: no tinygemm
+    assert not blocks_decode_fast(torch.device("cuda"))
     with pytest.raises(ValueError, match="widen='yes': expected True, False or auto"):
         load_checkpoint(folder, widen="yes")
 

@@ -11,7 +11,9 @@ For each kind (bf16, int8, int4 weights) of a random checkpoint of the shape:
   share of the measured copy bandwidth that reading the weights once a step makes;
 - `one_stream`: a greedy reply through `generate` (prompt, then `--new` tokens, speculation off): decode
   tokens/s, and the time per token against the GPU time per step (what the host adds);
-- `streams`: `--streams` rows decoded together in static slots (greedy on the device): tokens/s in all.
+- `streams`: `--streams` rows decoded together in static slots (greedy on the device): tokens/s in all;
+- `served`: `--streams` requests at once through the app's engine in this process (its batches, chunked prefill,
+  slots, speculation): time to first token and decode rate of each, tokens/s in all.
 A part that fails records its error and the others go on. Figures are what this machine did, this run.
 """
 
@@ -154,6 +156,46 @@ def streams(ckpt, prompt: list[int], rows: int, steps: int) -> dict:
             "tok_s": round(rows * steps / seconds, 2), "step_ms": round(seconds / steps * 1e3, 3)}
 
 
+def served(path: Path, kind: str, device: torch.device, rows: int, new: int) -> dict:
+    """`rows` requests at once through the app's engine (app/engine/core.py, in this process, without its
+    sockets): its batches, chunked prefill, slots and speculation as the app runs them; greedy, the model loaded
+    by the engine as the app loads it. Per request: time to first token and decode rate; in all: tokens/s."""
+    from app.engine.core import Engine
+    from app.messages import ChatMessage, Done, EngineConfig, Failed, Generate, ReplySettings
+
+    events: list = []
+    engine = Engine(EngineConfig(checkpoint=str(path), device=device.type, quantize=QUANTIZE[kind] or "off",
+                                 kv_disk_mb=0, dtype="float32" if device.type == "cpu" else "auto"), events.append)
+    engine.start()
+
+    def run() -> None:
+        while engine.busy or engine.models.loading or engine.preparing:
+            if not engine.busy:
+                time.sleep(0.002)
+            engine.wait_for_prompts()
+            engine.step()
+
+    try:
+        run()  # the default model loads at start
+        words = "river stone light paper window garden music number silver morning".split()
+        settings = ReplySettings(max_new_tokens=new, temperature=0.0)
+        requests = [Generate(f"s{i}", path.name, settings, [ChatMessage("user", f"Request {i}: " + " ".join(
+            words[(i * 7 + j) % len(words)] for j in range(60)))]) for i in range(rows)]
+        start = time.perf_counter()
+        for request in requests:
+            engine.handle(request)
+        run()
+        seconds = time.perf_counter() - start
+    finally:
+        engine.close()
+    ends = [e for e in events if isinstance(e, Done | Failed)]
+    failed = [e.message for e in ends if isinstance(e, Failed)]
+    done = [e for e in ends if isinstance(e, Done)]
+    return {"rows": rows, "failed": failed, "tok_s": round(sum(d.stats.new_tokens for d in done) / seconds, 2),
+            "decode_tok_s_each": [round(d.stats.tokens_per_second, 2) for d in done],
+            "ttft_s_each": [round(d.stats.time_to_first_token, 3) for d in done]}
+
+
 def part(found: dict, name: str, fn, *args) -> None:
     """found[name] = fn(*args), or the error it raised: one part failing leaves the others to run."""
     start = time.perf_counter()
@@ -188,6 +230,7 @@ def check_kind(path: Path, kind: str, device: torch.device, args, bandwidth: flo
     del ckpt, static
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    part(found, "served", served, path, kind, device, args.streams, args.new // 2)
     return found
 
 

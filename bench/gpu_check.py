@@ -9,6 +9,7 @@ For each kind (bf16, int8, int4 weights) of a random checkpoint of the shape:
 - `replays`: the step of one row replayed alone (its CUDA graph), GPU time per step from CUDA events, the
   kernels a replay launches and the ten that take the most GPU time (torch.profiler over 5 replays), and the
   share of the measured copy bandwidth that reading the weights once a step makes;
+- `eager`: the reference decode op by op (no graph) at a new key length each step;
 - `one_stream`: a greedy reply through `generate` (prompt, then `--new` tokens, speculation off): decode
   tokens/s, and the time per token against the GPU time per step (what the host adds);
 - `streams`: `--streams` rows decoded together in static slots (greedy on the device): tokens/s in all;
@@ -131,6 +132,27 @@ def replays(ckpt, prompt: list[int], bandwidth: float) -> dict:
             "graphs": len(getattr(net.static, "graphs", {}) or {})}
 
 
+def eager(ckpt, prompt: list[int], steps: int = 16) -> dict:
+    """The reference decode, op by op (a cache of its own, not a slot): milliseconds a step over `steps` steps,
+    each at a new key length, the first three apart. Where attention built a plan for each new length (cuDNN's
+    SDPA, left out on CUDA: model/llama.py), every step would pay for one."""
+    net, device = ckpt.model, ckpt.device
+    cache = model.KVCache(ckpt.config, len(prompt) + steps + 1, device=device, dtype=ckpt.dtype)
+    with torch.inference_mode():
+        token = net(torch.tensor([prompt], device=device), kv_cache=cache, last_only=True)[0, -1].argmax().view(1)
+        cache.tokens.extend(prompt)
+        times = []
+        for _ in range(steps):
+            synchronize(device)
+            start = time.perf_counter()
+            token = net.decode(token, [cache])[0].argmax().view(1)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+            cache.tokens.append(0)
+    rest = sorted(times[3:])
+    return {"first_ms": [round(t * 1e3, 2) for t in times[:3]], "median_ms": round(rest[len(rest) // 2] * 1e3, 3)}
+
+
 def one_stream(ckpt, prompt: list[int], new: int) -> dict:
     reply = generate(ckpt, prompt, max_new_tokens=new, temperature=0, stop_ids=set(), speculate="off")
     for _ in reply:
@@ -222,6 +244,7 @@ def check_kind(path: Path, kind: str, device: torch.device, args, bandwidth: flo
     print(f"[gpu_check] {kind} load: {found['load']}", flush=True)
     prompt = random_prompt(ckpt.config.vocab_size, args.prompt)
     part(found, "replays", replays, ckpt, prompt, bandwidth)
+    part(found, "eager", eager, ckpt, prompt)
     part(found, "one_stream", one_stream, ckpt, prompt, args.new)
     part(found, "streams", streams, ckpt, prompt, args.streams, args.new // 4)
     one, step = found.get("one_stream", {}), found.get("replays", {})

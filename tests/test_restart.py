@@ -80,7 +80,8 @@ def poisoned(monkeypatch, target: str, victim: str):
 
 
 @pytest.mark.parametrize("target", ["app.engine.sequence.Sequence.start", "app.engine.sequence.Sequence.prefill_chunk",
-                                    "app.engine.sequence.Sequence.sample", "app.engine.sequence.Sequence.accept",
+                                    "app.engine.sequence.Sequence.sample", "app.engine.sequence.Sequence.draw",
+                                    "app.engine.sequence.Sequence.accept",
                                     "app.engine.sequence.Sequence.done"])
 def test_a_fault_in_one_request_fails_it_alone(engine, monkeypatch, target):
     poisoned(monkeypatch, target, "poison")

@@ -332,12 +332,28 @@ class Engine:
         logits = model.decode(tokens, [sequence.cache for sequence, _ in at],
                               positions=[sequence.cache.length + i for sequence, i in at])  # (rows, vocab)
         step_times(model).observe(rows, time.perf_counter() - started)
-        first = 0
-        for sequence, ids in zip(batch, inputs):
+        firsts = [0]
+        for ids in inputs:
+            firsts.append(firsts[-1] + len(ids))
+        drawn = self._drawn(batch, inputs, logits, firsts)
+        for sequence, ids, first in zip(batch, inputs, firsts):
             if sequence.id in self.requests:  # (another reply of its request may have failed it just now)
                 with self._contained(sequence.id, "Sampling"):
-                    self._send(sequence, sequence.decoded(logits[first:first + len(ids)], ids))
-            first += len(ids)
+                    self._send(sequence, sequence.decoded(logits[first:first + len(ids)], ids, drawn.get(sequence)))
+
+    def _drawn(self, batch: list[Sequence], inputs: list[list[int]], logits: torch.Tensor,
+               firsts: list[int]) -> dict[Sequence, int]:
+        """The tokens of the batch's one-row steps that need nothing from the host to be sampled (no guesses,
+        constraint or logprobs), drawn on the logits' device and read back together: on a GPU one wait for
+        the whole batch, where sampling each row and reading it waits once a row."""
+        drawn = {}
+        for sequence, ids, first in zip(batch, inputs, firsts):
+            if len(ids) == 1 and sequence.id in self.requests and sequence.drawable:  # (a failure ends a request)
+                with self._contained(sequence.id, "Sampling"):
+                    drawn[sequence] = sequence.draw(logits[first])
+        if not drawn:
+            return {}
+        return dict(zip(drawn, torch.stack(list(drawn.values())).tolist()))
 
     def _accept(self, sequence: Sequence, token: int) -> None:
         self._send(sequence, sequence.accept(token))

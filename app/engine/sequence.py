@@ -182,12 +182,25 @@ class Sequence:
                    self.decoding.max_new_tokens - len(self.tokens) - 1)
         return self.speculation.guesses(lambda: self.prompt + self.tokens, room, rows, expected) if room > 0 else []
 
-    def decoded(self, logits: torch.Tensor, inputs: list[int]) -> str:
+    @property
+    def drawable(self) -> bool:
+        """Whether its next token can be drawn on the device and read later (Decoding.draw): no constraint and
+        no logprobs, which need the host first."""
+        return self.decoding.constraint is None and self.decoding.top_logprobs is None
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """Its next token from logits (vocab,), as a 0-dim tensor on their device, not waited for."""
+        return self.decoding.draw(logits)
+
+    def decoded(self, logits: torch.Tensor, inputs: list[int], drawn: int | None = None) -> str:
         """A decode step ran `inputs` ([its last token, *guesses]) at its cache's length on, with these
         logits (len(inputs), vocab): sample each row as plain decoding would while the guesses stand
-        (model/speculation.py), keep the inputs that did in the cache; the text the new tokens add."""
+        (model/speculation.py), keep the inputs that did in the cache; the text the new tokens add. `drawn`:
+        the token draw() gave for a step of one row (read back with the batch's others)."""
         taken, texts = 0, []
-        for _, text in check(self, logits, inputs[1:]):
+        if drawn is not None:
+            taken, texts = 1, [self.accept(drawn)]
+        for _, text in check(self, logits, inputs[1:]) if drawn is None else ():
             taken += 1
             texts.append(text)
         self.computed(inputs[:taken])

@@ -97,6 +97,32 @@ def test_each_sequence_of_a_batch_keeps_its_own_sampling_and_seed(tiny, checkpoi
         assert last(together[r.id]).token_ids == reference(checkpoint, r, s).tokens
 
 
+def test_a_batchs_plain_tokens_are_drawn_on_the_device_and_read_back_together(tiny, checkpoint, monkeypatch):
+    """Rows that need nothing from the host to be sampled (no guesses, constraint or logprobs) are drawn where
+    the logits are and read back in one copy a step (on a GPU one wait, not one a row); the replies are the
+    ones sampled row by row, seeded draws included, and a row with logprobs is still sampled on the host."""
+    from app.engine.sequence import Sequence
+    h = harness(tiny, checkpoint, kv_cache_mb=0, speculate="off")
+    settings = [ReplySettings(max_new_tokens=12, temperature=0.0),
+                ReplySettings(max_new_tokens=12, temperature=0.9, top_k=0, top_p=1.0, seed=7),
+                ReplySettings(max_new_tokens=12, temperature=0.0)]
+    requests = [request(f"Count to {i}", s, **({"logprobs": 2} if i == 2 else {})) for i, s in enumerate(settings)]
+    calls = {"draw": 0, "sample": 0, "reads": 0}
+    draw, sample, stack = Sequence.draw, Sequence.sample, torch.stack
+    monkeypatch.setattr(Sequence, "draw", lambda self, logits: calls.__setitem__("draw", calls["draw"] + 1)
+                        or draw(self, logits))
+    monkeypatch.setattr(Sequence, "sample", lambda self, logits: calls.__setitem__("sample", calls["sample"] + 1)
+                        or sample(self, logits))
+    monkeypatch.setattr(core.torch, "stack", lambda tensors, *a: calls.__setitem__("reads", calls["reads"] + 1)
+                        or stack(tensors, *a))
+    together = h.ask(*requests)
+    for r, s in zip(requests, settings):
+        assert last(together[r.id]).token_ids == reference(checkpoint, r, s).tokens
+    assert calls["draw"] == 2 * 11  # the two plain replies' tokens after their first (that one: the prefill's)
+    assert calls["sample"] == 3 + 11  # the first tokens, and every token of the reply with logprobs
+    assert calls["reads"] == 11  # one read a step
+
+
 def test_penalties_and_min_p_reach_each_sequences_sampler(tiny, checkpoint):
     h = harness(tiny, checkpoint, kv_cache_mb=0)
     settings = [ReplySettings(max_new_tokens=30, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.3),
@@ -556,9 +582,10 @@ WEATHER = [{"type": "function", "function": {
 
 
 def scripted(monkeypatch, checkpoint, text: str) -> None:
-    """Every sequence samples the ids of `text`, then <|eot_id|>."""
+    """Every sequence samples the ids of `text`, then <|eot_id|> (on the host, or drawn on the device)."""
     ids = checkpoint.tokenizer.encode(text) + [checkpoint.tokenizer.eot_id]
     monkeypatch.setattr("app.engine.sequence.Sequence.sample", lambda self, logits: ids[len(self.tokens)])
+    monkeypatch.setattr("app.engine.sequence.Sequence.draw", lambda self, logits: torch.tensor(ids[len(self.tokens)]))
 
 
 def test_a_tool_call_is_held_back_and_comes_as_a_call(tiny, checkpoint, monkeypatch):

@@ -219,3 +219,28 @@ def test_a_reply_queued_a_token_ahead_is_plain_decodings_reply(tiny, device, mon
     got, _ = reply(static, stop_ids={stop})
     assert got.tokens == want.tokens and got.finish_reason == want.finish_reason == "stop"
     assert got.kv_cache.tokens == want.kv_cache.tokens
+
+
+def test_a_step_whose_triton_kernels_fail_at_capture_falls_back_to_the_torch_forms(model, monkeypatch, caplog):
+    """On a GPU whose Triton cannot build a kernel, the load still works: the capture's first run fails, the
+    decoder is made again with the torch forms (one graph a power-of-two length), and the log says so."""
+    from types import SimpleNamespace
+
+    from model import static_decode, step_ops
+
+    def broken(*args):
+        raise RuntimeError("no kernel for this GPU")
+
+    failing = SimpleNamespace(name="triton", reads_own_length=True, add_rms_norm=broken, rope_write=broken,
+                              attend=broken, silu_mul=broken)
+    monkeypatch.setattr(static_decode, "step_ops", lambda device, head_dim: failing)
+    monkeypatch.setattr(StaticDecoder, "capture_all", lambda self: self.step(self.tokens[:1], self.slots[:1],
+                                                                             self.positions[:1], MIN_LENGTH))
+    with caplog.at_level("WARNING", logger="model.static_decode"):
+        decoder = attach(model, slots=1, max_len=MIN_LENGTH)
+    assert decoder.ops is step_ops.TORCH and model.static is decoder
+    assert "the Triton kernels failed here" in caplog.text and "no kernel for this GPU" in caplog.text
+    monkeypatch.setattr(StaticDecoder, "capture_all", lambda self: broken())
+    monkeypatch.setattr(static_decode, "step_ops", lambda device, head_dim: step_ops.TORCH)
+    with pytest.raises(RuntimeError, match="no kernel"):  # the torch forms failing is not hidden
+        attach(model, slots=1, max_len=MIN_LENGTH)

@@ -200,9 +200,10 @@ class Sequence:
         taken, texts = 0, []
         if drawn is not None:
             taken, texts = 1, [self.accept(drawn)]
-        for _, text in check(self, logits, inputs[1:]) if drawn is None else ():
-            taken += 1
-            texts.append(text)
+        else:
+            for _, text in check(self, logits, inputs[1:]):
+                taken += 1
+                texts.append(text)
         self.computed(inputs[:taken])
         self.stats.step(len(inputs) - 1, taken)
         if self.speculation is not None:

@@ -143,7 +143,8 @@ class Generation:
                     logits = model.decode(token, [cache], positions=[position])[0]
             if gpu:
                 ready.synchronize()
-            piece = decoding.accept(int(host[0]))
+            sampled = int(host[0])
+            piece = decoding.accept(sampled)
             if not first:
                 self.stats.step(0, 1)
             first = False
@@ -151,7 +152,7 @@ class Generation:
                 yield piece
             if decoding.finished or not ahead:
                 break
-            cache.extend([int(host[0])])
+            cache.extend([sampled])  # its step ran: its key and value are in
         piece = decoding.end()
         if piece:
             yield piece

@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from common import random_checkpoint, random_prompt
+from common import random_checkpoint, random_prompt, tensor_bytes
 
 import model
 from model.generation import generate
@@ -69,12 +69,6 @@ def copy_bandwidth(device: torch.device, mib: int) -> float:
         synchronize(device)
         best = min(best, time.perf_counter() - start)
     return a.nbytes / best / 1e9
-
-
-def weight_bytes(net) -> int:
-    """Bytes a decode step reads: every parameter and buffer once (a tied head's table counted once)."""
-    return sum(t.nbytes for t in {t.untyped_storage().data_ptr(): t
-                                  for t in [*net.parameters(), *net.buffers()]}.values())
 
 
 def prefilled(ckpt, prompt: list[int], max_len: int):
@@ -123,7 +117,7 @@ def replays(ckpt, prompt: list[int], bandwidth: float) -> dict:
                       and event.name.startswith("aten::")):
             kernels[event.name] += 1
             gpu_us[event.name] += event.device_time if on_gpu else event.cpu_time
-    weights = weight_bytes(net)
+    weights = tensor_bytes(net)  # what a step reads: every weight once (fused q|k|v: views, counted once)
     return {"step_ms": round(step_ms, 4), "kernels_per_step": sum(kernels.values()) / 5,
             "top": [{"name": name[:90], "us_per_step": round(us / 5, 1), "calls_per_step": kernels[name] / 5}
                     for name, us in gpu_us.most_common(10)],

@@ -188,10 +188,15 @@ class Decoding:
             self._logprob = Logprob(token, *token_logprobs(logits, token, self.top_logprobs))
         return token
 
+    @property
+    def drawable(self) -> bool:
+        """Whether draw() may sample: no constraint and no logprobs, which need the host first."""
+        return self.constraint is None and self.top_logprobs is None
+
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """sample() as a 0-dim tensor on the logits' device, not waited for: for a reply without a constraint or
-        logprobs (both need the host first), whose next step is queued on the token before it is read."""
-        if self.constraint is not None or self.top_logprobs is not None:
+        """sample() as a 0-dim tensor on the logits' device, not waited for (a reply that is `drawable`): its next
+        step can be queued on the token before the host reads it."""
+        if not self.drawable:
             raise ValueError("draw(): a reply with a constraint or logprobs samples on the host (sample())")
         return self.sampler.draw(logits)
 

@@ -116,10 +116,8 @@ class Generation:
 
     def _pipelines(self) -> bool:
         """Whether decode steps are queued a token ahead (`_pipelined`): a cache in a static slot (a GPU's CUDA
-        graphs), no speculation (its guesses need the last token on the host), no constraint or logprobs."""
-        d = self.decoding
-        return (self.kv_cache.slot is not None and self.speculation is None and d.constraint is None
-                and d.top_logprobs is None)
+        graphs), no speculation (its guesses need the last token on the host), a reply draw() may sample."""
+        return self.kv_cache.slot is not None and self.speculation is None and self.decoding.drawable
 
     def _pipelined(self, logits: torch.Tensor) -> Iterator[str]:
         """Decode with each step queued on the token sampled on the device before the host reads that token:

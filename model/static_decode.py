@@ -191,11 +191,9 @@ class StaticDecoder:
     def held_bytes(self) -> int:
         """Device memory this decoder holds besides its slots: the fixed inputs, RoPE tables of its dtype where
         they are copies, and each graph's logits (its other intermediates are freed into the graphs' pool)."""
-        inputs = self.inputs.nbytes
-        rope = sum(t.nbytes for t in (self.rope.cos, self.rope.sin)
-                   if t.untyped_storage().data_ptr() != self.model.rope.cos.untyped_storage().data_ptr()
-                   and t.untyped_storage().data_ptr() != self.model.rope.sin.untyped_storage().data_ptr())
-        return inputs + rope + sum(logits.nbytes for _, logits in self.graphs.values())
+        copied = self.rope.cos.dtype != self.model.rope.cos.dtype  # else views of the model's tables
+        rope = self.rope.cos.nbytes + self.rope.sin.nbytes if copied else 0
+        return self.inputs.nbytes + rope + sum(logits.nbytes for _, logits in self.graphs.values())
 
     def _step(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, length: int):
         """One decode step of fixed shapes: tokens, slots, positions (b,), keys attended over `length`

@@ -184,9 +184,8 @@ class Sequence:
 
     @property
     def drawable(self) -> bool:
-        """Whether its next token can be drawn on the device and read later (Decoding.draw): no constraint and
-        no logprobs, which need the host first."""
-        return self.decoding.constraint is None and self.decoding.top_logprobs is None
+        """Whether its next token can be drawn on the device and read later (Decoding.drawable)."""
+        return self.decoding.drawable
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
         """Its next token from logits (vocab,), as a 0-dim tensor on their device, not waited for."""

@@ -185,6 +185,7 @@ def test_attaching_fuses_q_k_v_and_gate_up_keeping_one_copy_of_the_weights(model
     assert attention.wk.weight.data_ptr() == qkv.weight[attention.wq.weight.shape[0]:].data_ptr()  # a view
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[name], t) for name, t in before.items())
+    assert decoder.held_bytes() == decoder.inputs.nbytes  # fp32 RoPE tables are the model's own, no graphs here
 
 
 @pytest.mark.parametrize("settings", [dict(temperature=0), dict(temperature=1.0, top_p=0.9, seed=3),

@@ -369,9 +369,11 @@ WEATHER = [{"type": "function", "function": {
     ('[launch(target="moon")]', ()),
 ])
 def test_scripted_replies_end_alike_stop_token_stop_string_tool_call(engine, checkpoint, monkeypatch, reply, stop):
-    """Each reply samples the ids of `reply`, then <|eot_id|>, through the one Decoding.sample."""
+    """Each reply samples the ids of `reply`, then <|eot_id|>, through Decoding's sample (on the host) and draw
+    (on the device, the engine's plain rows)."""
     ids = checkpoint.tokenizer.encode(reply) + [checkpoint.tokenizer.eot_id]
     monkeypatch.setattr(Decoding, "sample", lambda self, logits: ids[len(self.tokens)])
+    monkeypatch.setattr(Decoding, "draw", lambda self, logits: torch.tensor(ids[len(self.tokens)]))
     done, gen, _ = both(engine, checkpoint, settings(stop=stop), question="Weather?", tools=WEATHER)
     assert_same(done, gen)
     assert done.finish_reason == "stop"

@@ -11,7 +11,8 @@ For each kind (bf16, int8, int4 weights) of a random checkpoint of the shape:
   share of the measured copy bandwidth that reading the weights once a step makes;
 - `eager`: the reference decode op by op (no graph) at a new key length each step;
 - `one_stream`: a greedy reply through `generate` (prompt, then `--new` tokens, speculation off): decode
-  tokens/s, and the time per token against the GPU time per step (what the host adds);
+  tokens/s, and the time per token against the GPU time per step (what the host adds); `one_stream_chat_sampling`
+  the same with a chat's sampling (temperature 0.7, top-p 0.9, repetition penalty 1.1);
 - `streams`: `--streams` rows decoded together in static slots (greedy on the device): tokens/s in all;
 - `served`: `--streams` requests at once through the app's engine in this process (its batches, chunked prefill,
   slots, speculation): time to first token and decode rate of each, tokens/s in all.
@@ -33,6 +34,7 @@ from common import random_checkpoint, random_prompt, tensor_bytes
 
 import model
 from model.generation import generate
+from model.sampling import SamplingParams
 from model.static_decode import new_cache
 
 QUANTIZE = {"bf16": None, "int8": "int8", "int4": "int4"}
@@ -147,8 +149,14 @@ def eager(ckpt, prompt: list[int], steps: int = 16) -> dict:
     return {"first_ms": [round(t * 1e3, 2) for t in times[:3]], "median_ms": round(rest[len(rest) // 2] * 1e3, 3)}
 
 
-def one_stream(ckpt, prompt: list[int], new: int) -> dict:
-    reply = generate(ckpt, prompt, max_new_tokens=new, temperature=0, stop_ids=set(), speculate="off")
+# What a chat asks for: temperature, top-p and the repetition penalty Ollama and llama.cpp apply by default.
+CHAT_SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=1)
+
+
+def one_stream(ckpt, prompt: list[int], new: int, sampling: SamplingParams | None = None) -> dict:
+    """One reply through generate, greedy (or `sampling`), speculation off."""
+    reply = generate(ckpt, prompt, max_new_tokens=new, sampling=sampling or SamplingParams(), stop_ids=set(),
+                     speculate="off")
     for _ in reply:
         pass
     return {"decode_tok_s": round(reply.stats.tokens_per_second, 2), "new_tokens": reply.stats.new_tokens,
@@ -240,6 +248,7 @@ def check_kind(path: Path, kind: str, device: torch.device, args, bandwidth: flo
     part(found, "replays", replays, ckpt, prompt, bandwidth)
     part(found, "eager", eager, ckpt, prompt)
     part(found, "one_stream", one_stream, ckpt, prompt, args.new)
+    part(found, "one_stream_chat_sampling", one_stream, ckpt, prompt, args.new, CHAT_SAMPLING)
     part(found, "streams", streams, ckpt, prompt, args.streams, args.new // 4)
     one, step = found.get("one_stream", {}), found.get("replays", {})
     if one.get("decode_tok_s") and step.get("step_ms"):

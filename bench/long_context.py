@@ -1,7 +1,7 @@
 """Prefill and decode over growing contexts, KV cache in bf16 against q8, beside llama.cpp, in one run.
 
     python bench/long_context.py [--lengths 512,2048,4096,7680] [--new 64] [--threads 2] [--rounds 1]
-                                 [--llama-cpp f16,q8_0] [--out FILE]
+                                 [--llama-cpp f16,q8_0] [--shape llama3.2-1b] [--out FILE]
 
 The default model as the app serves it (its own Q4_1 blocks, the decode kernel, LLAMA_KV_TYPE bf16 and q8 in
 turn), a random prompt of each length prefilled in the engine's chunks, then `--new` greedy decode steps,
@@ -11,6 +11,10 @@ steps, with its KV cache in each of the given types (f16, q8_0; `q8_0` runs with
 llama.cpp needs for a quantized V cache). Each length runs every set-up in turn before the next length, so all
 share the machine's state of the moment; `--rounds` repeats that and keeps each set-up's best. Also reported:
 the KV bytes a token takes and the bytes a decode step reads (weights + KV at that length).
+
+`--shape`: a LlamaConfig preset's shape with random weights (bench/common.random_checkpoint) instead of the
+default model: ours quantizes them to int8 at load, llama.cpp reads the same weights as a Q8_0 GGUF
+(bench/gguf_file.py), 8 bits a weight each.
 """
 
 from __future__ import annotations
@@ -54,10 +58,10 @@ def ours(checkpoint, prompt: list[int], new: int) -> tuple[float, float]:
     return len(prompt) / prefill, new / decode
 
 
-def llama_cpp(kv: str, n_ctx: int, threads: int):
+def llama_cpp(gguf: Path, kv: str, n_ctx: int, threads: int):
     import llama_cpp
     types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
-    return llama_cpp.Llama(model_path=str(GGUF), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+    return llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                            n_threads_batch=threads, type_k=types[kv], type_v=types[kv], flash_attn=kv != "f16",
                            verbose=False)
 
@@ -86,16 +90,26 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--llama-cpp", default="", help="llama.cpp KV types to run beside ours: f16, q8_0")
+    p.add_argument("--shape", default="", help="a preset's shape, random weights (8-bit), instead of the default model")
+    p.add_argument("--kv", default="bf16,q8", help="our KV types to run")
     p.add_argument("--out", default="bench/results/long_context.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     lengths = [int(n) for n in args.lengths.split(",")]
-    folder = DEFAULT_WEIGHTS_DIR / DEFAULT_MODEL_NAME
-    setups = {f"ours {kv}": load_checkpoint(folder, widen="auto", kv_type=kv) for kv in ("bf16", "q8")}
+    kvs = args.kv.split(",")
+    if args.shape:
+        from common import random_checkpoint
+        from gguf_file import gguf_checkpoint
+        folder = random_checkpoint(args.shape)
+        gguf = gguf_checkpoint(folder, args.shape, "q8_0") if args.llama_cpp else None
+        options = {"dtype": torch.bfloat16, "quantize": "int8"}
+    else:
+        folder, gguf, options = DEFAULT_WEIGHTS_DIR / DEFAULT_MODEL_NAME, GGUF, {"widen": "auto"}
     n_ctx = max(lengths) + args.new + 16
+    setups = {f"ours {kv}": load_checkpoint(folder, kv_type=kv, **options) for kv in kvs}
     for kv in filter(None, args.llama_cpp.split(",")):
-        setups[f"llama.cpp {kv}"] = llama_cpp(kv, n_ctx, args.threads)
-    checkpoint = setups["ours bf16"]
+        setups[f"llama.cpp {kv}"] = llama_cpp(gguf, kv, n_ctx, args.threads)
+    checkpoint = setups[f"ours {kvs[0]}"]
     weights = sum(t.nbytes for t in checkpoint.model.state_dict().values()
                   if t.data_ptr() != checkpoint.model.tok_embeddings.weight.data_ptr())
     per_token = {kv: KVCache.bytes_per_position(checkpoint.config, kv, checkpoint.dtype) for kv in ("bf16", "q8")}

@@ -62,6 +62,16 @@ class SamplingParams:
         need(self.seed is None or integer("seed"), "seed", "a whole number or None")
 
 
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, not waited for: on CUDA copied from pinned memory, where
+    torch.tensor(values, device="cuda") waits for all the stream holds (a decode step queued ahead included)
+    before it copies. torch's pinned allocator keeps the buffer until the copy is done."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def make_generator(seed: int | None, device="cpu") -> torch.Generator:
     """A private random stream, so one conversation's seed never depends on another's draws."""
     generator = torch.Generator(device=device)
@@ -130,13 +140,13 @@ class Sampler:
         p = self.params
         logits = logits.float()
         if p.repetition_penalty != 1.0 and self.recent:
-            ids = torch.tensor(sorted(set(self.recent)), device=logits.device)
+            ids = device_tensor(sorted(set(self.recent)), torch.long, logits.device)
             seen = logits[ids]
             logits = logits.clone()
             logits[ids] = torch.where(seen <= 0, seen * p.repetition_penalty, seen / p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and self.generated:
-            ids = torch.tensor(list(self.generated), device=logits.device)
-            counts = torch.tensor(list(self.generated.values()), dtype=logits.dtype, device=logits.device)
+            ids = device_tensor(list(self.generated), torch.long, logits.device)
+            counts = device_tensor(list(self.generated.values()), logits.dtype, logits.device)
             logits = logits.index_add(0, ids, -(counts * p.frequency_penalty + p.presence_penalty))
         return logits
 

@@ -30,7 +30,8 @@ def test_the_gpu_check_runs_every_step_and_writes_one_summary(tmp_path):
         assert not [part for part in found.values() if isinstance(part, dict) and "error" in part], found
         assert found["load"]["step_ops"] == "torch"  # the CPU's step: the torch forms
         assert found["replays"]["kernels_per_step"] > 0 and found["replays"]["top"]
-        assert found["one_stream"]["decode_tok_s"] > 0 and found["one_stream"]["in_slot"]
+        for one in ("one_stream", "one_stream_chat_sampling"):
+            assert found[one]["decode_tok_s"] > 0 and found[one]["in_slot"]
         assert found["eager"]["median_ms"] > 0
         assert found["streams"]["tok_s"] > 0 and found["streams"]["in_slots"] == found["streams"]["rows"]
         assert found["served"]["failed"] == [] and found["served"]["tok_s"] > 0

@@ -19,6 +19,7 @@ from model import KVCache, generate, load_checkpoint
 from model.convert.gguf import convert_gguf
 from model.generation import PREFILL_CHUNK
 from model.packed import packed_kinds
+from model.sampling import Sampler, SamplingParams
 from model.structured import JsonConstraint
 
 
@@ -192,6 +193,31 @@ def test_seeded_sampling_on_the_gpu_repeats_and_the_seed_matters(hf_folder, gpu)
 
     first = reply(7)
     assert reply(7) == first and reply(8) != first
+
+
+def test_penalties_on_the_gpu_are_the_cpus_and_do_not_wait_for_queued_work(gpu):
+    """A draw with repetition, frequency and presence penalties gives the CPU's token and, on CUDA, returns while
+    work queued before it still runs (its token ids go over from pinned memory: a plain copy would wait for the
+    stream, the decode step queued ahead included)."""
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4)
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(3))
+    history = logits.topk(40).indices.tolist()  # the likeliest tokens, so the penalties decide
+
+    def drawn(device):
+        sampler = Sampler(params, device=device)
+        sampler.accept(history[:20])  # the prompt
+        sampler.sample(logits)
+        sampler.accept(history[20:])  # generated
+        if device.type == "cuda":
+            torch.cuda._sleep(1 << 30)  # ~0.5 s of GPU time queued ahead of the draw
+        token = sampler.draw(logits.to(device))
+        still_running = device.type == "cuda" and not torch.cuda.current_stream().query()
+        return int(token), sampler.penalized(logits.to(device)).cpu(), still_running
+
+    cpu_token, cpu_logits, _ = drawn(torch.device("cpu"))
+    token, penalized, still_running = drawn(gpu)
+    assert token == cpu_token and torch.equal(penalized, cpu_logits)
+    assert still_running or gpu.type != "cuda"
 
 
 def test_a_json_reply_on_the_gpu_parses(tmp_path, gpu):

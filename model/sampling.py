@@ -11,6 +11,10 @@ draw), so top-p and min-p see the probabilities before temperature reshapes them
   as OpenAI's and vLLM's docs define them; no window).
 
 Greedy (temperature 0) takes the argmax after the penalties, as llama.cpp does.
+
+Two ways to the same draw: on a GPU every step is a tensor op over the whole vocabulary (no wait for the
+host); on the CPU the filters look only at the tokens near the top, found with numpy (`host_sample`): torch's
+sort of 128,256 logits takes longer than a decode step of the default model, and its argmax a tenth of one.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 PENALTY_RANGE = 2.0  # OpenAI accepts frequency/presence penalties in [-2, 2]
@@ -84,12 +89,24 @@ def make_generator(seed: int | None, device="cpu") -> torch.Generator:
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
            top_p: float = 1.0, generator: torch.Generator | None = None, min_p: float = 0.0) -> torch.Tensor:
-    """logits (vocab,) -> token id (0-dim LongTensor): top-k, top-p, min-p, temperature, then a draw.
-
-    temperature 0 is greedy (argmax). Stateless: penalties belong to a `Sampler`.
-    """
-    if temperature <= 0:  # max's index is argmax's (the first of equals), 4x faster on bf16 CPU logits
+    """logits (vocab,) -> token id (0-dim LongTensor on the logits' device): top-k, top-p, min-p, temperature,
+    then a draw. temperature 0 is greedy (argmax: the first of equal logits). Stateless: penalties belong to a
+    `Sampler`."""
+    if logits.device.type == "cpu":
+        return torch.tensor(host_sample(logits, temperature, top_k, top_p, generator, min_p))
+    if temperature <= 0:
         return logits.max(-1).indices
+    logits, ids = filtered(logits, top_k, top_p, min_p)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    # argmax(p / E) with E ~ Exp(1) draws from p (exponential race): one pass, no cumulative sums, no wait.
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    choice = torch.argmax(probs / noise)
+    return choice if ids is None else ids[choice]
+
+
+def filtered(logits: torch.Tensor, top_k: int | None, top_p: float, min_p: float):
+    """(logits, ids): logits (vocab,) in fp32 with what top-k, top-p and min-p leave out at -inf, as tensor ops
+    of fixed shapes (the GPU's way); ids maps their positions to token ids where top-k or top-p sorted them."""
     logits = logits.float()
     if top_k and top_k < logits.shape[-1]:
         logits, ids = torch.topk(logits, top_k)  # sorted, highest first
@@ -105,11 +122,95 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     if min_p > 0:
         # p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p): no softmax needed.
         logits = logits.masked_fill(logits < logits.max() + math.log(min_p), -math.inf)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    # argmax(p / E) with E ~ Exp(1) draws from p (exponential race): one pass, no cumulative sums.
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    choice = torch.argmax(probs / noise)
-    return choice if ids is None else ids[choice]
+    return logits, ids
+
+
+def host_sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0,
+                generator: torch.Generator | None = None, min_p: float = 0.0) -> int:
+    """sample() for logits in the CPU's memory: numpy's vectorized argmax (torch's keeps the index of the
+    maximum element by element), and the filters applied to the few tokens near the top (`kept`). The draw
+    takes one uniform number from `generator` and walks the kept tokens' cumulative probabilities."""
+    x = logits.detach().float().contiguous().numpy()
+    if temperature <= 0:
+        return int(np.argmax(x))  # the first of equals; NaN counts as the largest, as in torch
+    ids, values = kept(x, top_k, top_p, min_p)
+    weights = np.exp((values - values.max()) / np.float32(temperature))
+    return int(ids[walk(weights, float(torch.rand((), dtype=torch.float64, generator=generator)))])
+
+
+WALK_BLOCK = 1024  # weights summed a block at a time before the walk (a cumulative sum of 128,256 is slow)
+
+
+def walk(weights: np.ndarray, u: float) -> int:
+    """The index i at which the running sum of weights (>= 0, not all 0) first exceeds u (in [0, 1)) times
+    their total: a draw from weights / total. Over blocks' sums first, then within the block."""
+    if len(weights) > 4 * WALK_BLOCK:
+        starts = np.arange(0, len(weights), WALK_BLOCK)
+        sums = np.cumsum(np.add.reduceat(weights, starts, dtype=np.float64))
+        target = u * sums[-1]
+        block = min(int(np.searchsorted(sums, target, side="right")), len(sums) - 1)
+        target -= sums[block - 1] if block else 0.0
+        first = starts[block]
+        return first + walk_within(weights[first:first + WALK_BLOCK], target)
+    return walk_within(weights, u * weights.sum(dtype=np.float64))
+
+
+def walk_within(weights: np.ndarray, target: float) -> int:
+    """The first index whose running sum of weights exceeds target; the last with weight where rounding leaves
+    target at or past the sum."""
+    i = int(np.searchsorted(np.cumsum(weights, dtype=np.float64), target, side="right"))
+    return i if i < len(weights) else int(np.flatnonzero(weights > 0)[-1])
+
+
+def kept(x: np.ndarray, top_k: int | None, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The token ids that top-k, then top-p, then min-p keep of logits x (vocab,), and their logits. Each
+    filter keeps a run of the likeliest tokens, so all are found among the tokens within some distance of the
+    largest logit, widened until they hold what a filter needs; the vocabulary is never sorted."""
+    ids = None  # every token
+    if top_k and top_k < len(x):
+        ids = top(x, top_k)
+    if top_p < 1.0:
+        ids = nucleus(x, ids, top_p)
+    if min_p > 0:  # p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p)
+        floor = x.max() + math.log(min_p)
+        ids = np.flatnonzero(x >= floor) if ids is None else ids[x[ids] >= floor]
+    if ids is None:
+        return np.arange(len(x)), x
+    return ids, x[ids]
+
+
+# How far below the largest logit nucleus() looks first; each miss doubles it, the last try takes every token.
+REACH = (8.0, 16.0, 32.0, 64.0, math.inf)
+MASS_ROUNDING = 1e-6  # a cumulative mass this close below top_p reaches it (float32 sums of the same terms differ)
+
+
+def top(x: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k largest logits (in no order; ties at the k-th: the lower ids), of the finite ones only."""
+    best = x.max()
+    for reach in REACH:
+        near = np.flatnonzero(x >= best - reach if reach < math.inf else x > -math.inf)
+        if len(near) >= k:
+            break
+    if len(near) == k:
+        return near
+    return near[np.argsort(-x[near], kind="stable")[:k]]
+
+
+def nucleus(x: np.ndarray, ids: np.ndarray | None, top_p: float) -> np.ndarray:
+    """Of the tokens `ids` (None: all), the smallest set of the likeliest whose probability (softmax over
+    `ids`, at temperature 1) reaches top_p: at least the likeliest token."""
+    pool = x if ids is None else x[ids]
+    best = pool.max()
+    total = np.exp(pool - best).sum(dtype=np.float64)
+    for reach in REACH:
+        near = np.flatnonzero(pool >= best - reach if reach < math.inf else pool > -math.inf)
+        order = near[np.argsort(-pool[near], kind="stable")]  # likeliest first (ties: lower id first)
+        mass = np.cumsum(np.exp(pool[order] - best), dtype=np.float64) / total
+        if mass[-1] >= top_p - MASS_ROUNDING or reach == math.inf:
+            break
+    count = min(int(np.searchsorted(mass, top_p - MASS_ROUNDING, side="left")) + 1, len(order))
+    chosen = order[:count]
+    return chosen if ids is None else ids[chosen]
 
 
 class Sampler:

@@ -1,9 +1,13 @@
 """Sampling: greedy, temperature, top-k, top-p, min-p, penalties, seeds and logprobs."""
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
-from model.sampling import Sampler, SamplingParams, make_generator, sample, token_logprobs
+from model.sampling import (Sampler, SamplingParams, filtered, kept, make_generator, sample, token_logprobs, top,
+                            walk)
 
 
 def logits_fixture(vocab=1000, seed=0):
@@ -59,6 +63,79 @@ def test_seed_reproducibility():
     b = [int(sample(logits, 1.0, top_k=50, generator=g)) for g in [make_generator(7)] for _ in range(50)]
     c = [int(sample(logits, 1.0, top_k=50, generator=g)) for g in [make_generator(8)] for _ in range(50)]
     assert a == b and a != c
+
+
+# ---- The CPU's way (host_sample: the filters near the top, a walk) against the GPU's (tensor ops) ----------
+
+def kept_by_tensor_ops(logits: torch.Tensor, top_k, top_p, min_p) -> set[int]:
+    values, ids = filtered(logits, top_k, top_p, min_p)
+    positions = torch.isfinite(values).nonzero().flatten()
+    return set((positions if ids is None else ids[positions]).tolist())
+
+
+def mass_before(logits: torch.Tensor, top_k) -> dict[int, float]:
+    """Each token's probability mass above it (top-k's set, or all, at temperature 1), in float64 from a full sort:
+    where top-p's cut falls."""
+    values, ids = torch.sort(logits.double(), descending=True, stable=True)
+    if top_k:
+        values, ids = values[:top_k], ids[:top_k]
+    probs = torch.softmax(values, dim=0)
+    return dict(zip(ids.tolist(), (torch.cumsum(probs, 0) - probs).tolist()))
+
+
+@pytest.mark.parametrize("vocab, scale", [(1000, 3.0), (128256, 4.0)])
+@pytest.mark.parametrize("top_k, top_p, min_p", [
+    (0, 0.9, 0.0), (0, 0.5, 0.0), (0, 0.99, 0.0), (0, 0.9, 0.05), (0, 1.0, 0.05), (0, 1.0, 0.2),
+    (40, 1.0, 0.0), (40, 0.9, 0.0), (40, 0.9, 0.05), (5, 0.3, 0.0), (2000, 0.95, 0.0), (0, 1.0, 0.0),
+])
+def test_the_cpus_filters_keep_what_the_gpus_keep(vocab, scale, top_k, top_p, min_p):
+    """The same tokens, found among the tokens near the top (the CPU) and by sorting all (the GPU), but where
+    top-p's cut falls within the rounding of the GPU's float32 sums (1e-4 of the mass, over 128,256 tokens)."""
+    for seed in range(2):
+        logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
+        logits[::7] -= 20.0  # a long tail, as a model's logits have
+        ids, values = kept(logits.numpy(), top_k, top_p, min_p)
+        assert len(set(ids.tolist())) == len(ids) and np.array_equal(values, logits.numpy()[ids])
+        differ = set(ids.tolist()) ^ kept_by_tensor_ops(logits, top_k, top_p, min_p)
+        if differ:
+            assert top_p < 1.0
+            before = mass_before(logits, top_k)
+            assert max(abs(before[t] - top_p) for t in differ) < 1e-4, differ
+        if top_p < 1.0:  # the float64 nucleus, but within the rounding of float32 exps (1e-6)
+            before = mass_before(logits, top_k)
+            inside = {t for t, m in before.items() if m < top_p}
+            if min_p:
+                inside = {t for t in inside if logits[t] >= logits.max() + math.log(min_p)}
+            assert all(abs(before[t] - top_p) < 2e-6 for t in set(ids.tolist()) ^ inside)
+
+
+def test_the_cpus_filters_never_keep_a_masked_token():
+    logits = torch.full((5000,), -math.inf)
+    logits[[3, 700, 4999]] = torch.tensor([1.0, 0.5, -2.0])  # what a constraint allows
+    for top_k, top_p, min_p in [(40, 1.0, 0.0), (0, 0.999, 0.0), (0, 1.0, 0.01), (10, 0.99, 0.001)]:
+        ids, _ = kept(logits.numpy(), top_k, top_p, min_p)
+        assert set(ids.tolist()) <= {3, 700, 4999} and 3 in ids
+    g = make_generator(1)
+    assert {int(sample(logits, 1.0, top_k=40, generator=g)) for _ in range(300)} == {3, 700, 4999}
+
+
+def test_top_is_the_k_largest():
+    x = (torch.randn(128256, generator=torch.Generator().manual_seed(5)) * 3).numpy()
+    for k in (1, 40, 5000, 128255):
+        assert set(top(x, k).tolist()) == set(torch.topk(torch.from_numpy(x), k).indices.tolist())
+
+
+@pytest.mark.parametrize("n", [7, 5000, 128256])
+def test_the_walk_lands_in_proportion_to_the_weights(n):
+    """Evenly spaced u land on each index in proportion to its weight, to one step; a zero weight never."""
+    weights = torch.rand(n, generator=torch.Generator().manual_seed(n)).numpy() ** 4
+    weights[::3] = 0.0
+    steps = 20_000
+    hits = np.bincount([walk(weights, (i + 0.5) / steps) for i in range(steps)], minlength=n)
+    assert np.abs(hits - steps * weights / weights.sum(dtype=np.float64)).max() <= 1.0
+    assert hits[::3].sum() == 0
+    assert walk(weights, 0.0) == np.flatnonzero(weights)[0]
+    assert walk(weights, 1.0 - 1e-12) == np.flatnonzero(weights)[-1]
 
 
 # ---- SamplingParams and Sampler: penalties (llama.cpp / OpenAI), min-p, order, seeds, logprobs -----

@@ -55,13 +55,13 @@ class ChainlitServer:
         self.start([sys.executable, "-m", "chainlit", "run", "app/main.py", "-h",
                     *(["--host", host] if host else [])], env, log, port)
 
-    def start(self, command: list[str], env: dict[str, str], log: Path, port: int | None) -> None:
+    def start(self, command: list[str], env: dict[str, str], log: Path, port: int | None, root: Path = ROOT) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "wb")
-        self.process = subprocess.Popen([*command, "--port", str(self.port)], cwd=ROOT, env=env, stdout=self._log,
+        self.process = subprocess.Popen([*command, "--port", str(self.port)], cwd=root, env=env, stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
@@ -110,7 +110,7 @@ class ChainlitServer:
 
 
 class ApiServer(ChainlitServer):
-    """`python -m app.api --port N`: the API alone."""
+    """`python -m app.api --port N`: the API alone (root: the checkout it runs from, this one unless given)."""
 
-    def __init__(self, env: dict[str, str], log: Path, port: int | None = None):
-        self.start([sys.executable, "-m", "app.api"], env, log, port)
+    def __init__(self, env: dict[str, str], log: Path, port: int | None = None, root: Path = ROOT):
+        self.start([sys.executable, "-m", "app.api"], env, log, port, root)

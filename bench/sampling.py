@@ -113,9 +113,11 @@ def served(baseline: str, rounds: int, tokens: int) -> dict:
     tree = logs / "baseline"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), baseline], check=True,
                    capture_output=True)
-    env = server_env(checkpoint=DEFAULT_MODEL, weights_dir=DEFAULT_MODEL.parent, kv_cache_mb=0, kv_disk_mb=0)
-    servers = {"baseline": ApiServer(env, logs / "baseline.log", root=tree),
-               "this tree": ApiServer(env, logs / "this-tree.log")}
+    def env() -> dict[str, str]:  # each server its own history and KV folders (server_env makes new ones)
+        return server_env(checkpoint=DEFAULT_MODEL, weights_dir=DEFAULT_MODEL.parent, kv_cache_mb=0, kv_disk_mb=0)
+
+    servers = {"baseline": ApiServer(env(), logs / "baseline.log", root=tree),
+               "this tree": ApiServer(env(), logs / "this-tree.log")}
     results: dict[str, list[dict]] = {}
     try:
         for server in servers.values():

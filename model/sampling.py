@@ -185,15 +185,13 @@ MASS_ROUNDING = 1e-6  # a cumulative mass this close below top_p reaches it (flo
 
 
 def top(x: np.ndarray, k: int) -> np.ndarray:
-    """The ids of the k largest logits (in no order; ties at the k-th: the lower ids), of the finite ones only."""
-    best = x.max()
-    for reach in REACH:
-        near = np.flatnonzero(x >= best - reach if reach < math.inf else x > -math.inf)
-        if len(near) >= k:
-            break
-    if len(near) == k:
-        return near
-    return near[np.argsort(-x[near], kind="stable")[:k]]
+    """The ids of the k largest logits (in no order), of the finite ones only: sorted from the tokens near the
+    largest where at least k and few are there (a model's usual logits), else torch's topk over all."""
+    near = np.flatnonzero(x >= x.max() - REACH[0])
+    if k <= len(near) <= 8 * k:
+        return near[np.argsort(-x[near], kind="stable")[:k]]
+    values, ids = torch.topk(torch.from_numpy(x), k)
+    return ids.numpy()[values.numpy() > -math.inf]
 
 
 def nucleus(x: np.ndarray, ids: np.ndarray | None, top_p: float) -> np.ndarray:

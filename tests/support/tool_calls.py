@@ -64,7 +64,7 @@ def ask_all(url: str, key: str, bodies: list[dict], stream: bool,
 
 def body(i: int, tool_choice, parallel: bool, model: str = "tiny") -> dict:
     return dict(model=model, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel,
-                temperature=1.0, top_p=1.0, seed=i, max_tokens=400,
+                temperature=1.0, top_p=1.0, seed=i, max_tokens=1000,  # room for a long chain of parallel calls
                 extra_body={"top_k": 0})  # the whole vocabulary sampled
 
 

@@ -134,7 +134,8 @@ def host_sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     if temperature <= 0:
         return int(np.argmax(x))  # the first of equals; NaN counts as the largest, as in torch
     ids, values = kept(x, top_k, top_p, min_p)
-    weights = np.exp((values - values.max()) / np.float32(temperature))
+    # in float64: a temperature below float32's range (1e-300) still divides (the top token's 0 stays 0: greedy)
+    weights = np.exp((values - values.max()).astype(np.float64) / temperature)
     return int(ids[walk(weights, float(torch.rand((), dtype=torch.float64, generator=generator)))])
 
 

@@ -119,6 +119,13 @@ def test_the_cpus_filters_never_keep_a_masked_token():
     assert {int(sample(logits, 1.0, top_k=40, generator=g)) for _ in range(300)} == {3, 700, 4999}
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-40])
+def test_a_temperature_near_zero_is_greedy(temperature):
+    logits = logits_fixture(vocab=128256, seed=4)
+    for top_k, top_p, min_p in [(0, 1.0, 0.0), (40, 0.9, 0.05)]:
+        assert int(sample(logits, temperature, top_k, top_p, make_generator(1), min_p)) == int(logits.argmax())
+
+
 def test_top_is_the_k_largest():
     x = (torch.randn(128256, generator=torch.Generator().manual_seed(5)) * 3).numpy()
     for k in (1, 40, 5000, 128255):

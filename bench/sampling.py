@@ -7,8 +7,8 @@ replies through the API against another commit's server.
 The sampler alone: next-token logits of the default model (real weights) at every position of its greedy
 replies to a few questions; for each sampling preset a chat app sends (the default model's own
 generation_config, Llama 3.2's, Ollama's defaults, plain temperature, greedy), the time per token of
-model/sampling.py's `host_sample` (what the CPU runs) against `filtered` plus the exponential race (the GPU's
-way, which the CPU ran before), in turn, best of `--rounds`.
+model/sampling.py's `host_sample` (what the CPU runs) against `tensor_sample` (the GPU's way, which the CPU ran
+before), in turn, best of `--rounds`.
 
 `--served`: the working tree's API server (`python -m app.api`) beside one started from a git worktree of
 `--baseline`, the default model as the app serves it, asked in turn through `/v1/chat/completions` with the
@@ -33,7 +33,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import torch  # noqa: E402
 from common import ROOT, machine  # noqa: E402
 
-from model.sampling import filtered, host_sample  # noqa: E402
+from model.sampling import host_sample, tensor_sample  # noqa: E402
 
 PRESETS = {  # name: (temperature, top_k, top_p, min_p)
     "default model (0.2, top-p 0.9, min-p 0.05)": (0.2, 0, 0.9, 0.05),
@@ -50,16 +50,6 @@ QUESTIONS = [  # for the logits, and the served asks
     "What should I pack for a weekend hiking trip?",
     "Summarize the plot of Romeo and Juliet in a paragraph.",
 ]
-
-
-def tensor_sample(logits, temperature, top_k, top_p, min_p, generator) -> int:
-    """The GPU's way (model/sampling.py's sample on a device), run on the CPU."""
-    if temperature <= 0:
-        return int(logits.max(-1).indices)
-    kept, ids = filtered(logits, top_k, top_p, min_p)
-    probs = torch.softmax(kept / temperature, dim=-1)
-    choice = torch.argmax(probs / torch.empty_like(probs).exponential_(1.0, generator=generator))
-    return int(choice if ids is None else ids[choice])
 
 
 def model_logits(tokens: int) -> list[torch.Tensor]:
@@ -94,7 +84,7 @@ def alone(rounds: int, tokens: int) -> list[dict]:
                     if way == "host":
                         host_sample(x, temperature, top_k, top_p, generator, min_p)
                     else:
-                        tensor_sample(x, temperature, top_k, top_p, min_p, generator)
+                        tensor_sample(x, temperature, top_k, top_p, generator, min_p)
                 best[way] = min(best[way], (time.perf_counter() - started) / len(logits))
         rows.append({"preset": name, "tensor_ms": best["tensor ops"] * 1e3, "host_ms": best["host"] * 1e3,
                      "ratio": best["tensor ops"] / best["host"]})

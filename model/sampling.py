@@ -94,6 +94,12 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     `Sampler`."""
     if logits.device.type == "cpu":
         return torch.tensor(host_sample(logits, temperature, top_k, top_p, generator, min_p))
+    return tensor_sample(logits, temperature, top_k, top_p, generator, min_p)
+
+
+def tensor_sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0,
+                  generator: torch.Generator | None = None, min_p: float = 0.0) -> torch.Tensor:
+    """sample() as tensor ops of fixed shapes over the whole vocabulary, nothing read back: a GPU's way."""
     if temperature <= 0:
         return logits.max(-1).indices
     logits, ids = filtered(logits, top_k, top_p, min_p)
@@ -134,8 +140,9 @@ def host_sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     if temperature <= 0:
         return int(np.argmax(x))  # the first of equals; NaN counts as the largest, as in torch
     ids, values = kept(x, top_k, top_p, min_p)
-    # in float64: a temperature below float32's range (1e-300) still divides (the top token's 0 stays 0: greedy)
-    weights = np.exp((values - values.max()).astype(np.float64) / temperature)
+    if temperature < np.finfo(np.float32).tiny:  # below float32's range (1e-300): as good as greedy, which it is
+        return int(ids[np.argmax(values)])
+    weights = np.exp((values - values.max()) / np.float32(temperature))
     return int(ids[walk(weights, float(torch.rand((), dtype=torch.float64, generator=generator)))])
 
 

@@ -15,6 +15,8 @@ Greedy (temperature 0) takes the argmax after the penalties, as llama.cpp does.
 Two ways to the same draw: on a GPU every step is a tensor op over the whole vocabulary (no wait for the
 host); on the CPU the filters look only at the tokens near the top, found with numpy (`host_sample`): torch's
 sort of 128,256 logits takes longer than a decode step of the default model, and its argmax a tenth of one.
+Both draw by an exponential race (argmax of p / E, E ~ Exp(1)), which a last-bit change in the logits rarely
+turns: a batched step and a single one give the same seeded reply.
 """
 
 from __future__ import annotations
@@ -134,40 +136,32 @@ def filtered(logits: torch.Tensor, top_k: int | None, top_p: float, min_p: float
 def host_sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0,
                 generator: torch.Generator | None = None, min_p: float = 0.0) -> int:
     """sample() for logits in the CPU's memory: numpy's vectorized argmax (torch's keeps the index of the
-    maximum element by element), and the filters applied to the few tokens near the top (`kept`). The draw
-    takes one uniform number from `generator` and walks the kept tokens' cumulative probabilities."""
+    maximum element by element), the filters applied to the few tokens near the top (`kept`), and an exponential
+    race among the kept tokens whose noise is a function of (key, token id), one key drawn from `generator`."""
     x = logits.detach().float().contiguous().numpy()
     if temperature <= 0:
         return int(np.argmax(x))  # the first of equals; NaN counts as the largest, as in torch
     ids, values = kept(x, top_k, top_p, min_p)
-    if temperature < np.finfo(np.float32).tiny:  # below float32's range (1e-300): as good as greedy, which it is
-        return int(ids[np.argmax(values)])
-    weights = np.exp((values - values.max()) / np.float32(temperature))
-    return int(ids[walk(weights, float(torch.rand((), dtype=torch.float64, generator=generator)))])
+    key = int(torch.randint(0, 2**63 - 1, (), generator=generator))
+    # In float64, so a temperature below float32's range (1e-300) leaves weight 1 on the top token(s) only.
+    with np.errstate(over="ignore"):
+        weights = np.exp((values - values.max()).astype(np.float64) / temperature)
+    return int(ids[np.argmax(weights / exponentials(key, ids))])
 
 
-WALK_BLOCK = 1024  # weights summed a block at a time before the walk (a cumulative sum of 128,256 is slow)
-
-
-def walk(weights: np.ndarray, u: float) -> int:
-    """The index i at which the running sum of weights (>= 0, not all 0) first exceeds u (in [0, 1)) times
-    their total: a draw from weights / total. Over blocks' sums first, then within the block."""
-    if len(weights) > 4 * WALK_BLOCK:
-        starts = np.arange(0, len(weights), WALK_BLOCK)
-        sums = np.cumsum(np.add.reduceat(weights, starts, dtype=np.float64))
-        target = u * sums[-1]
-        block = min(int(np.searchsorted(sums, target, side="right")), len(sums) - 1)
-        target -= sums[block - 1] if block else 0.0
-        first = starts[block]
-        return first + walk_within(weights[first:first + WALK_BLOCK], target)
-    return walk_within(weights, u * weights.sum(dtype=np.float64))
-
-
-def walk_within(weights: np.ndarray, target: float) -> int:
-    """The first index whose running sum of weights exceeds target; the last with weight where rounding leaves
-    target at or past the sum."""
-    i = int(np.searchsorted(np.cumsum(weights, dtype=np.float64), target, side="right"))
-    return i if i < len(weights) else int(np.flatnonzero(weights > 0)[-1])
+def exponentials(key: int, ids: np.ndarray) -> np.ndarray:
+    """One Exp(1) number for each token id, a function of (key, id) alone: argmax(weight / E) draws in
+    proportion to the weights (the exponential race, as the GPU's way runs it). Keyed by id, not drawn in turn,
+    so a token kept or not at a filter's edge (logits that differ in the last bits between a batched and a
+    single step) changes nothing unless that token would have won. The id's uniform number is SplitMix64's
+    output for state key + id * its increment."""
+    with np.errstate(over="ignore"):
+        z = ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    u = ((z >> np.uint64(12)).astype(np.float64) + 0.5) * 2.0**-52  # 52 bits, exactly in (0, 1): never 0 or 1
+    return -np.log(u)
 
 
 def kept(x: np.ndarray, top_k: int | None, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from model.sampling import (Sampler, SamplingParams, filtered, kept, make_generator, sample, token_logprobs, top,
-                            walk)
+from model.sampling import (Sampler, SamplingParams, exponentials, filtered, host_sample, kept, make_generator, sample,
+                            token_logprobs, top)
 
 
 def logits_fixture(vocab=1000, seed=0):
@@ -65,7 +65,7 @@ def test_seed_reproducibility():
     assert a == b and a != c
 
 
-# ---- The CPU's way (host_sample: the filters near the top, a walk) against the GPU's (tensor ops) ----------
+# ---- The CPU's way (host_sample: the filters near the top, a race keyed by token id) against the GPU's (tensor ops) ----------
 
 def kept_by_tensor_ops(logits: torch.Tensor, top_k, top_p, min_p) -> set[int]:
     values, ids = filtered(logits, top_k, top_p, min_p)
@@ -132,17 +132,36 @@ def test_top_is_the_k_largest():
         assert set(top(x, k).tolist()) == set(torch.topk(torch.from_numpy(x), k).indices.tolist())
 
 
-@pytest.mark.parametrize("n", [7, 5000, 128256])
-def test_the_walk_lands_in_proportion_to_the_weights(n):
-    """Evenly spaced u land on each index in proportion to its weight, to one step; a zero weight never."""
-    weights = torch.rand(n, generator=torch.Generator().manual_seed(n)).numpy() ** 4
+@pytest.mark.parametrize("n", [7, 5000])
+def test_the_keyed_race_draws_in_proportion_to_the_weights(n):
+    """Over 40,000 keys each index wins about as often as its weight says (within 5 standard deviations of the
+    binomial count), a zero weight never; the noise is Exp(1) (mean 1), never 0 or infinite."""
+    weights = torch.rand(n, generator=torch.Generator().manual_seed(n)).double().numpy() ** 4
     weights[::3] = 0.0
-    steps = 20_000
-    hits = np.bincount([walk(weights, (i + 0.5) / steps) for i in range(steps)], minlength=n)
-    assert np.abs(hits - steps * weights / weights.sum(dtype=np.float64)).max() <= 1.0
-    assert hits[::3].sum() == 0
-    assert walk(weights, 0.0) == np.flatnonzero(weights)[0]
-    assert walk(weights, 1.0 - 1e-12) == np.flatnonzero(weights)[-1]
+    ids = np.arange(n) * 7 + 11  # any token ids
+    keys = 40_000
+    wins = np.bincount([np.argmax(weights / exponentials(key, ids)) for key in range(keys)], minlength=n)
+    p = weights / weights.sum()
+    assert np.all(np.abs(wins - keys * p) <= 5 * np.sqrt(keys * p * (1 - p)) + 1)
+    assert wins[::3].sum() == 0
+    noise = np.concatenate([exponentials(key, ids) for key in range(200)])
+    assert np.all(np.isfinite(noise)) and noise.min() > 0 and abs(noise.mean() - 1) < 0.05
+
+
+def test_a_token_at_a_filters_edge_turns_the_draw_only_where_it_would_have_won():
+    """The race's noise belongs to (key, token id): the same draw with one more or one fewer losing token kept
+    (a top-p cut moved by a last-bit change in the logits) picks the same token, so a seeded reply repeats
+    between a batched step and a single one."""
+    logits = logits_fixture(vocab=128256, seed=9)
+    for seed in range(30):
+        chosen = host_sample(logits, 1.0, 0, 0.9, make_generator(seed))
+        ids, _ = kept(logits.numpy(), 0, 0.9, 0.0)
+        edge = ids[np.argmin(logits.numpy()[ids])]  # the last token top-p kept
+        if edge != chosen:
+            nudged = logits.clone()
+            nudged[edge] -= 1e-3  # now the cut leaves it out and keeps another
+            assert edge not in kept(nudged.numpy(), 0, 0.9, 0.0)[0]
+            assert host_sample(nudged, 1.0, 0, 0.9, make_generator(seed)) == chosen
 
 
 # ---- SamplingParams and Sampler: penalties (llama.cpp / OpenAI), min-p, order, seeds, logprobs -----

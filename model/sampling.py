@@ -137,31 +137,62 @@ def host_sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
                 generator: torch.Generator | None = None, min_p: float = 0.0) -> int:
     """sample() for logits in the CPU's memory: numpy's vectorized argmax (torch's keeps the index of the
     maximum element by element), the filters applied to the few tokens near the top (`kept`), and an exponential
-    race among the kept tokens whose noise is a function of (key, token id), one key drawn from `generator`."""
+    race among the kept tokens (`race`), its key drawn from `generator`."""
     x = logits.detach().float().contiguous().numpy()
     if temperature <= 0:
         return int(np.argmax(x))  # the first of equals; NaN counts as the largest, as in torch
     ids, values = kept(x, top_k, top_p, min_p)
-    key = int(torch.randint(0, 2**63 - 1, (), generator=generator))
-    # In float64, so a temperature below float32's range (1e-300) leaves weight 1 on the top token(s) only.
+    if temperature < np.finfo(np.float32).tiny:  # below float32's range (1e-300): as good as greedy, which it is
+        return int(ids[np.argmax(values)])
     with np.errstate(over="ignore"):
-        weights = np.exp((values - values.max()).astype(np.float64) / temperature)
-    return int(ids[np.argmax(weights / exponentials(key, ids))])
+        weights = np.exp((values - values.max()) / np.float32(temperature))
+    return int(ids[race(int(torch.randint(0, 2**63 - 1, (), generator=generator)), ids, weights)])
 
 
-def exponentials(key: int, ids: np.ndarray) -> np.ndarray:
-    """One Exp(1) number for each token id, a function of (key, id) alone: argmax(weight / E) draws in
-    proportion to the weights (the exponential race, as the GPU's way runs it). Keyed by id, not drawn in turn,
-    so a token kept or not at a filter's edge (logits that differ in the last bits between a batched and a
-    single step) changes nothing unless that token would have won. The id's uniform number is SplitMix64's
-    output for state key + id * its increment."""
-    with np.errstate(over="ignore"):
-        z = ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-    u = ((z >> np.uint64(12)).astype(np.float64) + 0.5) * 2.0**-52  # 52 bits, exactly in (0, 1): never 0 or 1
-    return -np.log(u)
+RACE_ALL = 512  # up to this many kept tokens the race takes every logarithm
+
+
+def race(key: int, ids: np.ndarray, weights: np.ndarray) -> int:
+    """The position of the token drawn from weights (>= 0, the largest > 0) over token ids: the exponential
+    race argmax(weight / E), as the GPU's way runs it, with each E ~ Exp(1) a function of (key, token id) alone.
+    Keyed by id, not drawn in turn, so a token kept or not at a filter's edge (logits that differ in the last
+    bits between a batched and a single step) changes nothing unless that token would have won.
+
+    E = -log(u) >= 1 - u, so against the top token's score only tokens with 1 - u < weight / score can win:
+    the logarithm is taken for those few (a flat distribution keeps tens of thousands of tokens)."""
+    u = uniforms(key, ids)
+    if len(ids) <= RACE_ALL:
+        return int(np.argmax(weights / -np.log(u)))
+    top = int(np.argmax(weights))
+    score = float(weights[top]) / -math.log(u[top])
+    near = np.flatnonzero(1.0 - u < weights * ((1.0 + 1e-6) / score))  # room for rounding; `top` is among them
+    return int(near[np.argmax(weights[near] / -np.log(u[near]))])
+
+
+FMIX = tuple(np.uint32(c) for c in (16, 0x85EBCA6B, 13, 0xC2B2AE35))  # murmur3's 32-bit finalizer
+GOLDEN = np.uint32(0x9E3779B9)
+
+
+def uniforms(key: int, ids: np.ndarray) -> np.ndarray:
+    """A number in (0, 1) for each token id, a function of (key, id) alone: the id and the key's low half
+    through murmur3's 32-bit finalizer, then its high half and the finalizer again (32-bit integer arithmetic,
+    which numpy vectorizes, where 64-bit multiplies are slow)."""
+    shift_a, multiply_a, shift_b, multiply_b = FMIX
+    h = ids.astype(np.uint32)
+    h *= GOLDEN
+    h += np.uint32(key & 0xFFFFFFFF)
+    for half in (np.uint32(key >> 32 & 0xFFFFFFFF), None):
+        h ^= h >> shift_a
+        h *= multiply_a
+        h ^= h >> shift_b
+        h *= multiply_b
+        h ^= h >> shift_a
+        if half is not None:
+            h ^= half
+    u = h.astype(np.float64)
+    u += 0.5
+    u *= 2.0**-32
+    return u
 
 
 def kept(x: np.ndarray, top_k: int | None, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:

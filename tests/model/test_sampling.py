@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from model.sampling import (Sampler, SamplingParams, exponentials, filtered, host_sample, kept, make_generator, sample,
-                            token_logprobs, top)
+from model.sampling import (Sampler, SamplingParams, filtered, host_sample, kept, make_generator, race, sample,
+                            token_logprobs, top, uniforms)
 
 
 def logits_fixture(vocab=1000, seed=0):
@@ -135,17 +135,21 @@ def test_top_is_the_k_largest():
 @pytest.mark.parametrize("n", [7, 5000])
 def test_the_keyed_race_draws_in_proportion_to_the_weights(n):
     """Over 40,000 keys each index wins about as often as its weight says (within 5 standard deviations of the
-    binomial count), a zero weight never; the noise is Exp(1) (mean 1), never 0 or infinite."""
-    weights = torch.rand(n, generator=torch.Generator().manual_seed(n)).double().numpy() ** 4
+    binomial count), a zero weight never; the shortcut (logarithms only near the top score) picks what the race
+    over all tokens picks; the uniform numbers lie in (0, 1) with mean 1/2."""
+    weights = (torch.rand(n, generator=torch.Generator().manual_seed(n)) ** 4).numpy()
     weights[::3] = 0.0
+    weights[1] = 1.0
     ids = np.arange(n) * 7 + 11  # any token ids
-    keys = 40_000
-    wins = np.bincount([np.argmax(weights / exponentials(key, ids)) for key in range(keys)], minlength=n)
-    p = weights / weights.sum()
-    assert np.all(np.abs(wins - keys * p) <= 5 * np.sqrt(keys * p * (1 - p)) + 1)
+    keys = [k * 0x9E3779B97F4A7C15 % 2**63 for k in range(40_000)]
+    wins = np.bincount([race(key, ids, weights) for key in keys], minlength=n)
+    p = weights.astype(np.float64) / weights.sum(dtype=np.float64)
+    assert np.all(np.abs(wins - len(keys) * p) <= 5 * np.sqrt(len(keys) * p * (1 - p)) + 1)
     assert wins[::3].sum() == 0
-    noise = np.concatenate([exponentials(key, ids) for key in range(200)])
-    assert np.all(np.isfinite(noise)) and noise.min() > 0 and abs(noise.mean() - 1) < 0.05
+    for key in keys[:300]:
+        assert race(key, ids, weights) == np.argmax(weights / -np.log(uniforms(key, ids)))
+    u = np.concatenate([uniforms(key, ids) for key in keys[:200]])
+    assert u.min() > 0 and u.max() < 1 and abs(u.mean() - 0.5) < 0.01
 
 
 def test_a_token_at_a_filters_edge_turns_the_draw_only_where_it_would_have_won():

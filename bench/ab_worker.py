@@ -1,6 +1,6 @@
 """One round of bench/ab.py in one version of the engine: prints one JSON line of tokens/s.
 
-    python bench/ab_worker.py --root TREE --checkpoint FOLDER [--threads N]
+    python bench/ab_worker.py --root TREE --checkpoint FOLDER [--threads N] [--context N --kv q8]
 
 Imports `model` from TREE, so it uses only what every version has: load_checkpoint, KVCache, the
 model's forward pass (prefill) and Llama.decode (decode steps).
@@ -20,6 +20,8 @@ def main() -> None:
     p.add_argument("--root", required=True)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--context", type=int, default=0)
+    p.add_argument("--kv", default="bf16")
     args = p.parse_args()
     sys.path.insert(0, args.root)
     import torch
@@ -40,8 +42,8 @@ def main() -> None:
     def ids(n: int) -> list[int]:
         return torch.randint(2, min(config.vocab_size, 128000), (n,), generator=g).tolist()
 
-    def prefill(prompt: list[int], max_len: int) -> tuple[KVCache, int]:
-        cache = KVCache(config, max_len, dtype=net.compute_dtype)
+    def prefill(prompt: list[int], max_len: int, **kv_type) -> tuple[KVCache, int]:
+        cache = KVCache(config, max_len, dtype=net.compute_dtype, **kv_type)
         for start in range(0, len(prompt), 256):
             chunk = prompt[start:start + 256]
             logits = net(torch.tensor([chunk]), start_pos=start, kv_cache=cache, last_only=True)[0, -1]
@@ -74,6 +76,16 @@ def main() -> None:
         batch = [prefill(ids(40 + 10 * i), 200) for i in range(8)]
         decode([c for c, _ in batch], [t for _, t in batch], 4)  # warm
         result["decode_8"] = decode([c for c, _ in batch], [t for _, t in batch], 32)
+        if args.context:  # one chunk's keys and values copied along the cache: a long context without its prefill
+            n = args.context
+            cache, token = prefill(ids(256), n + 64, **({"kv_type": args.kv} if args.kv != "bf16" else {}))
+            for start in range(256, n, 256):
+                end = min(n, start + 256)
+                cache.k[..., start:end, :] = cache.k[..., :end - start, :]
+                cache.v[..., start:end, :] = cache.v[..., :end - start, :]
+            cache.tokens = (cache.tokens * (n // 256 + 1))[:n]
+            decode([cache], [token], 2)  # warm
+            result[f"decode_at_{n}"] = decode([cache], [token], 32)
     print(json.dumps(result))
 
 

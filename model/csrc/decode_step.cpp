@@ -161,6 +161,18 @@ inline f32xN widenN(const uint8_t* p) {
 #endif
 }
 
+// a * b + c rounded once where the CPU has FMA (the kernel is built without contraction, so it is asked for
+// by name); plain x86-64 builds multiply and add.
+inline f32xN fmaN(f32xN a, f32xN b, f32xN c) {
+#if defined(__AVX512F__)
+  return (f32xN)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (f32xN)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
 // A cache's row: one position of one KV head, head_dim numbers. Plain<E> keeps them as E; Q8 as blocks of
 // 32 (an fp16 scale, then 32 int8). `load(row, c)` gives numbers c kLanes.. (c + 1) kLanes - 1 in fp32, `at(row, i)` number
 // i, `write` stores a row; `Weights` is the type the softmax's weights are rounded to, as the reference
@@ -170,7 +182,9 @@ template <typename E>
 struct Plain {
   using Weights = E;
   static int64_t row_bytes(int64_t head_dim) { return head_dim * static_cast<int64_t>(sizeof(E)); }
-  static f32xN load(const uint8_t* row, int c) { return loadN(reinterpret_cast<const E*>(row) + kLanes * c); }
+  static constexpr int kVectorsPerScale = 1 << 20;  // one "block": no scale
+  static float scale(const uint8_t*, int) { return 1.f; }
+  static f32xN raw(const uint8_t* row, int c) { return loadN(reinterpret_cast<const E*>(row) + kLanes * c); }
   static float at(const uint8_t* row, int64_t i) { return f32(reinterpret_cast<const E*>(row)[i]); }
   static void write(const E* x, int64_t head_dim, uint8_t* row) { std::copy(x, x + head_dim, reinterpret_cast<E*>(row)); }
 };
@@ -190,9 +204,12 @@ struct Q8 {
     return static_cast<float>(s);
 #endif
   }
-  static f32xN load(const uint8_t* row, int c) {  // numbers kLanes c .. kLanes c + kLanes - 1
-    const uint8_t* block = row + (c * kLanes / kBlock) * kBlockBytes;
-    return widenN(block + 2 + c * kLanes % kBlock) * scale(block);
+  // Vector c (numbers kLanes c .. kLanes c + kLanes - 1) is raw(row, c) * scale(row, c): the int8 widened, and
+  // its block's scale, the same for kVectorsPerScale vectors in a row.
+  static constexpr int kVectorsPerScale = kBlock / kLanes;
+  static float scale(const uint8_t* row, int c) { return scale(row + (c / kVectorsPerScale) * kBlockBytes); }
+  static f32xN raw(const uint8_t* row, int c) {
+    return widenN(row + (c / kVectorsPerScale) * kBlockBytes + 2 + c % kVectorsPerScale * kLanes);
   }
   static float at(const uint8_t* row, int64_t i) {
     const uint8_t* block = row + (i / kBlock) * kBlockBytes;
@@ -298,24 +315,28 @@ void attend_vectors(const T* q, const uint8_t* k, const uint8_t* v, int64_t n, f
   f32xN qs[G][D];  // the queries, scaled
   for (int g = 0; g < G; g++)
     for (int d = 0; d < D; d++) qs[g][d] = loadN(q + g * head_dim + kLanes * d) * scale;
-  // Scores a block of kLanes keys at a time: the keys widened to fp32 once (L1), then one query at a time
-  // against them, its products with each key summed lane by lane, and the kLanes keys' lanes summed at once.
-  f32xN keys[kLanes][D], dots[kLanes];
+  // Scores a block of kLanes keys at a time: each key widened to fp32 once (in registers) and its dot product
+  // with every query taken lane by lane, then the kLanes keys' lanes summed at once for each query.
+  f32xN dots[G][kLanes];
   for (int64_t first = 0; first < n; first += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, n - first);
     for (int64_t i = 0; i < count; i++) {
       const uint8_t* key = k + (first + i) * row;
       prefetch_ahead(key);
-      for (int d = 0; d < D; d++) keys[i][d] = KV::load(key, d);
+      f32xN kw[D], s{};
+      for (int d = 0; d < D; d++) {  // (D and the block size are known: the scale is read once a block)
+        if (d % KV::kVectorsPerScale == 0) s = f32xN{} + KV::scale(key, d);
+        kw[d] = KV::kVectorsPerScale > D ? KV::raw(key, d) : KV::raw(key, d) * s;
+      }
+      for (int g = 0; g < G; g++) {
+        f32xN dot = qs[g][0] * kw[0];
+        for (int d = 1; d < D; d++) dot = fmaN(qs[g][d], kw[d], dot);
+        dots[g][i] = dot;
+      }
     }
     for (int g = 0; g < G; g++) {
-      for (int64_t i = 0; i < count; i++) {
-        f32xN dot = qs[g][0] * keys[i][0];
-        for (int d = 1; d < D; d++) dot += qs[g][d] * keys[i][d];
-        dots[i] = dot;
-      }
-      for (int64_t i = count; i < kLanes; i++) dots[i] = f32xN{};
-      const f32xN sums = sumsN(dots);
+      for (int64_t i = count; i < kLanes; i++) dots[g][i] = f32xN{};
+      const f32xN sums = sumsN(dots[g]);
       if (count == kLanes)  // a copy of fixed size: one store (a variable size was a `rep movs`)
         std::memcpy(scores + g * n + first, &sums, sizeof sums);
       else
@@ -332,9 +353,14 @@ void attend_vectors(const T* q, const uint8_t* k, const uint8_t* v, int64_t n, f
     for (int64_t j = 0; j < n; j++) {
       const uint8_t* value = v + j * row;
       if (first == 0) prefetch_ahead(value);
+      f32xN w[G];  // each group's weight of this value, times its block's scale: the int8 go in as they are
       for (int d = 0; d < P; d++) {
-        const f32xN vj = KV::load(value, first + d);
-        for (int g = 0; g < G; g++) acc[g][d] += scores[g * n + j] * vj;
+        if (d == 0 || (first + d) % KV::kVectorsPerScale == 0) {
+          const float block_scale = KV::scale(value, first + d);
+          for (int g = 0; g < G; g++) w[g] = f32xN{} + scores[g * n + j] * block_scale;
+        }
+        const f32xN vj = KV::raw(value, first + d);
+        for (int g = 0; g < G; g++) acc[g][d] = fmaN(w[g], vj, acc[g][d]);
       }
     }
     for (int g = 0; g < G; g++)

@@ -68,7 +68,7 @@ def main() -> int:
                 order = [("baseline", tree), ("this tree", ROOT)]
                 for name, where in order if i % 2 == 0 else order[::-1]:
                     results[name].append(run(where, folder, args.threads, extra))
-                    print(f"round {i + 1} {name}: " + ", ".join(f"{k} {results[name][-1][k]:.1f}" for k in MEASURES),
+                    print(f"round {i + 1} {name}: " + ", ".join(f"{k} {results[name][-1][k]:.1f}" for k in measures),
                           file=sys.stderr, flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)

@@ -174,15 +174,17 @@ inline f32xN fmaN(f32xN a, f32xN b, f32xN c) {
 }
 
 // A cache's row: one position of one KV head, head_dim numbers. Plain<E> keeps them as E; Q8 as blocks of
-// 32 (an fp16 scale, then 32 int8). `load(row, c)` gives numbers c kLanes.. (c + 1) kLanes - 1 in fp32, `at(row, i)` number
-// i, `write` stores a row; `Weights` is the type the softmax's weights are rounded to, as the reference
+// 32 (an fp16 scale, then 32 int8). Numbers c kLanes.. (c + 1) kLanes - 1 are `raw(row, c)` in fp32, times
+// `scale(row, c)` where kScaled (the scale of kVectorsPerScale vectors in a row), `at(row, i)` is number i,
+// `write` stores a row; `Weights` is the type the softmax's weights are rounded to, as the reference
 // rounds them: the activations' dtype over a cache in it, fp32 over q8 blocks (the reference widens those
 // to fp32 and attends in fp32).
 template <typename E>
 struct Plain {
   using Weights = E;
   static int64_t row_bytes(int64_t head_dim) { return head_dim * static_cast<int64_t>(sizeof(E)); }
-  static constexpr int kVectorsPerScale = 1 << 20;  // one "block": no scale
+  static constexpr bool kScaled = false;
+  static constexpr int kVectorsPerScale = 1 << 20;  // the whole row: its scale is 1
   static float scale(const uint8_t*, int) { return 1.f; }
   static f32xN raw(const uint8_t* row, int c) { return loadN(reinterpret_cast<const E*>(row) + kLanes * c); }
   static float at(const uint8_t* row, int64_t i) { return f32(reinterpret_cast<const E*>(row)[i]); }
@@ -206,6 +208,7 @@ struct Q8 {
   }
   // Vector c (numbers kLanes c .. kLanes c + kLanes - 1) is raw(row, c) * scale(row, c): the int8 widened, and
   // its block's scale, the same for kVectorsPerScale vectors in a row.
+  static constexpr bool kScaled = true;
   static constexpr int kVectorsPerScale = kBlock / kLanes;
   static float scale(const uint8_t* row, int c) { return scale(row + (c / kVectorsPerScale) * kBlockBytes); }
   static f32xN raw(const uint8_t* row, int c) {
@@ -326,7 +329,7 @@ void attend_vectors(const T* q, const uint8_t* k, const uint8_t* v, int64_t n, f
       f32xN kw[D], s{};
       for (int d = 0; d < D; d++) {  // (D and the block size are known: the scale is read once a block)
         if (d % KV::kVectorsPerScale == 0) s = f32xN{} + KV::scale(key, d);
-        kw[d] = KV::kVectorsPerScale > D ? KV::raw(key, d) : KV::raw(key, d) * s;
+        kw[d] = KV::kScaled ? KV::raw(key, d) * s : KV::raw(key, d);
       }
       for (int g = 0; g < G; g++) {
         f32xN dot = qs[g][0] * kw[0];

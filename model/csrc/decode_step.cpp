@@ -249,19 +249,62 @@ struct Partial {
   float* acc;
 };
 
-// One group's scores p (n) -> exp(p - top), rounded to T as the weights of the values, with top their
-// maximum and sum the sum of the exps before rounding (as ATen). Three loops the compiler vectorizes.
-template <typename T>
-void softmax_piece(float* p, int64_t n, float* top, float* sum) {
-  const float best = *std::max_element(p, p + n);
-  for (int64_t j = 0; j < n; j++) p[j] = std::exp(p[j] - best);
-  float total = 0.f;
-  for (int64_t j = 0; j < n; j++) total += p[j];
-  for (int64_t j = 0; j < n; j++) p[j] = stored<T>(p[j]);
-  *top = best;
-  *sum = total;
+// exp(x) for kLanes numbers x <= 0 (a score less the largest): 2^n exp(r), with n the integer nearest x / ln 2 and
+// r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2], where exp(r) = 1 + r + r^2 P(r), P of degree 5 (Cephes' expf: within
+// 2 ulp of libm's). Below -87 exp(x) leaves fp32's normal numbers: taken as exp(-87), ~1.6e-38.
+inline f32xN expN(f32xN x) {
+  typedef int32_t i32xN __attribute__((vector_size(sizeof(f32xN))));
+  const f32xN lowest = f32xN{} - 87.f;
+  x = x < lowest ? lowest : x;
+  const f32xN shifter = f32xN{} + 12582912.f;  // 1.5 * 2^23: a sum with it keeps its integer part, in the low bits
+  const f32xN shifted = fmaN(x, f32xN{} + 1.44269504f, shifter);
+  const f32xN n = shifted - shifter;
+  f32xN r = fmaN(n, f32xN{} - 0.693359375f, x);  // ln 2 in two parts: the first exact in 9 bits
+  r = fmaN(n, f32xN{} + 2.12194440e-4f, r);
+  f32xN poly = f32xN{} + 1.9875691500e-4f;
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    poly = fmaN(poly, r, f32xN{} + c);
+  const f32xN exp_r = fmaN(poly, r * r, r + 1.f);
+  const i32xN two_n = (((i32xN)shifted - (i32xN)shifter) + 127) << 23;  // 2^n's bits (n >= -126)
+  return exp_r * (f32xN)two_n;
 }
 
+// One group's scores p (n) -> exp(p - top), rounded to T as the weights of the values, with top their maximum and
+// sum the sum of the exps before rounding (as ATen), kLanes at a time (the last few beside padding that counts
+// for nothing): the maximum and the sum were scalar loops, a chain of n additions the compiler may not reorder.
+template <typename T>
+void softmax_piece(float* p, int64_t n, float* top, float* sum) {
+  const int64_t whole = n / kLanes * kLanes;
+  auto tail = [&](float pad) {  // p's last n - whole numbers, then pad
+    f32xN v = f32xN{} + pad;
+    std::memcpy(&v, p + whole, (n - whole) * sizeof(float));
+    return v;
+  };
+  f32xN most = tail(p[0]);
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    const f32xN v = loadN(p + j);
+    most = v > most ? v : most;
+  }
+  float best = most[0];
+  for (int i = 1; i < kLanes; i++) best = std::max(best, most[i]);
+  f32xN total{};
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    const f32xN e = expN(loadN(p + j) - best);
+    std::memcpy(p + j, &e, sizeof e);
+    total += e;
+  }
+  if (whole < n) {
+    f32xN e = expN(tail(best) - best);
+    std::memcpy(p + whole, &e, (n - whole) * sizeof(float));
+    for (int64_t i = n - whole; i < kLanes; i++) e[i] = 0.f;  // the padding's exp(0)
+    total += e;
+  }
+  float all = 0.f;
+  for (int i = 0; i < kLanes; i++) all += total[i];
+  for (int64_t j = 0; j < n; j++) p[j] = stored<T>(p[j]);
+  *top = best;
+  *sum = all;
+}
 
 // out[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairs of vectors are folded into one, half
 // of each, and added, four times (15 additions of two shuffles for 16 sums, where one sum alone takes 4
@@ -282,17 +325,18 @@ inline f32x16 sums16(const f32x16* v) {
          PICK16(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// The same for 8 vectors of 8 (the AVX2 width): out[i] = the sum of v[i]'s lanes, each vector's lanes added
-// in one order whatever its i (halves, quarters, pairs); the last shuffle puts the sums in order.
+// The same for 8 vectors of 8 (the AVX2 width): out[i] = the sum of v[i]'s lanes, each vector's lanes added in one
+// order whatever its i: pairs, then pairs of pairs within each 128-bit half, then the halves. Only the last step
+// crosses the halves (vperm2f128 is 8 micro-operations on Zen 1, where the in-half shuffles are 2), once for
+// the 8 vectors, and the sums come out in order.
 #define PICK8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 inline f32x8 sums8(const f32x8* v) {
   f32x8 a[4], b[2];
-  for (int i = 0; i < 4; i++)  // lanes 0-3: v[2i]'s sums of 2, 4-7: v[2i + 1]'s
-    a[i] = PICK8(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) + PICK8(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-  for (int i = 0; i < 2; i++)  // v[4i], v[4i + 2], v[4i + 1], v[4i + 3]: 2 lanes each
-    b[i] = PICK8(a[2 * i], a[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) + PICK8(a[2 * i], a[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  const f32x8 c = PICK8(b[0], b[1], 0, 8, 2, 10, 4, 12, 6, 14) + PICK8(b[0], b[1], 1, 9, 3, 11, 5, 13, 7, 15);
-  return PICK8(c, c, 0, 4, 2, 6, 1, 5, 3, 7);  // c holds v0, v4, v2, v6, v1, v5, v3, v7
+  for (int i = 0; i < 4; i++)  // in each half: v[2i]'s two sums of pairs, then v[2i + 1]'s
+    a[i] = PICK8(v[2 * i], v[2 * i + 1], 0, 2, 8, 10, 4, 6, 12, 14) + PICK8(v[2 * i], v[2 * i + 1], 1, 3, 9, 11, 5, 7, 13, 15);
+  for (int i = 0; i < 2; i++)  // in each half: the sums of four of v[4i .. 4i + 3], in order
+    b[i] = PICK8(a[2 * i], a[2 * i + 1], 0, 2, 8, 10, 4, 6, 12, 14) + PICK8(a[2 * i], a[2 * i + 1], 1, 3, 9, 11, 5, 7, 13, 15);
+  return PICK8(b[0], b[1], 0, 1, 2, 3, 8, 9, 10, 11) + PICK8(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);  // low + high halves
 }
 
 #if defined(__AVX512F__)
@@ -320,20 +364,28 @@ void attend_vectors(const T* q, const uint8_t* k, const uint8_t* v, int64_t n, f
     for (int d = 0; d < D; d++) qs[g][d] = loadN(q + g * head_dim + kLanes * d) * scale;
   // Scores a block of kLanes keys at a time: each key widened to fp32 once (in registers) and its dot product
   // with every query taken lane by lane, then the kLanes keys' lanes summed at once for each query.
+  // A key's dot product with a query is kChains chains of kChain multiply-adds (a q8 block each, scaled once at
+  // its end): one chain of D was a wait of D multiply-adds one after the other (5 cycles each on Zen 1) for
+  // every key, and the waiting instructions filled the CPU's queue before the next key's could start.
+  constexpr int kChain = std::min<int>(D, KV::kScaled ? KV::kVectorsPerScale : 4), kChains = D / kChain;
   f32xN dots[G][kLanes];
   for (int64_t first = 0; first < n; first += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, n - first);
     for (int64_t i = 0; i < count; i++) {
       const uint8_t* key = k + (first + i) * row;
       prefetch_ahead(key);
-      f32xN kw[D], s{};
-      for (int d = 0; d < D; d++) {  // (D and the block size are known: the scale is read once a block)
-        if (d % KV::kVectorsPerScale == 0) s = f32xN{} + KV::scale(key, d);
-        kw[d] = KV::kScaled ? KV::raw(key, d) * s : KV::raw(key, d);
-      }
+      f32xN kw[D], ks[kChains];  // the key, and each chain's scale (a q8 block's)
+      for (int d = 0; d < D; d++) kw[d] = KV::raw(key, d);
+      if constexpr (KV::kScaled)
+        for (int c = 0; c < kChains; c++) ks[c] = f32xN{} + KV::scale(key, c * kChain);
       for (int g = 0; g < G; g++) {
-        f32xN dot = qs[g][0] * kw[0];
-        for (int d = 1; d < D; d++) dot = fmaN(qs[g][d], kw[d], dot);
+        f32xN dot;
+        for (int c = 0; c < kChains; c++) {
+          f32xN part = qs[g][c * kChain] * kw[c * kChain];
+          for (int d = 1; d < kChain; d++) part = fmaN(qs[g][c * kChain + d], kw[c * kChain + d], part);
+          if constexpr (KV::kScaled) dot = c == 0 ? part * ks[0] : fmaN(part, ks[c], dot);
+          else dot = c == 0 ? part : dot + part;
+        }
         dots[g][i] = dot;
       }
     }

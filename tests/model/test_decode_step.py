@@ -202,6 +202,43 @@ def test_attention_of_each_head_size_and_grouping_gives_the_reference(ops, folde
         assert [f.argmax(-1).tolist() for f, _ in steps] == [r.argmax(-1).tolist() for _, r in steps]
 
 
+@pytest.mark.parametrize("kv_type", ["bf16", "q8"])
+@pytest.mark.parametrize("sharpness", [1.0, 30.0])
+def test_caches_of_several_pieces_give_the_reference(ops, folders_by_shape, monkeypatch, kv_type, sharpness):
+    """The op splits a cache into pieces of 256 positions (csrc/decode_step.cpp: kPositionsPerTask), takes each
+    piece's softmax in vectors, its last positions beside padding, and merges the pieces by their maxima and
+    sums: caches of 255, 256, 257 and 530 positions (one piece, one and one position, three with a part) decoded
+    2 steps, fp32 activations, against the reference. sharpness 30: the queries' weights 30 times larger, so
+    each query's scores spread over hundreds and most of a piece's exps fall below fp32's normal numbers (the
+    op takes exp(-87) for those), and a piece whose maximum is far below another's weighs nothing in the
+    merge. A lost piece, a padded position counted, or a weight off by the position of its key moves the
+    logits by far more than the bound (2e-4 of their scale; q8 2e-3, where a new key may round to the other
+    integer)."""
+    ckpt = tiny(folders_by_shape(6, 2, 64), monkeypatch, 6, 2, torch.float32, head_dim=64)
+    for block in ckpt.model.layers:  # (a new tensor: the loaded one maps the shared file)
+        wq = block.attention.wq
+        wq.weight = torch.nn.Parameter(wq.weight * sharpness, requires_grad=False)
+    lengths = [255, 256, 257, 530]
+    fused_caches = prefilled(ckpt, lengths, max_len=540, kv_type=kv_type)
+    reference_caches = copy.deepcopy(fused_caches)
+    counting = CountingOps(ops)
+    tokens = torch.tensor([5 + i for i in range(len(lengths))])
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model.decode_step, "kernels", lambda: counting)
+        for _ in range(2):
+            fused = ckpt.model.decode(tokens, fused_caches)
+            reference = ckpt.model.decode(tokens, reference_caches, fused=False)
+            scale = float(reference.abs().max())
+            tol = 2e-3 if kv_type == "q8" else 2e-4
+            torch.testing.assert_close(fused, reference, atol=tol * scale, rtol=0)
+            assert fused.argmax(-1).tolist() == reference.argmax(-1).tolist()
+            for caches in (fused_caches, reference_caches):
+                for cache, token in zip(caches, reference.argmax(-1).tolist()):
+                    cache.tokens.append(token)
+            tokens = reference.argmax(-1)
+    assert counting.calls == 2, "the fused op did not run"
+
+
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (6, 2), (8, 2)])
 @pytest.mark.parametrize("quantize", QUANTIZE)
 def test_bf16_activations_give_the_reference_tokens(ops, tmp_path, monkeypatch, n_heads, n_kv_heads, quantize):

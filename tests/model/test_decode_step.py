@@ -116,10 +116,10 @@ def prefilled(ckpt, lengths, max_len=32, kv_type="bf16") -> list[KVCache]:
     return caches
 
 
-def decode_both(ckpt, ops, lengths=CACHED, steps=STEPS, kv_type="bf16"):
+def decode_both(ckpt, ops, lengths=CACHED, steps=STEPS, kv_type="bf16", max_len=32):
     """Greedy decode of a batch by the fused op (`ops`) and by the reference, each on its own copy of
     the caches: per step (fused logits, reference logits), and the caches at the end."""
-    fused_caches = prefilled(ckpt, lengths, kv_type=kv_type)
+    fused_caches = prefilled(ckpt, lengths, max_len=max_len, kv_type=kv_type)
     reference_caches = copy.deepcopy(fused_caches)
     counting = CountingOps(ops)
     tokens = torch.tensor([5 + i for i in range(len(lengths))])
@@ -218,25 +218,11 @@ def test_caches_of_several_pieces_give_the_reference(ops, folders_by_shape, monk
     for block in ckpt.model.layers:  # (a new tensor: the loaded one maps the shared file)
         wq = block.attention.wq
         wq.weight = torch.nn.Parameter(wq.weight * sharpness, requires_grad=False)
-    lengths = [255, 256, 257, 530]
-    fused_caches = prefilled(ckpt, lengths, max_len=540, kv_type=kv_type)
-    reference_caches = copy.deepcopy(fused_caches)
-    counting = CountingOps(ops)
-    tokens = torch.tensor([5 + i for i in range(len(lengths))])
-    with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model.decode_step, "kernels", lambda: counting)
-        for _ in range(2):
-            fused = ckpt.model.decode(tokens, fused_caches)
-            reference = ckpt.model.decode(tokens, reference_caches, fused=False)
-            scale = float(reference.abs().max())
-            tol = 2e-3 if kv_type == "q8" else 2e-4
-            torch.testing.assert_close(fused, reference, atol=tol * scale, rtol=0)
-            assert fused.argmax(-1).tolist() == reference.argmax(-1).tolist()
-            for caches in (fused_caches, reference_caches):
-                for cache, token in zip(caches, reference.argmax(-1).tolist()):
-                    cache.tokens.append(token)
-            tokens = reference.argmax(-1)
-    assert counting.calls == 2, "the fused op did not run"
+    steps, _, _ = decode_both(ckpt, ops, lengths=[255, 256, 257, 530], steps=2, kv_type=kv_type, max_len=540)
+    for fused, reference in steps:
+        tol = 2e-3 if kv_type == "q8" else 2e-4
+        torch.testing.assert_close(fused, reference, atol=tol * float(reference.abs().max()), rtol=0)
+        assert fused.argmax(-1).tolist() == reference.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (6, 2), (8, 2)])

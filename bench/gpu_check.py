@@ -183,7 +183,8 @@ def streams(ckpt, prompt: list[int], rows: int, steps: int) -> dict:
 def served(path: Path, kind: str, device: torch.device, rows: int, new: int) -> dict:
     """`rows` requests at once through the app's engine (app/engine/core.py, in this process, without its
     sockets): its batches, chunked prefill, slots and speculation as the app runs them; greedy, the model loaded
-    by the engine as the app loads it. Per request: time to first token and decode rate; in all: tokens/s."""
+    by the engine as the app loads it. Per request: time to first token and decode rate; in all: tokens/s, and
+    how many of the engine's steps queued the next before reading its tokens."""
     from app.engine.core import Engine
     from app.messages import ChatMessage, Done, EngineConfig, Failed, Generate, ReplySettings
 
@@ -192,12 +193,16 @@ def served(path: Path, kind: str, device: torch.device, rows: int, new: int) -> 
                                  kv_disk_mb=0, dtype="float32" if device.type == "cpu" else "auto"), events.append)
     engine.start()
 
+    steps = {"steps": 0, "queued_ahead": 0}  # engine steps, and those that queued the next one before reading
+
     def run() -> None:
         while engine.busy or engine.models.loading or engine.preparing:
             if not engine.busy:
                 time.sleep(0.002)
             engine.wait_for_prompts()
             engine.step()
+            steps["steps"] += 1
+            steps["queued_ahead"] += bool(engine._ahead)  # (app/engine/ahead.py)
 
     try:
         run()  # the default model loads at start
@@ -215,7 +220,8 @@ def served(path: Path, kind: str, device: torch.device, rows: int, new: int) -> 
     ends = [e for e in events if isinstance(e, Done | Failed)]
     failed = [e.message for e in ends if isinstance(e, Failed)]
     done = [e for e in ends if isinstance(e, Done)]
-    return {"rows": rows, "failed": failed, "tok_s": round(sum(d.stats.new_tokens for d in done) / seconds, 2),
+    return {"rows": rows, "failed": failed, **steps,
+            "tok_s": round(sum(d.stats.new_tokens for d in done) / seconds, 2),
             "decode_tok_s_each": [round(d.stats.tokens_per_second, 2) for d in done],
             "ttft_s_each": [round(d.stats.time_to_first_token, 3) for d in done]}
 

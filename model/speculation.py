@@ -156,10 +156,19 @@ class StepTimes:
 
     def __init__(self):
         self.seconds: dict[int, float] = {}
+        # The host's work between two steps that a step with guesses leaves the device idle for, where a step
+        # without them is queued before its tokens are read (the engine on a GPU's slots); 0 elsewhere.
+        self.host = 0.0
 
     def observe(self, rows: int, seconds: float) -> None:
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else min(seconds, 0.8 * old + 0.2 * seconds)
+        self.seconds[rows] = self._average(self.seconds.get(rows), seconds)
+
+    def observe_host(self, seconds: float) -> None:
+        self.host = self._average(self.host or None, seconds)
+
+    @staticmethod
+    def _average(old: float | None, new: float) -> float:
+        return new if old is None else min(new, 0.8 * old + 0.2 * new)
 
     def cost(self, rows: int) -> float:
         """The time of a step of `rows` rows (1.0 for one row before anything is measured)."""
@@ -214,22 +223,36 @@ class Speculation:
         """Guesses for the step that runs the last of `tokens()` (the prompt and the reply so far, built
         only when a guess is worth making), at most `room`. rows: the step's rows before this sequence's
         guesses (its own last token included); expected: the tokens they should give."""
-        k = self.best(min(room, self.max_guesses), rows, expected)
+        k = self.planned(room, rows, expected)
         guesses = self.guesser.propose(tokens(), k) if k > 0 else []
-        fade = self.DECAY if guesses else self.IDLE_DECAY
-        self.stood *= fade
-        self.missed *= fade
+        self._fade(self.DECAY if guesses else self.IDLE_DECAY)
         return guesses
 
+    def planned(self, room: int, rows: int = 1, expected: float = 1.0) -> int:
+        """How many guesses the step asks the guesser for (it may find fewer): `best`, at most max_guesses."""
+        return self.best(min(room, self.max_guesses), rows, expected)
+
+    def passed(self) -> None:
+        """A step ran without asking for guesses (it was queued before the last token was read): the counts
+        fade as after any step without guesses."""
+        self._fade(self.IDLE_DECAY)
+
+    def _fade(self, fade: float) -> None:
+        self.stood *= fade
+        self.missed *= fade
+
     def best(self, room: int, rows: int, expected: float) -> int:
-        """The number of guesses (0..room) that maximizes expected tokens over the step's time."""
+        """The number of guesses (0..room) that maximizes expected tokens over the step's time. A step with
+        guesses also pays the host's time between steps where one without could be queued ahead
+        (`StepTimes.host`)."""
         a = self.acceptance
         best, best_rate = 0, expected / self.times.cost(rows)
         gain, chance = 0.0, 1.0
         for k in range(1, room + 1):
             chance *= a  # guesses 1..k all stand
             gain += chance
-            rate = (expected + gain) / (self.times.cost(rows + k) + k * self.guesser.cost_per_guess)
+            seconds = self.times.cost(rows + k) + k * self.guesser.cost_per_guess + self.times.host
+            rate = (expected + gain) / seconds
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

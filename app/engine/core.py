@@ -74,6 +74,7 @@ from app.messages import (
     Text,
     ToEngine,
 )
+from app.engine.ahead import Ahead, StepClock, queues_ahead
 from app.engine.kv_disk import KVDisk
 from app.engine.models import Loader, Models
 from app.engine.outbox import Outbox
@@ -124,6 +125,8 @@ class Engine:
         # request id -> its prompt being built on the prompt thread (one: builds finish in the order they came)
         self._prompts = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompts")
         self._building: dict[str, concurrent.futures.Future] = {}
+        self._ahead: dict[str, Ahead] = {}  # model -> its decode step queued before its tokens were read
+        self._read_at: dict[str, float] = {}  # model -> when its last step's tokens were read (on a GPU)
 
     @staticmethod
     def _open_kv_disk(config: EngineConfig) -> KVDisk | None:
@@ -258,6 +261,7 @@ class Engine:
                 with self._contained(sequence.id, "Reading the prompt"):
                     self._prefill(sequence)
         by_model: dict[str, list[Sequence]] = {}
+        queued, self._ahead = self._ahead, {}  # each model's step queued ahead: used by this step or not at all
         for sequence in step.decode:
             by_model.setdefault(sequence.model, []).append(sequence)
         for model, batch in by_model.items():
@@ -265,7 +269,7 @@ class Engine:
             if not batch:
                 continue
             try:
-                self._decode(model, batch)
+                self._decode(model, batch, queued.get(model))
             except Exception as e:  # the forward pass the batch shares (a bug, out of memory)
                 log.exception("decoding a batch of %d failed", len(batch))
                 for request_id in dict.fromkeys(sequence.id for sequence in batch):
@@ -274,6 +278,7 @@ class Engine:
             if sequence.finished and sequence in self.requests.get(sequence.id, ()):  # (not failed meanwhile)
                 with self._contained(sequence.id, "Ending the reply"):
                     self._finish(sequence)
+        self._ahead = {model: ahead.without_finished() for model, ahead in self._ahead.items()}  # (their slots go)
         self._unload_idle()
         self._announce_positions()
         self._announce_stats()
@@ -289,6 +294,8 @@ class Engine:
         """Give a loaded model's memory back: its kept KV caches go (its running requests must be gone), then
         the model; ModelUnloaded tells the web side."""
         self.prefix_cache.drop_model(name)
+        self._ahead.pop(name, None)
+        self._read_at.pop(name, None)
         self.models.unload(name)
         if structured := sys.modules.get("model.structured"):  # loaded once JSON was asked for
             structured.forget_compiled()  # what it compiled holds the tokenizer
@@ -310,50 +317,82 @@ class Engine:
             self._accept(sequence, sequence.sample(logits))
 
     @torch.inference_mode()
-    def _decode(self, model_name: str, batch: list[Sequence]) -> None:
+    def _decode(self, model_name: str, batch: list[Sequence], ahead: Ahead | None = None) -> None:
         """One forward pass for the batch: each sequence's last token, and the tokens guessed to follow it
         (model/speculation.py) in the rows the decode kernel reads the weights once for that the batch
         leaves free: a full batch guesses nothing, so speculation never costs the other streams a
-        weight read."""
+        weight read. The rows of `ahead`, the step queued last time (app/engine/ahead.py), ran already."""
         model = self.models.checkpoints[model_name].model
+        times, read_at = step_times(model), self._read_at.pop(model_name, None)
+        ran = ahead.rows(batch) if ahead is not None else {}  # sequence -> its logits (1, vocab) of that step
         rows, expected = len(batch), float(len(batch))  # the step's rows so far, and the tokens they should give
         inputs = []  # per sequence: [its last token, *guesses]
         for sequence in batch:
             guesses = []
-            if rows < MAX_KERNEL_ROWS:
+            if sequence in ran:
+                sequence.passed()
+            elif rows < MAX_KERNEL_ROWS:
                 with self._contained(sequence.id, "Guessing tokens ahead"):
                     guesses = sequence.guesses(MAX_KERNEL_ROWS - rows, rows, expected)
                     expected += sequence.speculation.expected(len(guesses)) if guesses else 0.0
             rows += len(guesses)
             inputs.append([sequence.tokens[-1], *guesses])
-        at = [(sequence, i) for sequence, ids in zip(batch, inputs) for i in range(len(ids))]
-        tokens = torch.tensor([t for ids in inputs for t in ids], device=model.tok_embeddings.weight.device)
-        started = time.perf_counter()
-        logits = model.decode(tokens, [sequence.cache for sequence, _ in at],
-                              positions=[sequence.cache.length + i for sequence, i in at])  # (rows, vocab)
-        step_times(model).observe(rows, time.perf_counter() - started)
-        firsts = [0]
-        for ids in inputs:
-            firsts.append(firsts[-1] + len(ids))
-        drawn = self._drawn(batch, inputs, logits, firsts)
-        for sequence, ids, first in zip(batch, inputs, firsts):
+        logits, clock = dict(ran), None
+        fresh = [(sequence, ids) for sequence, ids in zip(batch, inputs) if sequence not in ran]
+        if fresh:
+            at = [(sequence, i) for sequence, ids in fresh for i in range(len(ids))]
+            tokens = torch.tensor([t for _, ids in fresh for t in ids], device=model.tok_embeddings.weight.device)
+            with StepClock(tokens.device) as clock:
+                out = model.decode(tokens, [sequence.cache for sequence, _ in at],
+                                   positions=[sequence.cache.length + i for sequence, i in at])  # (rows, vocab)
+            if read_at is not None:  # the device waited for the host since it gave the last step's tokens
+                times.observe_host(time.perf_counter() - read_at)
+            first = 0
+            for sequence, ids in fresh:
+                logits[sequence] = out[first:first + len(ids)]
+                first += len(ids)
+        drawn, queued = self._drawn(model_name, batch, inputs, logits)
+        for sequence, ids in zip(batch, inputs):
             if sequence.id in self.requests:  # (another reply of its request may have failed it just now)
                 with self._contained(sequence.id, "Sampling"):
-                    self._send(sequence, sequence.decoded(logits[first:first + len(ids)], ids, drawn.get(sequence)))
+                    self._send(sequence, sequence.decoded(logits[sequence], ids, drawn.get(sequence)))
+        if clock is not None:  # (each step's tokens are read: its work is done)
+            clock.observe(times, len(at))
+        if ran:
+            ahead.clock.observe(times, len(ahead.sequences))
+        if not queued and logits and next(iter(logits.values())).is_cuda:
+            self._read_at[model_name] = time.perf_counter()
 
-    def _drawn(self, batch: list[Sequence], inputs: list[list[int]], logits: torch.Tensor,
-               firsts: list[int]) -> dict[Sequence, int]:
+    def _drawn(self, model_name: str, batch: list[Sequence], inputs: list[list[int]],
+               logits: dict[Sequence, torch.Tensor]) -> tuple[dict[Sequence, int], bool]:
         """The tokens of the batch's one-row steps that need nothing from the host to be sampled (no guesses,
         constraint or logprobs), drawn on the logits' device and read back together: on a GPU one wait for
-        the whole batch, where sampling each row and reading it waits once a row."""
+        the whole batch, where sampling each row and reading it waits once a row. Where the whole batch is
+        such rows in static slots, its next step is queued on these tokens before they are read
+        (app/engine/ahead.py); whether it was."""
         drawn = {}
-        for sequence, ids, first in zip(batch, inputs, firsts):
+        for sequence, ids in zip(batch, inputs):
             if len(ids) == 1 and sequence.id in self.requests and sequence.drawable:  # (a failure ends a request)
                 with self._contained(sequence.id, "Sampling"):
-                    drawn[sequence] = sequence.draw(logits[first])
+                    drawn[sequence] = sequence.draw(logits[sequence][0])
         if not drawn:
-            return {}
-        return dict(zip(drawn, torch.stack(list(drawn.values())).tolist()))
+            return {}, False
+        tokens = torch.stack(list(drawn.values()))  # (rows,) on the logits' device
+        gpu = tokens.is_cuda
+        host = torch.empty(len(drawn), dtype=torch.long, pin_memory=gpu)
+        host.copy_(tokens, non_blocking=gpu)
+        read = torch.cuda.Event() if gpu else None
+        if gpu:
+            read.record()
+        queued = queues_ahead(batch, len(drawn), MAX_KERNEL_ROWS - len(batch))
+        if queued:
+            model, caches = self.models.checkpoints[model_name].model, [sequence.cache for sequence in drawn]
+            with StepClock(tokens.device) as clock:
+                step = model.decode(tokens, caches, positions=[cache.length + 1 for cache in caches])
+            self._ahead[model_name] = Ahead(list(drawn), step, clock)
+        if gpu:
+            read.synchronize()
+        return dict(zip(drawn, host.tolist())), queued
 
     def _accept(self, sequence: Sequence, token: int) -> None:
         self._send(sequence, sequence.accept(token))

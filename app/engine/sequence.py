@@ -176,11 +176,25 @@ class Sequence:
         """Tokens guessed to follow its last one, for its next decode step: at most `room`, and no more
         than its cache and its token limit have room for; as many as raise the step's expected tokens
         per second, given its `rows` so far and the tokens they should give (model/speculation.py)."""
-        if self.speculation is None:
+        room = self._room(room)
+        if self.speculation is None or room <= 0:
             return []
-        room = min(room, self.cache.max_len - self.cache.length - 1,
-                   self.decoding.max_new_tokens - len(self.tokens) - 1)
-        return self.speculation.guesses(lambda: self.prompt + self.tokens, room, rows, expected) if room > 0 else []
+        return self.speculation.guesses(lambda: self.prompt + self.tokens, room, rows, expected)
+
+    def may_guess(self, room: int, rows: int = 1, expected: float = 1.0) -> bool:
+        """Whether its next step would ask for guesses, whatever its next token (guesses() may still find
+        none): where it would not, the step can be queued before that token is read."""
+        room = self._room(room)
+        return self.speculation is not None and room > 0 and self.speculation.planned(room, rows, expected) > 0
+
+    def passed(self) -> None:
+        """A decode step ran its last token alone, queued before it was read (no guesses asked for)."""
+        if self.speculation is not None:
+            self.speculation.passed()
+
+    def _room(self, room: int) -> int:
+        """Guesses its next step has room for: at most `room`, its cache's and its token limit's."""
+        return min(room, self.cache.max_len - self.cache.length - 1, self.decoding.max_new_tokens - len(self.tokens) - 1)
 
     @property
     def drawable(self) -> bool:

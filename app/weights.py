@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model.convert.folder import partial_folder
+from model.convert.folder import partial_folder, source_of
 from model.convert.url import URL
 from model.options import PROJECT_ROOT
 
@@ -133,9 +133,16 @@ class Weights:
                                                      "http(s) address" if local else ""))
             if repo_id.split("/")[1].startswith("."):  # ".." or a hidden name: the folder would not be the model's
                 raise Refused(f"{repo_id!r} is not a model's name: a name may not begin with '.'")
+            if revision is not None and (not hub.REVISION.fullmatch(revision) or ".." in revision):
+                raise Refused(f"{revision[:80]!r} is not a revision: expected a branch, tag or commit of {repo_id} "
+                              "(letters, digits, '_', '.', '-' and '/', beginning with a letter or digit)")
             folder = self.folder / repo_id.split("/")[1]
             pull = Pull(repo_id, revision, folder, partial_folder(folder))
             if folder.is_dir():  # here already: not fetched again
+                source = source_of(folder)
+                if source is not None and source[0].lower() != repo_id.lower():
+                    raise Refused(f"a model named {folder.name} is here already, pulled from {source[0]}: delete it "
+                                  f"first to pull {repo_id}")
                 pull.finished.set()
                 return pull
         self.pulls[key] = pull
@@ -146,7 +153,7 @@ class Weights:
     def _download(self, pull: Pull, loop: asyncio.AbstractEventLoop) -> None:
         """`python -m model.fetch --report` for the pull, its JSON lines read as they come (on a thread)."""
         command = [sys.executable, "-m", "model.fetch", pull.repo_id, "--weights-dir", str(self.folder), "--report",
-                   *(["--revision", pull.revision] if pull.revision else [])]
+                   *([f"--revision={pull.revision}"] if pull.revision else [])]
         env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **({"HF_ENDPOINT": self.endpoint} if self.endpoint
                                                                     else {})}
         try:

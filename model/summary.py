@@ -77,7 +77,12 @@ def safetensors_tensors(path: Path) -> dict[str, tuple[str, int]]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: the safetensors header is not JSON: {e}") from None
-    return {name: (t["dtype"], math.prod(t["shape"])) for name, t in header.items() if name != "__metadata__"}
+    try:
+        return {name: (str(t["dtype"]), math.prod(int(d) for d in t["shape"]))
+                for name, t in header.items() if name != "__metadata__"}
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # (a header of another shape)
+        raise CheckpointError(f"{path}: the safetensors header does not give each tensor's dtype and shape "
+                              f"({type(e).__name__}: {e})") from None
 
 
 def parameters(c: LlamaConfig) -> int:

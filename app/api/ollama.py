@@ -237,13 +237,16 @@ def _format(format: str | dict | None) -> tuple[dict | None, bool]:
 
 
 def _keep_alive(value: float | str | None) -> float | None:
-    if value is None or isinstance(value, float | int):
-        return value
+    """Seconds (negative: forever). One past Go's longest duration (Ollama's limit, ~292 years) is forever too:
+    its end could not be written as a date."""
+    if value is None:
+        return None
     try:
-        return parse_duration(value)
+        seconds = value if isinstance(value, float | int) else parse_duration(value)
     except ValueError:
         raise ApiError(400, f"'keep_alive': {value!r} is not a number of seconds or a duration such as 30s, 5m or "
                             "1h (negative: forever).", param="keep_alive", code="invalid_value") from None
+    return -1.0 if seconds >= ollama_models.FOREVER_S else seconds
 
 
 def _conversation(messages: list[Message], model: str) -> Conversation:

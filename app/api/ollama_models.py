@@ -79,7 +79,7 @@ def entry(backend: Backend, name: str, started: float) -> ModelEntry:
                           parameter_size=count(summary.parameters) if summary.parameters else "",
                           quantization_level=QUANTIZATION.get(summary.dtype, (summary.dtype or "").upper()))
         size = summary.bytes
-    except CheckpointError:  # (removed, or broken, since the engine listed it)
+    except (CheckpointError, OSError):  # (removed, or broken, since the engine listed it)
         details, size = Details(), sum(s.st_size for _, s in stats)
     modified = max((s.st_mtime for _, s in stats), default=started)
     return ModelEntry(name=name, model=name, modified_at=now_text(modified), size=size, digest=digest,
@@ -112,7 +112,11 @@ def show(backend: Backend, name: str, max_context: int | None, started: float) -
     info: dict[str, object] = {"general.architecture": "llama", "llama.context_length": context_length(
         backend, name, max_context)}
     if found is not None:
-        info |= {"general.parameter_count": summarize(where).parameters, "llama.embedding_length": found.dim,
+        try:
+            info["general.parameter_count"] = summarize(where).parameters
+        except (CheckpointError, OSError):  # (a config beside weights that cannot be read: listed without)
+            pass
+        info |= {"llama.embedding_length": found.dim,
                  "llama.block_count": found.n_layers, "llama.feed_forward_length": found.ffn_dim,
                  "llama.attention.head_count": found.n_heads, "llama.attention.head_count_kv": found.n_kv_heads,
                  "llama.attention.layer_norm_rms_epsilon": found.norm_eps, "llama.rope.freq_base": found.rope_theta,
@@ -152,8 +156,9 @@ def chat_template(where: str) -> tuple[str, bool]:
 def running(backend: Backend, name: str, max_context: int | None, started: float) -> ModelEntry:
     """A loaded model as /api/ps lists it."""
     listed = entry(backend, name, started)
+    forever = time.time() + FOREVER_S  # (also the latest date: LLAMA_KEEP_ALIVE may say more)
     unloads = backend.unloads_at(name)
-    return msgspec.structs.replace(listed, expires_at=now_text(time.time() + FOREVER_S if unloads is None else unloads),
+    return msgspec.structs.replace(listed, expires_at=now_text(forever if unloads is None else min(unloads, forever)),
                                    context_length=context_length(backend, name, max_context))
 
 

@@ -105,7 +105,8 @@ def read_response_body(body: object) -> shapes.ResponseBody:
             if name in shapes.REFUSED and value is not None and value not in shapes.HARMLESS.get(name, []):
                 raise ApiError(400, f"'{name}': {shapes.REFUSED[name]}.", param=name, code="unsupported_parameter")
         body = {k: v for k, v in body.items() if k not in shapes.REFUSED}
-        for i, tool in enumerate(body.get("tools") or []):
+        tools = body.get("tools")
+        for i, tool in enumerate(tools if isinstance(tools, list) else []):  # (another type: read_body names it)
             if isinstance(tool, dict) and tool.get("type") != "function":
                 raise ApiError(400, f"'tools[{i}]': the built-in tool {str(tool.get('type'))[:40]!r} is not supported "
                                     "here: only function tools are.", param=f"tools[{i}].type",
@@ -199,7 +200,8 @@ def in_response_terms(error: ApiError, where: list[str]) -> ApiError:
         for chat, ours in CHAT_NAMES.items():
             text = text.replace(chat, ours)
         return text
-    return ApiError(error.status, rename(error.message), type=error.type, param=rename(error.param), code=error.code)
+    param = "input" if error.param == "messages" else rename(error.param)  # (the whole conversation: too long)
+    return ApiError(error.status, rename(error.message), type=error.type, param=param, code=error.code)
 
 
 # ---- the routes ---------------------------------------------------------------------------------
@@ -226,7 +228,7 @@ def add_routes(router: APIRouter, backend: Backend, max_body_mb: int, store: Sto
         items = raw["input"] if isinstance(raw["input"], list) else [{"type": "message", "role": "user",
                                                                       "content": raw["input"]}]
         return await respond(http_request, asked, chat, Turn(store if asked.store is not False else None, user,
-                                                             messages, items), backend)
+                                                             messages, items), backend, where)
 
     @router.get("/v1/responses/{response_id}")
     async def get_response(http_request: HttpRequest, response_id: str) -> HttpResponse:
@@ -288,7 +290,9 @@ def as_item(item: dict) -> dict:
 
 
 async def respond(http_request: HttpRequest, asked: shapes.ResponseBody, chat: ChatRequest, turn: Turn,
-                  backend: Backend) -> HttpResponse:
+                  backend: Backend, where: list[str]) -> HttpResponse:
+    """The response to a request, whole or streamed. What fails before the first piece of the reply (a prompt
+    too long, a schema the engine refuses) is an HTTP error either way; later, a streamed response fails."""
     try:
         request = backend.stream(chat.conversation, chat.settings, **chat.options(), user=turn.user)
     except ServerBusy as e:
@@ -297,7 +301,7 @@ async def respond(http_request: HttpRequest, asked: shapes.ResponseBody, chat: C
     except InvalidRequest as e:
         return ApiError(400, f"The request cannot be computed: {e}.").response()
     watcher = asyncio.create_task(cancel_on_disconnect(http_request, request))
-    replies = pieces(request)
+    replies = named(pieces(request), where)
     response = shapes.Response(
         id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), status="in_progress", model=chat.model,
         instructions=asked.instructions, previous_response_id=asked.previous_response_id,
@@ -313,10 +317,15 @@ async def respond(http_request: HttpRequest, asked: shapes.ResponseBody, chat: C
         watcher.cancel()
         await replies.aclose()
 
+    try:
+        first = await anext(replies)  # waits for a place in the batch; errors are known by then
+    except ApiError as e:
+        await close()
+        return e.response()
     if not asked.stream:
         try:
             text, finish, usage = [], None, None
-            async for item in replies:
+            async for item in resumed(first, replies):
                 if isinstance(item, Piece):
                     text.append(item.text)
                 elif isinstance(item, Finish):
@@ -331,8 +340,25 @@ async def respond(http_request: HttpRequest, asked: shapes.ResponseBody, chat: C
         turn.keep(response)
         return json_response(response)
 
-    return StreamingResponse(events(response, replies, close, turn), media_type="text/event-stream",
+    return StreamingResponse(events(response, resumed(first, replies), close, turn), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def named(replies: AsyncIterator, where: list[str]) -> AsyncIterator:
+    """The replies' pieces, their errors named by the Responses body's fields."""
+    try:
+        async for item in replies:
+            yield item
+    except ApiError as e:
+        raise in_response_terms(e, where) from None
+    finally:
+        await replies.aclose()
+
+
+async def resumed(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item
 
 
 def done(response: shapes.Response, text: str, finish: Finish | None, usage: Usage | None) -> None:

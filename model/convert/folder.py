@@ -98,22 +98,27 @@ def partial_folder(out_dir: Path) -> Path:
     return out_dir.parent / f".{out_dir.name}.download"
 
 
-SOURCE_FILE = "llama-source.json"  # in a download folder's .cache/: which repo it is a download of
+SOURCE_FILE = ".llama-source.json"  # in a download folder, and the model folder it becomes: which repo it is of
 
 
 def note_source(partial: Path, repo_id: str, revision: str | None) -> None:
     """Write down which repo (and revision) a download folder gathers, so that the server can offer to go on
-    with it after a restart (app.web.models_panel). Inside .cache/, which is removed before the files move
-    into place."""
-    (partial / ".cache").mkdir(parents=True, exist_ok=True)
-    write_json(partial / ".cache" / SOURCE_FILE, {"repo_id": repo_id, "revision": revision})
+    with it after a restart (app.web.models_panel); it moves into place with the files, so that a pull of
+    another repo of the same name is told apart (app.weights)."""
+    partial.mkdir(parents=True, exist_ok=True)
+    write_json(partial / SOURCE_FILE, {"repo_id": repo_id, "revision": revision})
 
 
-def source_of(partial: Path) -> tuple[str, str | None] | None:
-    """(repo id, revision) of a download folder, as note_source wrote it; None when it did not."""
-    try:
-        said = json.loads((partial / ".cache" / SOURCE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+def source_of(folder: Path) -> tuple[str, str | None] | None:
+    """(repo id, revision) of a download or model folder, as note_source wrote it; None when it did not (a
+    download begun by an older version kept it in .cache/)."""
+    for note in (folder / SOURCE_FILE, folder / ".cache" / SOURCE_FILE.lstrip(".")):
+        try:
+            said = json.loads(note.read_text(encoding="utf-8"))
+            break
+        except (OSError, ValueError):
+            continue
+    else:
         return None
     if not isinstance(said, dict) or not isinstance(said.get("repo_id"), str):
         return None

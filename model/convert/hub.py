@@ -39,6 +39,7 @@ WANTED = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.
                     r"|model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json"
                     r"|special_tokens_map\.json|chat_template\.jinja|original/tokenizer\.model")
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+REVISION = re.compile(r"\w[\w./-]{0,254}")  # a branch, tag or commit: never an option (-...) nor a path (./, ../)
 SPARE_BYTES = 10_000_000
 HUB_CACHE = ".cache"  # huggingface_hub's bookkeeping inside a download folder
 

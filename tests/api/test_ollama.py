@@ -240,6 +240,9 @@ def test_keep_alive_loads_and_unloads_and_ps_tells_when(client, server):
     assert loaded() == {}  # unloaded once its request ended
     again = client.chat(model="tiny", messages=QUESTION, options={"num_predict": 3})  # loads it, and it stays
     assert again.load_duration > 0 and loaded()["tiny"].expires_at.year > 2200
+    for past_any_date in (1e300, "100000000h"):  # longer than Go's longest duration: forever, as Ollama's
+        assert client.chat(model="tiny", messages=[], keep_alive=past_any_date).done_reason == "load"
+        assert loaded()["tiny"].expires_at.year > 2200  # (its date could not be written: /api/ps was a 500)
 
 
 def test_a_model_is_pulled_from_the_hub_even_if_the_client_goes_away_and_deleted(client, server, hub, tiny):
@@ -260,6 +263,13 @@ def test_a_model_is_pulled_from_the_hub_even_if_the_client_goes_away_and_deleted
     assert "Tiny-Pulled" in [m.model for m in client.list().models] and (tiny.parent / "Tiny-Pulled").is_dir()
     assert client.chat(model="Tiny-Pulled", messages=QUESTION, options={"num_predict": 3}).eval_count == 3
     assert client.pull(PULLED).status == "success"  # here already
+    with pytest.raises(ollama.ResponseError) as error:  # another owner's model of the same name is not this one
+        client.pull("someone-else/Tiny-Pulled")
+    assert error.value.status_code == 400 and f"pulled from {PULLED}" in error.value.error
+    for revision in ("--help", "-x", "../main", ".hidden", "a b"):  # never an option of the fetch, nor a path
+        with pytest.raises(ollama.ResponseError) as error:
+            client.pull(f"acme/Other:{revision}")
+        assert error.value.status_code == 400 and "is not a revision" in error.value.error
     with pytest.raises(ollama.ResponseError) as error:
         client.delete("Tiny-Pulled")
     assert error.value.status_code == 409 and "loaded" in error.value.error

@@ -144,7 +144,11 @@ def test_a_json_schema_format_gives_a_document_of_the_schema(client):
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"},
                                              {"type": "input_file", "filename": "a.txt", "file_data": "%%%"}]}]},
      "input[0].content[1].file_data"),
-    ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}, "messages"),
+    ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}, "input"),
+    ({"input": "x", "tools": 5}, "tools"),
+    ({"input": "x", "tools": True}, "tools"),
+    ({"input": "x", "stream": True, "text": {"format": {"type": "json_schema", "name": "p",  # refused by the engine:
+                                                       "schema": {"type": "nonsense"}}}}, "text.format"),  # streamed too
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": "\ud800"}, "input"),
     ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},

@@ -53,6 +53,18 @@ def test_a_broken_weights_file_is_named(tmp_path):
         summarize(tmp_path)
 
 
+@pytest.mark.parametrize("header", [b'{"w": {}}', b'{"w": {"dtype": "F32", "shape": "big"}}', b'[1, 2]',
+                                    b'{"w": {"dtype": "F32", "shape": [2, "x"]}}', b'{"w": 5}'])
+def test_a_header_of_another_shape_is_named(tmp_path, header):
+    """JSON, but not a safetensors header (a tensor without dtype or shape): a CheckpointError that the model
+    lists (/api/tags, the models panel) show beside the model, never an exception that loses the whole list."""
+    import struct
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CheckpointError, match="does not give each tensor's dtype and shape"):
+        summarize(tmp_path)
+
+
 def test_numbers_for_people():
     assert [count(n) for n in (134_515_008, 1_235_814_400, 8_030_261_248, 5_000)] == ["135M", "1.2B", "8.0B", "5K"]
     assert [size(n) for n in (538_090_408, 2_471_645_608, 4_000)] == ["538 MB", "2.5 GB", "4 kB"]

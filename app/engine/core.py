@@ -360,7 +360,8 @@ class Engine:
             clock.observe(times, len(at))
         if ran:
             ahead.clock.observe(times, len(ahead.sequences))
-        if not queued and logits and next(iter(logits.values())).is_cuda:
+        in_slots = all(sequence.cache is not None and sequence.cache.slot is not None for sequence in batch)
+        if not queued and in_slots and logits and next(iter(logits.values())).is_cuda:  # (it could have been)
             self._read_at[model_name] = time.perf_counter()
 
     def _drawn(self, model_name: str, batch: list[Sequence], inputs: list[list[int]],

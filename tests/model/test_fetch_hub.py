@@ -19,6 +19,7 @@ from support.checkpoints import hf_model, prompt_ids
 from support.fake_hub import FakeHub
 
 from model import load_checkpoint
+from model.convert.folder import SOURCE_FILE, source_of
 from model.fetch import main
 from model.tokenizer import meta_tokenizer_model
 
@@ -68,7 +69,8 @@ def snapshot(folder: Path) -> dict[str, int]:
 
 
 def files_under(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    """The files of a model folder, but the note of where it came from (model/convert/folder.py's note_source)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != SOURCE_FILE)
 
 
 def fetch_fails(argv: list[str], capsys) -> str:
@@ -95,7 +97,7 @@ def test_downloads_only_the_engine_files_into_weights_and_they_load(hub, source,
     main([REPO, "--weights-dir", str(weights_dir)])
     folder = weights_dir / "Tiny-Llama-3"
     assert capsys.readouterr().out.strip() == str(folder)
-    assert files_under(folder) == ENGINE_FILES
+    assert files_under(folder) == ENGINE_FILES and source_of(folder) == (REPO, None)  # (and where it came from)
     assert sorted(p.name for p in weights_dir.iterdir()) == ["Other-Model", "Tiny-Llama-3"]  # no temp left
     assert all(filecmp.cmp(folder / f, source / f, shallow=False) for f in ENGINE_FILES)
     assert hub.gets("consolidated.00.pth") == [] and hub.gets("model.gguf") == []

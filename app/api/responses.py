@@ -75,10 +75,11 @@ class Store:
         return self._by_user.get(user, {}).get(response_id)
 
     def put(self, user: str, stored: Stored) -> None:
+        """Keep `stored`, the user's oldest going while they are over the bounds (it too, where it alone is)."""
         kept = self._by_user.setdefault(user, OrderedDict())
         self._by_user.move_to_end(user)
         kept[stored.response.id] = stored
-        while len(kept) > self.per_user or (len(kept) > 1 and sum(s.size for s in kept.values()) > self.bytes_per_user):
+        while len(kept) > self.per_user or sum(s.size for s in kept.values()) > self.bytes_per_user:
             kept.popitem(last=False)
         while len(self._by_user) > self.users:
             self._by_user.popitem(last=False)
@@ -215,9 +216,18 @@ def add_routes(router: APIRouter, backend: Backend, max_body_mb: int, store: Sto
         user = http_request.state.user
         raw = await json_body(http_request, max_body_mb)
         asked = read_response_body(raw)
+        if asked.previous_response_id == "":
+            raise ApiError(400, "Invalid 'previous_response_id': an empty string; leave it out to start a new "
+                                "conversation.", param="previous_response_id")
         earlier = store.get(user, asked.previous_response_id) if asked.previous_response_id else None
         if asked.previous_response_id and earlier is None:
             raise not_found(asked.previous_response_id, param="previous_response_id")
+        if earlier is not None and asked.store is not False and \
+                earlier.size + len(msgspec.json.encode(raw["input"])) > store.bytes_per_user:
+            raise ApiError(400, f"Invalid 'previous_response_id': its conversation and this input are over the "
+                                f"{store.bytes_per_user:,} bytes of conversation a user's stored responses may "
+                                "hold, so this response could not be kept: start a new conversation, or send "
+                                "store: false.", param="previous_response_id")
         body, messages, where = chat_body(asked, earlier.messages if earlier else [])
         try:
             chat = await asyncio.get_running_loop().run_in_executor(
@@ -242,9 +252,7 @@ def add_routes(router: APIRouter, backend: Backend, max_body_mb: int, store: Sto
         stored = store.get(http_request.state.user, response_id)
         if stored is None:
             raise not_found(response_id)
-        ids = [item.get("id") for item in stored.items]
-        return json_response(shapes.ItemList(data=stored.items, first_id=ids[0] if ids else None,
-                                             last_id=ids[-1] if ids else None))
+        return json_response(item_page(stored.items, http_request.query_params))
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_response(http_request: HttpRequest, response_id: str) -> HttpResponse:
@@ -253,6 +261,37 @@ def add_routes(router: APIRouter, backend: Backend, max_body_mb: int, store: Sto
         return json_response(shapes.DeletedResponse(response_id))
 
     return store
+
+
+def item_page(items: list[dict], query) -> shapes.ItemList:
+    """A page of a response's input items as OpenAI lists them: `order` desc (newest first, the default) or
+    asc, at most `limit` (1-100, 20), those `after` an item id or `before` one in that order; has_more when
+    the list goes on past the page."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"Invalid 'order': {order[:20]!r}; expected 'asc' or 'desc'.", param="order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"Invalid 'limit': {query.get('limit', '')[:20]!r}; expected an integer from 1 to 100.",
+                       param="limit")
+    listed = items if order == "asc" else items[::-1]
+    ids = [item.get("id") for item in listed]
+    start, end = 0, len(listed)
+    for name in ("after", "before"):
+        if (cursor := query.get(name)) is not None:
+            if cursor not in ids:
+                raise ApiError(400, f"Invalid '{name}': no input item {cursor[:80]!r} in this response.", param=name)
+            if name == "after":
+                start = ids.index(cursor) + 1
+            else:
+                end = ids.index(cursor)
+    window = listed[start:end]
+    page = window[-limit:] if "before" in query and "after" not in query else window[:limit]  # nearest the cursor
+    return shapes.ItemList(data=page, first_id=page[0].get("id") if page else None,
+                           last_id=page[-1].get("id") if page else None, has_more=len(window) > len(page))
 
 
 @dataclass
@@ -270,9 +309,9 @@ class Turn:
         said = [item for item in response.output if isinstance(item, shapes.OutputMessage)]
         calls = [{"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                  for c in response.output if isinstance(c, shapes.OutputFunctionCall)]
-        answer = {"role": "assistant", "content": "".join(p.text for m in said for p in m.content) or None}
-        if calls:
-            answer["tool_calls"] = calls
+        text = "".join(p.text for m in said for p in m.content)
+        answer = {"role": "assistant", "content": text or None, "tool_calls": calls} if calls else \
+            {"role": "assistant", "content": text}  # (an empty reply is continued as one: content "")
         messages = [*self.messages, answer]
         items = [as_item(item) for item in self.items]
         size = len(json.dumps(messages)) + len(json.dumps(items))

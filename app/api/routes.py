@@ -57,7 +57,7 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HttpRequest
 import msgspec
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from msgspec import UNSET, Struct, UnsetType
 
@@ -337,7 +337,8 @@ async def answer_error(http_request: HttpRequest, error: ApiError) -> Response:
 
 def create_app(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
                weights_dir: Path | None = None, max_context: int | None = None) -> FastAPI:
-    """The API alone; /health says 200 once the default model is loaded."""
+    """The API alone; /health says 200 once the default model is loaded, and / what Ollama's says there (the
+    chat server has its page there)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -349,6 +350,10 @@ def create_app(backend: Backend, api_key: str | None = None, max_body_mb: int = 
     mount(app, backend, api_key, max_body_mb, weights_dir=weights_dir, max_context=max_context)
 
     app.router.routes.insert(0, health_route(backend))
+
+    async def running(http_request: HttpRequest) -> Response:  # Ollama's answer at its root, which tools probe
+        return PlainTextResponse("Ollama is running")
+    app.router.routes.insert(0, Route("/", running, methods=["GET", "HEAD"]))
     return app
 
 

@@ -92,6 +92,11 @@ def test_a_stored_response_is_continued_read_back_and_deleted(client, server):
     assert client.responses.retrieve(second.id).output_text == second.output_text
     items = client.responses.input_items.list(second.id)
     assert [item.content[0].text for item in items.data] == ["And another one?"]
+    said = [{"role": "user", "content": f"Message {i}."} for i in range(5)]  # listed newest first, 2 a page
+    several = client.responses.create(model="tiny", input=said, max_output_tokens=2)
+    pages = client.responses.input_items.list(several.id, limit=2)
+    assert len(pages.data) == 2 and pages.has_more
+    assert [item.content[0].text for item in pages] == [m["content"] for m in reversed(said)]  # (the client pages)
     assert client.responses.delete(second.id) is None
     for gone in (lambda: client.responses.retrieve(second.id),
                  lambda: client.responses.create(model="tiny", input="x", previous_response_id=second.id)):
@@ -101,6 +106,30 @@ def test_a_stored_response_is_continued_read_back_and_deleted(client, server):
     unstored = client.responses.create(model="tiny", input="Hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def test_input_items_are_paged_as_openai_pages_them():
+    from app.api.openai import ApiError
+    from app.api.responses import item_page
+
+    items = [{"id": f"msg_{i}"} for i in range(7)]
+
+    def ids(**query) -> tuple[list[str], bool]:
+        page = item_page(items, {k: str(v) for k, v in query.items()})
+        return [item["id"] for item in page.data], page.has_more
+
+    assert ids() == ([f"msg_{i}" for i in range(6, -1, -1)], False)  # newest first, 20 at most
+    assert ids(order="asc", limit=3) == (["msg_0", "msg_1", "msg_2"], True)
+    assert ids(order="asc", limit=3, after="msg_2") == (["msg_3", "msg_4", "msg_5"], True)
+    assert ids(order="asc", limit=3, after="msg_5") == (["msg_6"], False)
+    assert ids(limit=2, after="msg_4") == (["msg_3", "msg_2"], True)  # desc: after means older
+    assert ids(order="asc", limit=2, before="msg_5") == (["msg_3", "msg_4"], True)  # the page just before
+    assert ids(order="asc", after="msg_1", before="msg_4") == (["msg_2", "msg_3"], False)
+    for query, param in [({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"), ({"limit": "1e400"}, "limit"),
+                         ({"order": "sideways"}, "order"), ({"after": "msg_x"}, "after"), ({"before": ""}, "before")]:
+        with pytest.raises(ApiError) as error:
+            item_page(items, query)
+        assert error.value.param == param and error.value.status == 400
 
 
 def test_a_key_holders_responses_are_not_anothers():
@@ -115,6 +144,62 @@ def test_a_key_holders_responses_are_not_anothers():
     big.put("alice", Stored(reply, [], [], 60))
     big.put("alice", Stored(Response(id="resp_2", created_at=0, status="completed", model="tiny"), [], [], 60))
     assert big.get("alice", "resp_1") is None and big.get("alice", "resp_2") is not None
+    big.put("alice", Stored(Response(id="resp_3", created_at=0, status="completed", model="tiny"), [], [], 101))
+    assert big.get("alice", "resp_3") is None  # over the bound alone: not kept either
+
+
+def test_a_conversation_past_what_a_user_may_store_is_refused_before_it_runs(monkeypatch):
+    """A chain of previous_response_ids grows by its input each turn: where the next response could not be
+    kept, the request is a 400 naming previous_response_id before the model runs (not a response kept
+    past the user's bound, as before, nor one silently forgotten)."""
+    from support.scripted_backend import ScriptedBackend
+
+    from app.api import responses
+    from app.api.routes import create_app
+    from app.messages import Done, Stats, Text
+
+    monkeypatch.setattr(responses, "Store", lambda: Store(bytes_per_user=6_000))
+    backend = ScriptedBackend([Text("scripted", "Noted."), Done("scripted", "Noted.", "stop", Stats(new_tokens=2))])
+
+    async def ask():
+        transport = httpx.ASGITransport(app=create_app(backend))
+        async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", max_retries=0,
+                                      http_client=httpx.AsyncClient(transport=transport)) as client:
+            first = await client.responses.create(model="tiny", input="x" * 1_500)
+            second = await client.responses.create(model="tiny", input="y" * 1_500, previous_response_id=first.id)
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.responses.create(model="tiny", input="z" * 1_500, previous_response_id=second.id)
+            unkept = await client.responses.create(model="tiny", input="z" * 1_500, previous_response_id=second.id,
+                                                   store=False)
+            return error.value.body, unkept
+
+    error, unkept = asyncio.run(ask())
+    assert error["param"] == "previous_response_id" and "store: false" in error["message"]
+    assert unkept.output_text == "Noted."
+
+
+def test_an_empty_reply_is_continued(monkeypatch):
+    """A reply with no text (the model's first token a stop token) is stored as an empty assistant message, so
+    its previous_response_id continues it (it was stored with content null, which the next turn refused)."""
+    from support.scripted_backend import ScriptedBackend
+
+    from app.api.routes import create_app
+    from app.messages import Done, Stats
+
+    backend = ScriptedBackend([Done("scripted", "", "stop", Stats(new_tokens=1))])
+
+    async def ask():
+        transport = httpx.ASGITransport(app=create_app(backend))
+        async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", max_retries=0,
+                                      http_client=httpx.AsyncClient(transport=transport)) as client:
+            first = await client.responses.create(model="tiny", input="Say nothing.")
+            second = await client.responses.create(model="tiny", input="Now?", previous_response_id=first.id)
+            return first, second
+
+    first, second = asyncio.run(ask())
+    assert first.output_text == "" and second.status == "completed"
+    conversation, _, _ = backend.asked[-1]
+    assert [(m.role, m.content) for m in conversation.messages][-2:] == [("assistant", ""), ("user", "Now?")]
 
 
 def test_a_json_schema_format_gives_a_document_of_the_schema(client):
@@ -146,6 +231,7 @@ def test_a_json_schema_format_gives_a_document_of_the_schema(client):
      "input[0].content[1].file_data"),
     ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}, "input"),
     ({"input": "x", "tools": 5}, "tools"),
+    ({"input": "x", "previous_response_id": ""}, "previous_response_id"),
     ({"input": "x", "tools": True}, "tools"),
     ({"input": "x", "stream": True, "text": {"format": {"type": "json_schema", "name": "p",  # refused by the engine:
                                                        "schema": {"type": "nonsense"}}}}, "text.format"),  # streamed too
@@ -161,6 +247,13 @@ def test_bad_requests_name_the_responses_field(server, body, param):
     error = answer.json()["error"]
     assert error["param"] == param, error
     assert "messages[" not in error["message"] and "response_format" not in error["message"], error
+
+
+def test_the_api_alone_answers_at_its_root_as_ollama_does(server):
+    """Tools that speak Ollama's API probe its root (no key): the API alone answers as Ollama does."""
+    for method in ("GET", "HEAD"):
+        answer = httpx.request(method, f"{server.url}/", timeout=30)
+        assert answer.status_code == 200 and answer.text == ("Ollama is running" if method == "GET" else "")
 
 
 def test_the_key_is_needed(server):

@@ -187,16 +187,25 @@ def message_content(item: shapes.MessageItem, at: str) -> str | list[dict]:
 
 
 CHAT_PARAM = re.compile(r"messages\[(\d+)\]")
+CHAT_CALL = re.compile(r"messages\[(\d+)\]\.tool_calls\[(\d+)\]\.(?:function\.)?")  # a function_call item's field
+CHAT_CALLS = re.compile(r"(?<=\])\.tool_calls\b(?!\[)")
+INPUT_ITEM = re.compile(r"input\[(\d+)\]")
 CHAT_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format.json_schema": "text.format",
               "response_format": "text.format"}
 
 
 def in_response_terms(error: ApiError, where: list[str]) -> ApiError:
     """A chat body's error named by the Responses body's fields."""
+    def call_item(m: re.Match) -> str:  # call k of the assistant message made of items i, i + 1, ...
+        first = INPUT_ITEM.fullmatch(where[int(m[1])] if int(m[1]) < len(where) else "")
+        return f"input[{int(first[1]) + int(m[2])}]." if first else m[0]
+
     def rename(text: str | None) -> str | None:
         if not text:
             return text
+        text = CHAT_CALL.sub(call_item, text)
         text = CHAT_PARAM.sub(lambda m: where[int(m[1])] if int(m[1]) < len(where) else m[0], text)
+        text = CHAT_CALLS.sub("", text)  # a message's calls: the function_call items from the one named on
         text = text.replace(".file.", ".")
         for chat, ours in CHAT_NAMES.items():
             text = text.replace(chat, ours)

@@ -232,6 +232,9 @@ def test_a_json_schema_format_gives_a_document_of_the_schema(client):
     ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}, "input"),
     ({"input": "x", "tools": 5}, "tools"),
     ({"input": "x", "previous_response_id": ""}, "previous_response_id"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{not json"},
+                {"type": "function_call_output", "call_id": "c1", "output": "x"}],
+      "tools": [{"type": "function", "name": "f"}]}, "input[0]"),  # (its message names input[0].arguments)
     ({"input": "x", "tools": True}, "tools"),
     ({"input": "x", "stream": True, "text": {"format": {"type": "json_schema", "name": "p",  # refused by the engine:
                                                        "schema": {"type": "nonsense"}}}}, "text.format"),  # streamed too

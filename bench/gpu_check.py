@@ -15,7 +15,9 @@ For each kind (bf16, int8, int4 weights) of a random checkpoint of the shape:
   the same with a chat's sampling (temperature 0.7, top-p 0.9, repetition penalty 1.1);
 - `streams`: `--streams` rows decoded together in static slots (greedy on the device): tokens/s in all;
 - `served`: `--streams` requests at once through the app's engine in this process (its batches, chunked prefill,
-  slots, speculation): time to first token and decode rate of each, tokens/s in all.
+  slots, speculation): time to first token and decode rate of each, tokens/s in all, and how many engine steps
+  queued the next before reading its tokens (app/engine/ahead.py); `served_one` (bf16) one request the same way,
+  beside `one_stream` through generate: what the engine adds.
 A part that fails records its error and the others go on. Figures are what this machine did, this run.
 """
 
@@ -263,6 +265,8 @@ def check_kind(path: Path, kind: str, device: torch.device, args, bandwidth: flo
     if device.type == "cuda":
         torch.cuda.empty_cache()
     part(found, "served", served, path, kind, device, args.streams, args.new // 2)
+    if kind == "bf16":  # one request through the engine, beside one_stream through generate: the engine's own cost
+        part(found, "served_one", served, path, kind, device, 1, args.new // 2)
     return found
 
 

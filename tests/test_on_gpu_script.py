@@ -36,6 +36,8 @@ def test_the_gpu_check_runs_every_step_and_writes_one_summary(tmp_path):
         assert found["streams"]["tok_s"] > 0 and found["streams"]["in_slots"] == found["streams"]["rows"]
         assert found["served"]["failed"] == [] and found["served"]["tok_s"] > 0
         assert len(found["served"]["decode_tok_s_each"]) == found["served"]["rows"]
+        assert found["served"]["steps"] > 0 and 0 <= found["served"]["queued_ahead"] <= found["served"]["steps"]
+    assert check["bf16"]["served_one"]["rows"] == 1 and check["bf16"]["served_one"]["failed"] == []
     assert "torch" in (tmp_path / "versions.log").read_text()
 
 

@@ -91,6 +91,12 @@ def fit_prompt(chat_format, messages: list[ChatMessage], left_out: int, limit: i
         return encode(starts[first]), starts[first]
     ids = encode(last)
     if len(ids) + min(max_new_tokens, MIN_REPLY_TOKENS) > limit:
+        alone = len(chat_format.encode_dialog(dialog(system), **tool_options)) if system else 0
+        if alone > len(ids) - alone:  # the system prompt takes more than the message: name it
+            raise PromptTooLong(
+                f"The system prompt is too long for this model: it comes to {alone} tokens alone, and the model "
+                f"reads at most {limit} tokens at once, the messages and the reply included. Please shorten "
+                "the system prompt.")
         raise PromptTooLong(
             f"Your message is too long for this model: it comes to {len(ids)} tokens, and the model "
             f"reads at most {limit} tokens at once, its reply included. Please send a shorter message.")

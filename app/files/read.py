@@ -91,9 +91,11 @@ def check_together(files: list[Attachment]) -> None:
 
 def clean_name(name: str) -> str:
     """The name to show and to put in the prompt: its last path part (a browser or a program may send a
-    whole path), valid Unicode, no control characters, at most MAX_NAME_LENGTH characters (the extension kept)."""
+    whole path), valid Unicode, no control characters, no Markdown link, at most MAX_NAME_LENGTH characters (the
+    extension kept)."""
     name = clean_text(name).replace(PAGE_BREAK, "").replace("\n", " ").replace("\t", " ")
     name = posixpath.basename(name.replace("\\", "/")).strip() or "file"
+    name = name.replace("](", "] (")  # never a Markdown link or image where the page shows it: "[x](site).md"
     if len(name) > MAX_NAME_LENGTH:
         stem, dot, extension = name.rpartition(".")
         keep = "." + extension if dot and len(extension) < 16 else ""

@@ -111,6 +111,9 @@ def start() -> None:
         http_server.configure_chainlit(SETTINGS)  # slow clients cut off; X-Forwarded-For only from trusted proxies
         page.install()  # the page asks no other site for anything
         sio.eio.ping_timeout = PAGE_PING_TIMEOUT_S  # (read at each handshake and each check)
+        # A message or a settings change up to LLAMA_MAX_BODY_MB reaches the handlers, which say what is too long
+        # (at engineio's 1 MB a larger frame closed the socket: the message was lost without a word)
+        sio.eio.max_http_buffer_size = SETTINGS.max_body_mb * 2**20
     except SettingsError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -383,6 +386,36 @@ async def on_message(message: cl.Message):
     if command == MODELS_COMMAND:
         await open_models_panel()
         return
+    if cl.user_session.get("answering") or cl.user_session.get("request") is not None:  # one reply at a time (the
+        # page disables Send meanwhile; another client may not): a message then is refused
+        if conversation.message(message.id) is None:  # a new message, not answered: not kept either (an edit
+            refused = cl.user_session.get("refused_ids") or set()  # leaves the message it edits as it was)
+            cl.user_session.set("refused_ids", refused | {message.id})
+            await message.remove()
+        await cl.ErrorMessage(content="Please wait until this reply is done (or stop it) before sending another "
+                                      "message.").send()
+        return
+    cl.user_session.set("answering", message.id)  # (before any await: one that comes meanwhile is refused above,
+    # and not stored: app.web.history's create_step)
+    try:
+        if await chat_deleted():
+            await cl.ErrorMessage(content="This chat was deleted (in another tab or window): start a new chat to "
+                                          "go on.").send()
+            return
+        await answer(message, conversation, command)
+    finally:
+        cl.user_session.set("answering", None)
+
+
+async def chat_deleted() -> bool:
+    """Whether this tab's chat was deleted meanwhile (its history would not take another message)."""
+    layer = get_data_layer()
+    return isinstance(layer, history.SQLiteDataLayer) and await layer.owners.deleted(cl.context.session.thread_id)
+
+
+async def answer(message: cl.Message, conversation: Conversation, command: str | None) -> None:
+    """on_message's work, one message of the chat at a time: the message (new, or an edit) into the chat, its files
+    read, the reply."""
     if cl.user_session.get("named_by_command") and not conversation.messages:
         cl.user_session.set("named_by_command", False)
         await rename_chat(message.content)  # after the first message to the model, as any chat
@@ -472,7 +505,7 @@ async def regenerate(action: cl.Action):
     """Sample the last answer again, with another seed: the old one goes, from the page and the history."""
     conversation = current_conversation()
     last = conversation.messages[-1] if conversation.messages else None
-    if cl.user_session.get("request") is not None:
+    if cl.user_session.get("request") is not None or cl.user_session.get("answering"):
         await cl.Message(content="Please wait until this reply is done (or stop it) to regenerate.").send()
         return
     if last is None or last.role != "assistant" or last.id != action.payload.get("answer"):
@@ -492,11 +525,13 @@ async def regenerate(action: cl.Action):
     settings = msgspec.structs.replace(settings, seed=None if settings.seed is None
                                        else reply_seed(settings.seed, regenerated))
     emitter = cl.context.emitter
-    await emitter.task_start()  # the Stop button, as for a message (an action has no task of its own)
+    cl.user_session.set("answering", last.id)  # (a message sent meanwhile is refused, as during any reply)
     try:
+        await emitter.task_start()  # the Stop button, as for a message (an action has no task of its own)
         async with cl.Step(name="on_message", type="run"):  # as a message's reply is, so it gets a copy button
             await reply(conversation, settings, replacing=last, on_first_text=drop_old_answer)
     finally:
+        cl.user_session.set("answering", None)
         await emitter.task_end()
 
 

@@ -27,10 +27,12 @@ from pathlib import Path
 
 from chainlit import server as chainlit_server
 from chainlit.auth import get_current_user
+from chainlit.context import ChainlitContextException
 from chainlit.data import get_data_layer
 from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
 from chainlit.message import Message
 from chainlit.types import DeleteFeedbackRequest, ElementRequest, PageInfo, PaginatedResponse, UpdateFeedbackRequest
+from chainlit.user_session import user_session
 from chainlit.utils import utc_now
 from fastapi import Depends, HTTPException, Request
 from fastapi.routing import APIRoute
@@ -75,6 +77,8 @@ TABLES: dict[str, dict[str, str]] = {
                  "type": "TEXT", "url": "TEXT", "chainlitKey": "TEXT", "name": "TEXT NOT NULL", "display": "TEXT",
                  "objectKey": "TEXT", "size": "TEXT", "page": "INTEGER", "language": "TEXT", "forId": "TEXT",
                  "mime": "TEXT", "props": "TEXT", "autoPlay": "BOOLEAN", "playerConfig": "TEXT"},
+    # Chats deleted: never written again (a tab still open on one would otherwise make it anew, owned by nobody)
+    "deleted_threads": {"id": "TEXT PRIMARY KEY", "deletedAt": "TEXT"},
     "feedbacks": {"id": "TEXT PRIMARY KEY", "forId": "TEXT NOT NULL",
                   "threadId": "TEXT NOT NULL REFERENCES threads(id) ON DELETE CASCADE", "value": "INTEGER NOT NULL",
                   "comment": "TEXT"},
@@ -102,6 +106,24 @@ def create_schema(path: Path) -> None:
         db.execute("""UPDATE elements SET "props" = '{}' WHERE "props" IS NULL""")  # see create_element
         db.execute('CREATE INDEX IF NOT EXISTS steps_thread ON steps ("threadId", "createdAt")')
         db.execute('CREATE INDEX IF NOT EXISTS threads_user ON threads ("userId")')
+
+
+def answering() -> str | None:
+    """The id of the message whose reply the socket session computes now (app.web.chat sets it), or None; None
+    outside a socket session."""
+    try:
+        return user_session.get("answering")
+    except ChainlitContextException:
+        return None
+
+
+def refused_ids() -> set[str]:
+    """Ids of the socket session's messages refused for coming while another was answered (app.web.chat):
+    never stored, whenever Chainlit's task that writes one runs."""
+    try:
+        return user_session.get("refused_ids") or set()
+    except ChainlitContextException:
+        return set()
 
 
 class SQLiteDataLayer(SQLAlchemyDataLayer):
@@ -155,6 +177,8 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
 
     async def delete_thread(self, thread_id: str):
         if await self.owners.readable(thread_id):
+            await self.execute_sql('INSERT OR IGNORE INTO deleted_threads ("id", "deletedAt") VALUES (:id, :at)',
+                                   {"id": thread_id, "at": utc_now()})
             await super().delete_thread(thread_id)
 
     async def list_threads(self, pagination, filters):
@@ -169,9 +193,14 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
     async def create_step(self, step_dict):
         """(update_step comes here too.) A message goes only into the user's chat, and never over a
         message of another chat that has its id."""
-        thread_id = step_dict.get("threadId")
-        if await self.owners.may_write_row("message", await self.owners.step_thread(step_dict.get("id")), thread_id):
+        thread_id, step_id = step_dict.get("threadId"), step_dict.get("id")
+        if step_dict.get("type") == "user_message" and (answering() not in (None, step_id) or step_id in refused_ids()):
+            log.info("not stored: a message sent while the chat's reply to another runs (chat %s)", str(thread_id)[:40])
+            return
+        if await self.owners.may_write_row("message", await self.owners.step_thread(step_id), thread_id):
             await super().create_step(step_dict)
+            if step_id in refused_ids():  # refused while it was being written (Chainlit writes it on a task)
+                await super().delete_step(step_id)
 
     async def get_step(self, step_id: str):
         if await self.owners.readable(await self.owners.step_thread(step_id)):

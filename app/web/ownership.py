@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextvars import ContextVar
 
@@ -26,11 +27,13 @@ from chainlit.context import ChainlitContextException, context
 log = logging.getLogger(__name__)
 
 NOBODY = ""  # the actor of a request without a sign-in: owns no row
+DELETED_SEEN: OrderedDict[str, None] = OrderedDict()  # chats found deleted lately (writes into them expected)
 ACTOR: ContextVar[str | None] = ContextVar("llama_actor", default=None)  # None: not set by a request
 
 THREAD_OWNER = 'SELECT "userIdentifier" AS owner FROM threads WHERE "id" = :id'
 STEP_THREAD = 'SELECT "threadId" AS thread FROM steps WHERE "id" = :id'
 ELEMENT_THREAD = 'SELECT "threadId" AS thread FROM elements WHERE "id" = :id'
+DELETED_THREAD = 'SELECT "id" AS thread FROM deleted_threads WHERE "id" = :id'
 FEEDBACK_THREAD = ('SELECT s."threadId" AS thread FROM feedbacks f JOIN steps s ON s."id" = f."forId" '
                    'WHERE f."id" = :id')
 
@@ -94,13 +97,22 @@ class Owners:
 
     async def writable(self, thread_id: str | None) -> bool:
         """Whether the actor may write into the chat: it is theirs, or it is the new chat of their own
-        socket session (no owner yet)."""
+        socket session (no owner yet, and not a chat deleted since: `deleted`)."""
         if not isinstance(thread_id, str) or not thread_id or actor() == NOBODY:
             return False
         owner = await self.thread_owner(thread_id)
         if owner is not None:
             return owner == actor()
-        return thread_id == session_thread()
+        return thread_id == session_thread() and not await self.deleted(thread_id)
+
+    async def deleted(self, thread_id: str | None) -> bool:
+        """Whether the chat was deleted (a tab may still be open on it)."""
+        if await self._one(DELETED_THREAD, thread_id, "thread") is None:
+            return False
+        DELETED_SEEN[thread_id] = None  # (its refused writes are expected: logged as such)
+        while len(DELETED_SEEN) > 1000:
+            DELETED_SEEN.popitem(last=False)
+        return True
 
     async def step_thread(self, step_id: str | None) -> str | None:
         return await self._one(STEP_THREAD, step_id, "thread")
@@ -124,5 +136,9 @@ class Owners:
 
 
 def refused(kind: str, what: str, thread_id: str | None) -> None:
-    """One log line for a refused read or write: who, what (never the other user's data)."""
+    """One log line for a refused read or write: who, what (never the other user's data). Into a chat deleted
+    while a tab was open on it (the tab is told), a line of information, not a warning."""
+    if thread_id in DELETED_SEEN:
+        log.info("not written: a %s into chat %s, deleted (user %r)", kind, str(thread_id)[:40], actor())
+        return
     log.warning("refused to write a %s %s (user %r, chat %s)", kind, what, actor(), str(thread_id)[:40])

@@ -80,7 +80,14 @@ class Tracked:
         async def held(message: Message) -> None:
             answer.append(message)
 
-        await self.app(scope, receive, held)
+        try:
+            await self.app(scope, receive, held)
+        except ValueError as e:  # Chainlit's session takes a file's empty content for none given
+            if answer or "content must be provided" not in str(e):
+                raise
+            await JSONResponse({"detail": "The file is empty: it has nothing to read."}, status_code=400)(
+                scope, receive, send)
+            return
         if answer and answer[0].get("status") == 200 and (problem := self.pending(session_id, answer)):
             await JSONResponse({"detail": problem}, status_code=429)(scope, receive, send)
             return

@@ -60,6 +60,20 @@ def test_a_last_message_that_cannot_fit_is_too_long(chat_format):
         fit_prompt(chat_format, conversation.chat_messages(), 0, limit=256, max_new_tokens=64)
 
 
+def test_a_system_prompt_that_leaves_no_room_is_named_as_what_is_too_long(chat_format):
+    """A short message under a system prompt too long for the context: the note names the system prompt (it said
+    "Your message is too long", of a two-word message)."""
+    conversation = long_chat(0)
+    conversation.system_prompt = "rule " * 1000
+    conversation.messages[-1].content = "Say hi"
+    with pytest.raises(PromptTooLong, match="The system prompt is too long for this model: it comes to 10[0-9]{2} "):
+        fit_prompt(chat_format, conversation.chat_messages(), 0, limit=256, max_new_tokens=64)
+    conversation.system_prompt = "Be brief."
+    conversation.messages[-1].content = "word " * 1000
+    with pytest.raises(PromptTooLong, match="Your message is too long"):  # the message is what is long
+        fit_prompt(chat_format, conversation.chat_messages(), 0, limit=256, max_new_tokens=64)
+
+
 def test_without_trimming_a_chat_that_does_not_fit_is_too_long(chat_format):
     conversation = long_chat(10)
     n = len(chat_format.encode_dialog(dialog(conversation.chat_messages())))

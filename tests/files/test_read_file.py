@@ -114,6 +114,15 @@ def test_a_lone_surrogate_or_control_character_in_a_name_cannot_get_through():
     msgspec.msgpack.encode(attachment)
 
 
+def test_a_name_makes_no_markdown_link_or_image_where_it_is_shown():
+    """The page shows names in Markdown (the line under a reply, a refusal, an export): a name was a link to
+    another site, or an image the page fetched from one."""
+    assert clean_name("[Session expired: sign in again](https:evil.example).md") == \
+        "[Session expired: sign in again] (https:evil.example).md"
+    assert clean_name("![x](https:203.0.113.9).md") == "![x] (https:203.0.113.9).md"
+    assert clean_name("report (1) [final].pdf") == "report (1) [final].pdf"  # brackets alone are as they were
+
+
 def test_a_long_name_is_cut_keeping_its_extension():
     name = clean_name("x" * 1000 + ".pdf")
     assert len(name) == MAX_NAME_LENGTH and name.endswith("….pdf")

@@ -457,6 +457,64 @@ def test_a_resumed_chat_continues_with_the_models_memory_of_it(first_chat, resta
     assert_clean_log(restarted)
 
 
+def test_a_chat_deleted_while_its_tab_is_open_is_not_written_again(first_chat, restarted):
+    """Deleted from another tab (the sidebar's DELETE), a chat still open in one took every later message and
+    file into a chat owned by nobody (nobody could see or delete it, nor were its files counted). Now the tab is
+    told, and nothing more is stored."""
+    _, _, cookies, folder = first_chat
+    db = folder / "history.db"
+    tab = ChatTab(restarted.url, cookies)
+    try:
+        tab.wait_for("chat_settings")
+        tab.send("A chat to delete.")
+        thread_id = tab.thread_id
+        gone = httpx.request("DELETE", f"{restarted.url}/project/thread", cookies=cookies, timeout=30,
+                             json={"threadId": thread_id})
+        assert gone.status_code == 200, gone.text
+        start = tab.send("Anyone there?")
+        assert any("This chat was deleted" in text for text in tab.outputs(start))
+    finally:
+        tab.close()
+    with sqlite3.connect(db) as connection:
+        assert connection.execute('SELECT COUNT(*) FROM threads WHERE "id" = ?', (thread_id,)).fetchone() == (0,)
+        assert connection.execute('SELECT COUNT(*) FROM steps WHERE "threadId" = ?', (thread_id,)).fetchone() == (0,)
+    assert_clean_log(restarted)
+
+
+def test_a_message_sent_while_one_is_answered_is_refused_and_not_kept(first_chat, restarted):
+    """The page disables Send while a reply runs; a client that does not wait had every message answered at
+    once (mixed into each other's prompts, the history out of order, Stop ending one). Now one at a time."""
+    _, _, cookies, folder = first_chat
+    tab = ChatTab(restarted.url, cookies)
+    try:
+        tab.wait_for("chat_settings")
+        start = tab.send("First question.", wait=False)
+        tab.send("Second question.", wait=False)
+        tab.wait_for("task_end", after=start, timeout=90)
+        time.sleep(1.0)  # (both handled)
+        refused = [text for text in tab.outputs(start) if text.startswith("Please wait until this reply is done")]
+        thread_id = tab.thread_id or tab.wait_for("first_interaction", after=start)[1]["thread_id"]
+    finally:
+        tab.close()
+    assert len(refused) == 1
+    users = [output for type, output, _ in stored_steps(folder / "history.db", thread_id) if type == "user_message"]
+    assert users == ["First question."]  # the refused one is not in the history
+
+
+def test_a_message_over_a_megabyte_is_refused_saying_so(first_chat, restarted):
+    """engineio closed the socket at a frame over 1 MB: the message was shown as sent and never answered. The
+    frame limit is LLAMA_MAX_BODY_MB now, and a message too long for the model is refused by name."""
+    _, _, cookies, _ = first_chat
+    tab = ChatTab(restarted.url, cookies)
+    try:
+        tab.wait_for("chat_settings")
+        start = tab.send("word " * 300_000, timeout=120)  # 1.5 MB
+        assert any("Your message is too long for this model" in text for text in tab.outputs(start))
+        assert tab.sio.connected
+    finally:
+        tab.close()
+
+
 def test_the_sidebar_lists_the_chat_and_opens_it(first_chat, restarted):
     from support.browser import CHROMIUM, CHROMIUM_ARGS, need_browser
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import chainlit.data
+from chainlit.session import BaseSession
 import httpx
 import pytest
 from support.app import imported_app
@@ -148,6 +149,8 @@ def chainlit_upload(folder: Path, sessions: dict):
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        if not body:  # (Chainlit 2.12's BaseSession.persist_file: empty content is none given)
+            await BaseSession.persist_file(session, "a.txt", "text/plain", content=body)
         file_id = str(uuid.uuid4())
         path = folder / session.id / f"{file_id}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -215,6 +218,14 @@ def test_a_session_keeps_a_bounded_number_of_uploads_waiting(served, tmp_path, m
     assert too_big.status_code == 429 and "Send them with a message or remove some first" in too_big.json()["detail"]
     assert len(list((tmp_path / "s1").iterdir())) == uploads.MAX_PENDING_FILES  # the 1001 bytes: deleted
     assert len(session.files) == uploads.MAX_PENDING_FILES
+
+
+def test_an_empty_file_is_a_400_saying_so(served, tmp_path):
+    """Chainlit's upload route takes an empty file's content for none given and raised (a 500 with a trace)."""
+    session, upload = served
+    answer = asyncio.run(asyncio.wait_for(upload(b""), 10))
+    assert answer.status_code == 400 and answer.json()["detail"] == "The file is empty: it has nothing to read."
+    assert uploads.PENDING == {} and session.files == {}
 
 
 def test_the_bytes_on_disk_are_in_the_metrics():

@@ -56,6 +56,7 @@ REPLY = "reply"  # metadata["kind"] of a step that holds one of the model's repl
 CUT = "cut"  # ... of a reply cut off by a failure (the question is to be sent again): not remembered
 STREAMING = "streaming"  # ... of a reply being written, with the writing web process's "pid": if that stops, cut
 SAVE_EVERY_S = 2.0  # how often a streaming reply's text so far is written
+CHAT_NAME_CHARS = 200  # a chat's name at most (the sidebar shows a line of it; a first message may be megabytes)
 CUT_SHORT_NOTE = "*(cut short: the server stopped; send the message again to have it answered)*"
 
 # Every column Chainlit 2.12's SQLAlchemyDataLayer reads or writes (StepDict, Message.to_dict,
@@ -173,6 +174,8 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
             return refused("chat", "that is not the user's", thread_id)
         if user_id is not None and await self._get_user_identifer_by_id(user_id) != actor():
             return refused("chat", "for another user", thread_id)
+        if isinstance(name, str) and len(name) > CHAT_NAME_CHARS:  # (named after its first message, whole)
+            name = name[:CHAT_NAME_CHARS - 1].rstrip() + "…"
         await super().update_thread(thread_id, name=name, user_id=user_id, metadata=metadata, tags=tags)
 
     async def delete_thread(self, thread_id: str):

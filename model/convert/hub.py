@@ -38,7 +38,7 @@ from .folder import (ConversionError, check_free_space, log, make_parent, move_i
 WANTED = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
                     r"|model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json"
                     r"|special_tokens_map\.json|chat_template\.jinja|original/tokenizer\.model")
-REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+REPO_ID = re.compile(r"\w[\w.-]*/[\w.][\w.-]*")  # owner/name, neither beginning with '-' (never an option)
 REVISION = re.compile(r"\w[\w./-]{0,254}")  # a branch, tag or commit: never an option (-...) nor a path (./, ../)
 SPARE_BYTES = 10_000_000
 HUB_CACHE = ".cache"  # huggingface_hub's bookkeeping inside a download folder

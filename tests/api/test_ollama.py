@@ -266,6 +266,10 @@ def test_a_model_is_pulled_from_the_hub_even_if_the_client_goes_away_and_deleted
     with pytest.raises(ollama.ResponseError) as error:  # another owner's model of the same name is not this one
         client.pull("someone-else/Tiny-Pulled")
     assert error.value.status_code == 400 and f"pulled from {PULLED}" in error.value.error
+    for named in ("-x/Tiny", "acme/-x"):  # a name never an option of the fetch either
+        with pytest.raises(ollama.ResponseError) as error:
+            client.pull(named)
+        assert error.value.status_code == 400 and "owner/name" in error.value.error
     for revision in ("--help", "-x", "../main", ".hidden", "a b"):  # never an option of the fetch, nor a path
         with pytest.raises(ollama.ResponseError) as error:
             client.pull(f"acme/Other:{revision}")

@@ -96,8 +96,10 @@ def test_the_data_layer_stores_and_lists_chats_without_sql_errors(tmp_path, capl
             user = await layer.create_user(cl.User(identifier="local", metadata={"provider": "local"}))
             context = init_http_context(user=user)
             thread_id = context.session.thread_id
-            await layer.update_thread(thread_id, name="A chat", user_id=user.id, tags=["tiny"],
-                                      metadata={"chat_settings": {"temperature": 0.5}})
+            await layer.update_thread(thread_id, name="A chat " * 100_000, user_id=user.id, tags=["tiny"],
+                                      metadata={"chat_settings": {"temperature": 0.5}})  # (named after a pasted
+            long_name = (await layer.get_thread(thread_id))["name"]  # ... first message of megabytes)
+            await layer.update_thread(thread_id, name="A chat")
             question = cl.Message(content="Hello", author="User", type="user_message")
             step = cl.Step(name="on_message", type="run", default_open=True, auto_collapse=True, icon="bot")
             answer = cl.Message(content="Hi there", metadata={"kind": history.REPLY}, tags=["a", "b"])
@@ -110,12 +112,13 @@ def test_the_data_layer_stores_and_lists_chats_without_sql_errors(tmp_path, capl
             thread = await layer.get_thread(thread_id)
             author = await layer.get_thread_author(thread_id)
             await layer.delete_thread(thread_id)
-            return listed, thread, author, await layer.get_thread(thread_id)
+            return listed, thread, author, await layer.get_thread(thread_id), long_name
         finally:
             await layer.close()
 
     with caplog.at_level(logging.INFO):
-        listed, thread, author, deleted = asyncio.run(scenario())
+        listed, thread, author, deleted, long_name = asyncio.run(scenario())
+    assert len(long_name) == history.CHAT_NAME_CHARS and long_name.startswith("A chat A chat") and long_name[-1] == "…"
     assert [t["name"] for t in listed.data] == ["A chat"] and author == "local"
     steps = {s["type"]: s for s in thread["steps"]}
     assert {type: s["output"] for type, s in steps.items()} == {
@@ -457,8 +460,34 @@ def test_a_resumed_chat_continues_with_the_models_memory_of_it(first_chat, resta
     assert_clean_log(restarted)
 
 
+def test_the_sidebar_lists_the_chat_and_opens_it(first_chat, restarted):
+    from support.browser import CHROMIUM, CHROMIUM_ARGS, need_browser
+
+    need_browser()
+    from playwright.sync_api import sync_playwright
+
+    _, thread_id, _, _ = first_chat
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 800})
+            page.set_default_timeout(60_000)
+            page.goto(restarted.url)  # no login form: signed in as the local user
+            link = page.locator('#thread-history a[href^="/thread/"]')
+            link.first.wait_for()
+            assert link.count() == 1 and link.first.get_attribute("href") == f"/thread/{thread_id}"
+            assert FIRST in link.first.inner_text()
+            link.first.click()
+            page.wait_for_url(f"**/thread/{thread_id}")
+            page.locator('.step[data-step-type="user_message"]', has_text=FIRST).wait_for()
+            page.wait_for_selector("#chat-input")
+        finally:
+            browser.close()
+    assert_clean_log(restarted)
+
+
 def test_a_chat_deleted_while_its_tab_is_open_is_not_written_again(first_chat, restarted):
-    """Deleted from another tab (the sidebar's DELETE), a chat still open in one took every later message and
+    """(After the sidebar's test: these add chats.) Deleted from another tab (the sidebar's DELETE), a chat still open in one took every later message and
     file into a chat owned by nobody (nobody could see or delete it, nor were its files counted). Now the tab is
     told, and nothing more is stored."""
     _, _, cookies, folder = first_chat
@@ -513,32 +542,6 @@ def test_a_message_over_a_megabyte_is_refused_saying_so(first_chat, restarted):
         assert tab.sio.connected
     finally:
         tab.close()
-
-
-def test_the_sidebar_lists_the_chat_and_opens_it(first_chat, restarted):
-    from support.browser import CHROMIUM, CHROMIUM_ARGS, need_browser
-
-    need_browser()
-    from playwright.sync_api import sync_playwright
-
-    _, thread_id, _, _ = first_chat
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1100, "height": 800})
-            page.set_default_timeout(60_000)
-            page.goto(restarted.url)  # no login form: signed in as the local user
-            link = page.locator('#thread-history a[href^="/thread/"]')
-            link.first.wait_for()
-            assert link.count() == 1 and link.first.get_attribute("href") == f"/thread/{thread_id}"
-            assert FIRST in link.first.inner_text()
-            link.first.click()
-            page.wait_for_url(f"**/thread/{thread_id}")
-            page.locator('.step[data-step-type="user_message"]', has_text=FIRST).wait_for()
-            page.wait_for_selector("#chat-input")
-        finally:
-            browser.close()
-    assert_clean_log(restarted)
 
 
 # ---- a server killed mid-reply ------------------------------------------------------------------

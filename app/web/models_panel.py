@@ -20,6 +20,8 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import chainlit as cl
 
@@ -116,8 +118,12 @@ class ModelsPanel:
     async def props(self, current: str | None, user: str | None, said: str = "") -> dict:
         rows, interrupted = await asyncio.to_thread(lambda: (self.rows(current), self.interrupted()))
         only_default = len(rows) == 1 and rows[0]["default"]
-        return {"models": rows, "pulls": self.pulls(), "interrupted": interrupted, "suggestions": self.suggestions(),
-                "admin": self.settings.may_manage_models(user),
+        admin, pulls = self.settings.may_manage_models(user), self.pulls()
+        if not admin:  # an admin's file or folder on this machine, or an address, is theirs: its name alone
+            for pull in pulls + interrupted:
+                pull["source"] = public_source(pull["source"])
+        return {"models": rows, "pulls": pulls, "interrupted": interrupted, "suggestions": self.suggestions(),
+                "admin": admin,
                 "note": DEFAULT_NOTE.format(name=self.backend.default) if only_default else "",
                 "said": said}
 
@@ -187,6 +193,17 @@ def pull_state(pull: Pull) -> dict:
             "total_text": size_text(total) if total else None, "speed": f"{size_text(speed)}/s" if done else None,
             "left": f"{(total - done) / speed:.0f} s left" if total and done and speed > 0 else None,
             "file": fetching, "error": pull.error}
+
+
+def public_source(source: str) -> str:
+    """What a user who manages no models sees of a pull's source: a Hugging Face id as it is; a path on this
+    machine or an http(s) address by its last part only (a folder's layout, a host, a token in a query are not
+    theirs to see)."""
+    if URL.fullmatch(source):
+        return Path(urlsplit(source).path).name or "a file"
+    if source.startswith(("/", "~")):
+        return Path(source).name or "a file"
+    return source
 
 
 async def show(panel: ModelsPanel, element: cl.CustomElement | None, current: str | None, user: str | None,

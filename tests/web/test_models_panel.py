@@ -246,4 +246,7 @@ def test_only_model_admins_pull_remove_or_choose_and_removing_asks_nothing_of_ot
     assert removed == "Removed spare." and not (main.SETTINGS.weights_dir / "spare").exists()
     assert default.startswith("Not removed: tiny is the server's default model")
     assert Settings().may_manage_models(None) and not signed_in.may_manage_models(None)
+    for source, seen in [("/home/ann/models/secret-project/x.Q4_0.gguf", "x.Q4_0.gguf"),
+                         ("https://files.example/a/b/x.gguf?token=abc", "x.gguf"), (PULLED, PULLED)]:
+        assert models_panel.public_source(source) == seen  # what bob sees of ann's pulls
     assert Settings(model_admins=()).may_manage_models(None) is False

@@ -62,6 +62,12 @@ def fetch_gguf_url(url: str, weights_dir: Path, name: str | None = None, force: 
         reason = getattr(e, "reason", None) or e
         raise ConversionError(f"{url}: the download was cut ({reason}) with {here:.0f} MB here; run the same "
                               "again to go on from them") from None
+    with open(target, "rb") as f:
+        magic, size = f.read(4), target.stat().st_size
+    if magic != b"GGUF":  # the whole file came, and is something else (a page): nothing to go on from
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ConversionError(f"{url}: the server sent {size:,} bytes that are not a GGUF file; check the address "
+                              "(a model page's address is not its file's)")
     from .gguf import import_ggufs  # (gguf and numpy: not for the web process, which checks addresses with URL)
 
     folders = import_ggufs(target, weights_dir, name, force)

@@ -175,6 +175,7 @@ def test_a_folder_of_gguf_files_on_this_machine_is_imported(main, tmp_path):
 
 def test_a_gguf_address_is_downloaded_cut_then_resumed_and_imported(main, hub, tmp_path):
     gguf = write_llama3_gguf(hf_model(seed=4), tmp_path / "Tiny-Llama-3-f16.gguf", "f16")
+    (tmp_path / "page.gguf").write_text("<!doctype html><title>A model's page</title>")  # no GGUF at that address
     hub.add_folder("acme/GGUFs", tmp_path)
     url = f"{hub.url}/acme/GGUFs/resolve/main/{gguf.name}"
     hub.drop_after[gguf.name] = 20_000  # the first try is cut after 20 kB
@@ -187,9 +188,12 @@ def test_a_gguf_address_is_downloaded_cut_then_resumed_and_imported(main, hub, t
     async def scenario():
         await chat.start()
         await chat.send("/models")
-        return await ended(url), await ended(url), await ended(f"{hub.url}/acme/GGUFs/resolve/main/notes.txt")
+        return (await ended(url), await ended(url), await ended(f"{hub.url}/acme/GGUFs/resolve/main/notes.txt"),
+                await ended(f"{hub.url}/acme/GGUFs/resolve/main/page.gguf"))
 
-    cut, done, refused = run(scenario(), 240)
+    cut, done, refused, not_gguf = run(scenario(), 240)
+    assert "bytes that are not a GGUF file" in not_gguf["said"], not_gguf["said"]
+    assert not_gguf["interrupted"] == [] and not list(main.SETTINGS.weights_dir.glob(".page*"))  # nothing left
     assert cut["said"].startswith(f"Not pulled: {url}: the download was cut"), cut["said"]
     assert [i["source"] for i in cut["interrupted"]] == [url]
     assert done["said"] == "Tiny-Llama-3-f16 is here: choose Use to chat with it.", done["said"]

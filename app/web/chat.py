@@ -129,6 +129,7 @@ def start() -> None:
     api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb, stored=lambda: dict(uploads.STORED),
               weights_dir=SETTINGS.weights_dir, max_context=SETTINGS.max_context, weights=MODELS.weights)
     chainlit_app.router.routes.insert(0, api.health_route(BACKEND))  # before Chainlit's own
+    chainlit_app.router.routes.insert(0, sessions.action_route())  # an action that is not one: a 400, not a 500
     if FILE_STORE is not None:
         chainlit_app.router.routes.insert(0, FILE_STORE.route())
     if SETTINGS.history:  # a message's feedback and files: the user's own only

@@ -23,12 +23,15 @@ import hmac
 import logging
 from collections.abc import Callable
 
-from chainlit.auth import authenticate_user, create_jwt, get_token_from_cookies, set_auth_cookie
+from chainlit import server as chainlit_server
+from chainlit.action import Action
+from chainlit.auth import authenticate_user, create_jwt, get_current_user, get_token_from_cookies, set_auth_cookie
 from chainlit.auth.jwt import decode_jwt
 from chainlit.server import sio
-from chainlit.session import ws_sessions_sid
+from chainlit.session import WebsocketSession, ws_sessions_sid
+from chainlit.types import CallActionRequest
 from chainlit.user import User
-from fastapi import Request, Response
+from fastapi import Depends, HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from starlette.requests import cookie_parser
 
@@ -133,3 +136,19 @@ async def sweep(valid: Valid, every_s: float = SWEEP_S) -> None:
                          session.user.identifier if session.user else None)
                 with contextlib.suppress(Exception):  # already gone
                     await sio.disconnect(session.socket_id)
+
+
+def action_route() -> APIRoute:
+    """Chainlit's route for an action (a button under a reply, the models panel's clicks), behind one that
+    checks what it would fail on with a 500 and a trace: a session that is gone (404: the page reloads), an
+    action that is not one (400, naming what is wrong)."""
+    async def call_action(payload: CallActionRequest, user=Depends(get_current_user)):
+        if WebsocketSession.get_by_id(payload.sessionId) is None:
+            raise HTTPException(status_code=404, detail="This page's session has ended: reload the page.")
+        try:
+            Action(**payload.action)
+        except (TypeError, ValueError) as e:  # (pydantic's ValidationError is a ValueError)
+            raise HTTPException(status_code=400, detail=f"Not an action: {str(e)[:300]}") from None
+        return await chainlit_server.call_action(payload, user)
+
+    return APIRoute("/project/action", call_action, methods=["POST"])

@@ -143,6 +143,12 @@ ROUTES: dict[tuple[str, str], tuple[Callable, tuple[int, ...]] | str] = {
     ("POST", "/project/action#session"): (_request("POST", "/project/action", json={  # in B's tab
         "sessionId": "{v.session}", "action": {"id": str(uuid.uuid4()), "name": "regenerate", "forId": "{v.answer}",
                                                "payload": {"answer": "{v.answer}"}}}), SESSION_REFUSED),
+    ("POST", "/project/action#not-an-action"): (_request("POST", "/project/action", json={  # was a 500, a trace
+        "sessionId": "{a.session_id}", "action": {"id": str(uuid.uuid4()), "name": "models", "forId": "x",
+                                                  "payload": "notadict"}}), (400,)),
+    ("POST", "/project/action#no-session"): (_request("POST", "/project/action", json={  # was a 500 too
+        "sessionId": str(uuid.uuid4()), "action": {"id": str(uuid.uuid4()), "name": "regenerate", "forId": "x",
+                                                   "payload": {}}}), (404,)),
     ("POST", "/project/file"): (_request("POST", "/project/file", params={"session_id": "{v.session}"},
                                          files={"file": ("x.md", b"A's", "text/markdown")}), SESSION_REFUSED),
     ("GET", "/project/file/{file_id}"): (_request("GET", "/project/file/{v.element}", params={"session_id": "{v.session}"}),

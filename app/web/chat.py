@@ -55,7 +55,7 @@ from app.bounds import reply_seed
 from app.backend.conversation import Conversation, Message
 from app.web.display import Paced, ShownStream, shown
 from app.web.file_store import FileStore
-from app.messages import Done, Failed, Loading, Queued, ReplySettings, Restarting, Text
+from app.messages import FINISH_REASONS, Done, Failed, Loading, Queued, ReplySettings, Restarting, Text
 from app.web.presets import CUSTOM, preset_of, read_presets
 from app.private_files import private_folder
 from app.weights import Weights
@@ -609,6 +609,7 @@ async def end_chat():
     """The tab closed or lost its connection, or a new chat began: free the model for others."""
     request = cl.user_session.get("request")
     if request is not None:  # nobody is reading the reply any more
+        cl.user_session.set("page_gone", True)  # (its line says so, not "stopped by user")
         request.cancel()
     session = cl.context.session
     if getattr(session, "to_clear", False):  # a new chat replaces this one for good
@@ -644,6 +645,7 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
     shows it marked as cut short, and it counts as cut."""
 
     asked = conversation.messages[-1]
+    cl.user_session.set("page_gone", False)  # (a socket that reconnects keeps its session)
 
     def not_answered() -> None:
         if replacing is not None and on_first_text is not None:  # nothing of the new answer came
@@ -751,6 +753,8 @@ async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> 
                          tooltip="Download this chat as Markdown and JSON")]
     cl.user_session.set("actions", actions)
     line = done.summary
+    if done.finish_reason == "cancelled" and cl.user_session.get("page_gone"):  # the tab closed, nobody pressed Stop
+        line = line.replace(FINISH_REASONS["cancelled"], "cut off: the page was closed")
     if context.limit:  # (not known for a reply stopped before its prompt was built)
         line += f" · {context_in_use(done.context_used, context.limit)}"
     if context.left_out:

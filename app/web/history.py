@@ -109,22 +109,13 @@ def create_schema(path: Path) -> None:
         db.execute('CREATE INDEX IF NOT EXISTS threads_user ON threads ("userId")')
 
 
-def answering() -> str | None:
-    """The id of the message whose reply the socket session computes now (app.web.chat sets it), or None; None
-    outside a socket session."""
+def session_value(key: str):
+    """A value of the socket session's user_session (app.web.chat sets "answering": the id of the message whose
+    reply runs, and "refused_ids": those refused meanwhile, never to be stored); None outside a socket session."""
     try:
-        return user_session.get("answering")
+        return user_session.get(key)
     except ChainlitContextException:
         return None
-
-
-def refused_ids() -> set[str]:
-    """Ids of the socket session's messages refused for coming while another was answered (app.web.chat):
-    never stored, whenever Chainlit's task that writes one runs."""
-    try:
-        return user_session.get("refused_ids") or set()
-    except ChainlitContextException:
-        return set()
 
 
 class SQLiteDataLayer(SQLAlchemyDataLayer):
@@ -197,12 +188,15 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
         """(update_step comes here too.) A message goes only into the user's chat, and never over a
         message of another chat that has its id."""
         thread_id, step_id = step_dict.get("threadId"), step_dict.get("id")
-        if step_dict.get("type") == "user_message" and (answering() not in (None, step_id) or step_id in refused_ids()):
+        refused_ids = session_value("refused_ids") or set()
+        if step_dict.get("type") == "user_message" and (session_value("answering") not in (None, step_id)
+                                                        or step_id in refused_ids):
             log.info("not stored: a message sent while the chat's reply to another runs (chat %s)", str(thread_id)[:40])
             return
         if await self.owners.may_write_row("message", await self.owners.step_thread(step_id), thread_id):
             await super().create_step(step_dict)
-            if step_id in refused_ids():  # refused while it was being written (Chainlit writes it on a task)
+            if step_id in (session_value("refused_ids") or set()):  # refused while it was being written (Chainlit
+                # writes it on a task of its own)
                 await super().delete_step(step_id)
 
     async def get_step(self, step_id: str):

@@ -5,7 +5,11 @@ draw), so top-p and min-p see the probabilities before temperature reshapes them
 
 - `repetition_penalty` (llama.cpp's `--repeat-penalty`, CTRL's penalty with the sign fix): every
   token among the last `penalty_last_n` ids accepted (prompt included, as llama.cpp's server and CLI
-  feed the prompt to the sampler) has a positive logit divided and a non-positive one multiplied.
+  feed the prompt to the sampler) has a positive logit divided and a non-positive one multiplied,
+  except a token that continues a passage of the prompt the reply is quoting (`QuotedRuns`: the last
+  `QUOTE_RUN` ids and the token, in a row somewhere in the prompt). llama.cpp penalizes those too, and
+  the penalty that stops a small model looping then makes it change code and text it was asked to give
+  back (docs/benchmarks.md, "Quotes of the prompt"); a reply that repeats itself is penalized as before.
 - `frequency_penalty` / `presence_penalty` (OpenAI's): logit -= count * frequency + (count > 0) *
   presence, where count is how often the token was generated so far in this reply (not the prompt,
   as OpenAI's and vLLM's docs define them; no window).
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 
 PENALTY_RANGE = 2.0  # OpenAI accepts frequency/presence penalties in [-2, 2]
+QUOTE_RUN = 3  # ids in a row, found in the prompt, after which the prompt's next id is a quote's (0: none is)
 
 
 @dataclass(frozen=True)
@@ -244,6 +249,37 @@ def nucleus(x: np.ndarray, ids: np.ndarray | None, top_p: float) -> np.ndarray:
     return chosen if ids is None else ids[chosen]
 
 
+class QuotedRuns:
+    """Where a reply may be quoting its prompt: the ids that follow each run of `run` ids in the prompt.
+
+    Each run is packed into one int64 (run * bits of an id, the bits the prompt's largest id needs), the
+    keys sorted once, so a step's lookup is two binary searches, whatever the prompt's length.
+    """
+
+    def __init__(self, prompt: list[int], run: int | None = None):
+        ids = np.asarray(prompt, dtype=np.int64)
+        self.run = QUOTE_RUN if run is None else run
+        self.bits = max(int(ids.max(initial=0)).bit_length(), 1)
+        if self.run <= 0 or len(ids) <= self.run or self.run * self.bits > 63:  # nothing to quote, or too wide
+            self.keys, self.next = np.empty(0, np.int64), np.empty(0, np.int64)
+            return
+        keys = np.zeros(len(ids) - self.run, dtype=np.int64)  # keys[i] packs ids[i : i + run]
+        for j in range(self.run):
+            keys = (keys << self.bits) | ids[j:len(ids) - self.run + j]
+        order = np.argsort(keys, kind="stable")
+        self.keys, self.next = keys[order], ids[self.run:][order]
+
+    def after(self, last: list[int]) -> np.ndarray:
+        """The ids that follow the last `run` ids of `last` somewhere in the prompt: none if they are not there."""
+        last = last[len(last) - self.run:]
+        if self.run <= 0 or len(last) < self.run or any(token >> self.bits for token in last):  # ids it never had
+            return self.next[:0]
+        key = 0
+        for token in last:
+            key = (key << self.bits) | token
+        return self.next[np.searchsorted(self.keys, key, "left"):np.searchsorted(self.keys, key, "right")]
+
+
 class Sampler:
     """The sampling state of one sequence: its parameters, seeded generator and token history.
 
@@ -257,6 +293,9 @@ class Sampler:
         self.generator = make_generator(params.seed, device=device)
         window = None if params.penalty_last_n < 0 else params.penalty_last_n
         self.recent: deque[int] = deque(maxlen=window)  # the last penalty_last_n ids, prompt included
+        self.last: deque[int] = deque(maxlen=QUOTE_RUN)  # the ids a quote of the prompt would go on from
+        self.prompt: list[int] = []  # ids accepted before the first sample(), while the penalty needs them
+        self.quoted: QuotedRuns | None = None  # the prompt's runs, once sampling starts
         self.generated: dict[int, int] = {}  # token id -> times generated in this reply
         self.started = False  # has sample() been called (so accepted ids are generated ones)?
 
@@ -264,15 +303,22 @@ class Sampler:
         for token in token_ids:
             token = int(token)
             self.recent.append(token)
+            self.last.append(token)
             if self.started:
                 self.generated[token] = self.generated.get(token, 0) + 1
+            elif self.params.repetition_penalty != 1.0:
+                self.prompt.append(token)
 
     def penalized(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (vocab,) float32 with the repetition, frequency and presence penalties applied."""
         p = self.params
         logits = logits.float()
         if p.repetition_penalty != 1.0 and self.recent:
-            ids = device_tensor(sorted(set(self.recent)), torch.long, logits.device)
+            quoted = self.quoted or QuotedRuns(self.prompt)
+            if self.started:  # the prompt is whole: its runs are kept for the reply's steps
+                self.quoted, self.prompt = quoted, []
+            spared = quoted.after(list(self.last)).tolist()  # the prompt's next ids, if the reply quotes it
+            ids = device_tensor(sorted(set(self.recent).difference(spared)), torch.long, logits.device)
             seen = logits[ids]
             logits = logits.clone()
             logits[ids] = torch.where(seen <= 0, seen * p.repetition_penalty, seen / p.repetition_penalty)

@@ -829,7 +829,7 @@ def settings_widgets(defaults: ReplySettings, system_prompt: str | None, limit: 
                description="Leave out tokens less likely than this share of the most likely one (0: off)."),
         Slider(id="repetition_penalty", label="Repetition penalty", initial=defaults.repetition_penalty, min=1,
                max=2, step=0.01, description="Makes tokens of the last 64 less likely, so replies do not go round "
-                                             "in circles (1: off)."),
+                                             "in circles; text quoted from the chat is spared (1: off)."),
         Slider(id="max_new_tokens", label="Max new tokens", initial=min(defaults.max_new_tokens, limit),
                min=16, max=limit, step=16, description="The longest reply, in tokens."),
         TextInput(id="seed", label="Seed", initial="", placeholder="random",

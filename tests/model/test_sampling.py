@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from model.sampling import (Sampler, SamplingParams, filtered, host_sample, kept, make_generator, race, sample,
-                            token_logprobs, top, uniforms)
+from model.sampling import (QuotedRuns, Sampler, SamplingParams, filtered, host_sample, kept, make_generator, race,
+                            sample, token_logprobs, top, uniforms)
 
 
 def logits_fixture(vocab=1000, seed=0):
@@ -225,6 +225,65 @@ def test_frequency_and_presence_penalties_count_generated_tokens_only():
     sampler.sample(logits)
     sampler.accept([1, 1, 2, 1])  # no window either: every generated token counts
     assert sampler.penalized(logits).tolist() == [0.0, -(3 * 0.5 + 0.25), -(0.5 + 0.25), 0.0]
+
+
+def test_quoted_runs_give_every_id_that_follows_a_run_of_the_prompt():
+    runs = QuotedRuns([5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6, 7], run=3)
+    assert sorted(runs.after([5, 6, 7]).tolist()) == [8, 9]  # the last run has nothing after it
+    assert runs.after([0, 6, 7, 8]).tolist() == [1]  # the last `run` ids count
+    assert runs.after([7, 8, 5]).tolist() == []  # not a run of the prompt
+    assert runs.after([6, 7]).tolist() == []  # fewer ids than a run
+    assert runs.after([5, 6, 1 << 40]).tolist() == []  # an id past any of the prompt's (and past 32 bits)
+    assert runs.after([-1, 5, 6]).tolist() == []
+    assert QuotedRuns([1, 2, 3], run=3).after([1, 2, 3]).tolist() == []  # a prompt no longer than a run
+    assert QuotedRuns([], run=3).after([1, 2, 3]).tolist() == []
+    # Llama 3's largest ids (17 bits each, 51 bits a run) pack without colliding with small ones
+    big = [128_255, 128_254, 128_253, 7, 1, 2, 3, 8]
+    assert QuotedRuns(big, run=3).after([128_255, 128_254, 128_253]).tolist() == [7]
+    assert QuotedRuns(big, run=3).after([1, 2, 3]).tolist() == [8]
+
+
+def test_repetition_penalty_spares_a_token_that_continues_a_quote_of_the_prompt():
+    logits = torch.full((10,), 2.0)
+    sampler = Sampler(SamplingParams(repetition_penalty=2.0))
+    sampler.accept([1, 2, 3, 4, 5])  # the prompt
+    sampler.sample(logits)
+    sampler.accept([2, 3])  # the reply quotes the prompt: 1 2 3 | 2 3 is no run of it yet
+    assert sampler.penalized(logits).tolist() == [2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    sampler.accept([4])  # 2 3 4 is: the prompt's next id, 5, is spared; the rest are penalized
+    assert sampler.penalized(logits).tolist() == [2.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+    sampler.accept([5])  # the quote reached the prompt's end: every recent id is penalized again
+    assert sampler.penalized(logits).tolist() == [2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+
+
+def test_repetition_penalty_still_penalizes_a_reply_that_repeats_itself():
+    logits = torch.full((10,), 2.0)
+    sampler = Sampler(SamplingParams(repetition_penalty=2.0))
+    sampler.accept([1, 2, 3])  # the prompt
+    sampler.sample(logits)
+    sampler.accept([7, 8, 9, 7, 8, 9])  # a loop of the reply's own: 8 9 7 is no run of the prompt
+    assert sampler.penalized(logits).tolist() == [2.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 1.0, 1.0, 1.0]
+    # a prompt token the reply met again by chance, not quoting, stays penalized too
+    sampler.accept([1])
+    assert sampler.penalized(logits)[1] == 1.0
+
+
+def test_a_quote_of_the_prompt_survives_a_penalty_that_would_change_it():
+    # The prompt 1 2 3 4 5; the model prefers to quote it (4 after 1 2 3, then 5), and token 9 comes a close
+    # second. With llama.cpp's penalty 4 and 5, both in the window, would lose to 9.
+    def logits(last: int) -> torch.Tensor:
+        out = torch.zeros(10)
+        out[9] = 2.0
+        out[last + 1 if last < 5 else 0] = 3.0
+        return out
+    sampler = Sampler(SamplingParams(repetition_penalty=2.0))
+    sampler.accept([1, 2, 3, 4, 5, 0, 1, 2, 3])  # the prompt ends "... 1 2 3", quoting its own start
+    reply = []
+    for _ in range(2):
+        token = sampler.sample(logits(([3] + reply)[-1]))
+        sampler.accept([token])
+        reply.append(token)
+    assert reply == [4, 5]
 
 
 def test_repetition_and_frequency_penalties_combine_in_llama_cpp_order():

@@ -47,6 +47,8 @@ ONE_TOKEN_GUESSES = 2  # a match of a single token guesses at most this many tok
 
 class Guesser(Protocol):
     cost_per_guess: float  # seconds a guess takes to make (0 for a lookup)
+    kinds: tuple[int, ...]  # kinds of guess whose acceptance is counted apart (0, 1, ...)
+    kind: int  # the kind of the last guesses proposed
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that may follow `tokens` (the prompt and the reply so far)."""
@@ -60,21 +62,25 @@ class PromptLookup:
     Where only the last token matches, it often guesses the rest of a word cut in pieces or the comma
     after it, and seldom a long run: such a match guesses at most `one_token` tokens, so that its misses
     cost little and do not pull down the acceptance that longer matches earned (docs/benchmarks.md,
-    speculative decoding)."""
+    speculative decoding). A match of one token and a longer one are two kinds of guess (`kind` 0 and 1): in a
+    reply that quotes its prompt the longer matches stand while the single tokens between them miss."""
 
     cost_per_guess = 0.0  # dict reads
+    kinds = (0, 1)
 
     def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM, one_token: int = ONE_TOKEN_GUESSES):
         self.sizes = range(max_ngram, min_ngram - 1, -1)
         self.one_token = one_token
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
         self.seen: list[int] = []  # the tokens indexed: every n-gram that ends before the last one
+        self.kind = 0
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         self._index(tokens)
         for n in self.sizes:
             start = self.index.get(tuple(tokens[-n:])) if len(tokens) > n else None
             if start is not None:
+                self.kind = int(n > 1)
                 return tokens[start:start + (k if n > 1 else min(k, self.one_token))]
         return []
 
@@ -95,6 +101,8 @@ class PromptLookup:
 class Draft:
     """A smaller model with the same tokenizer guesses greedily, keeping its own KV cache in step with
     the sequence: what both agree on stays, the rest is computed again (usually one or two tokens)."""
+
+    kinds, kind = (0,), 0
 
     def __init__(self, checkpoint, max_len: int):
         self.model = checkpoint.model
@@ -202,7 +210,12 @@ class Speculation:
     other rows and the tokens they are expected to give count too, so a guess is made only where it
     raises the whole batch's rate. The acceptance counts fade after each step that guesses, and slowly
     after one that does not: a sequence whose guesses failed tries again later, and one whose guesses
-    seldom stand (a plain answer, where a single token matched) does not keep paying for them."""
+    seldom stand (a plain answer, where a single token matched) does not keep paying for them.
+
+    Each kind of guess (`Guesser.kinds`: prompt lookup's matches of one token and of more) has counts of its
+    own. A step asks the guesser for as many guesses as the most hopeful kind would earn, then keeps as many
+    as the kind it got earns: a reply that quotes its prompt checks its long matches' guesses although the
+    single tokens between them missed, which, counted together, stopped it guessing at all."""
 
     DECAY = 0.9  # the acceptance counts' weight after a step that guessed
     IDLE_DECAY = 0.98  # after a step that did not
@@ -211,25 +224,33 @@ class Speculation:
         self.guesser = guesser
         self.times = times
         self.max_guesses = max_guesses
-        self.stood = 0.0  # guesses that stood (faded)
-        self.missed = 0.0  # steps where a guess did not (faded)
+        self.stood = dict.fromkeys(guesser.kinds, 0.0)  # per kind of guess: guesses that stood (faded)
+        self.missed = dict.fromkeys(guesser.kinds, 0.0)  # steps where a guess did not (faded)
+        self.kind = guesser.kinds[0]  # of the last guesses
 
-    @property
-    def acceptance(self) -> float:
-        """The chance that a guess stands given the ones before it did (prior 1/2)."""
-        return (self.stood + 1.0) / (self.stood + self.missed + 2.0)
+    def acceptance(self, kind: int | None = None) -> float:
+        """The chance that a guess of this kind (the last guesses' by default) stands given the ones before it
+        did (prior 1/2)."""
+        kind = self.kind if kind is None else kind
+        return (self.stood[kind] + 1.0) / (self.stood[kind] + self.missed[kind] + 2.0)
 
     def guesses(self, tokens: Callable[[], list[int]], room: int, rows: int = 1, expected: float = 1.0) -> list[int]:
         """Guesses for the step that runs the last of `tokens()` (the prompt and the reply so far, built
         only when a guess is worth making), at most `room`. rows: the step's rows before this sequence's
         guesses (its own last token included); expected: the tokens they should give."""
-        k = self.planned(room, rows, expected)
+        room = min(room, self.max_guesses)
+        hopeful = max(self.acceptance(kind) for kind in self.stood)
+        k = self.best(room, rows, expected, hopeful)
         guesses = self.guesser.propose(tokens(), k) if k > 0 else []
+        if guesses:
+            self.kind = self.guesser.kind
+            guesses = guesses[:self.best(len(guesses), rows, expected)]
         self._fade(self.DECAY if guesses else self.IDLE_DECAY)
         return guesses
 
     def planned(self, room: int, rows: int = 1, expected: float = 1.0) -> int:
-        """How many guesses the step asks the guesser for (it may find fewer): `best`, at most max_guesses."""
+        """How many guesses the next step would keep, judged by the last guesses' kind (the kind of the next
+        is known only once its last token is): `best`, at most max_guesses."""
         return self.best(min(room, self.max_guesses), rows, expected)
 
     def passed(self) -> None:
@@ -238,14 +259,15 @@ class Speculation:
         self._fade(self.IDLE_DECAY)
 
     def _fade(self, fade: float) -> None:
-        self.stood *= fade
-        self.missed *= fade
+        for kind in self.stood:
+            self.stood[kind] *= fade
+            self.missed[kind] *= fade
 
-    def best(self, room: int, rows: int, expected: float) -> int:
-        """The number of guesses (0..room) that maximizes expected tokens over the step's time. A step with
-        guesses also pays the host's time between steps where one without could be queued ahead
-        (`StepTimes.host`)."""
-        a = self.acceptance
+    def best(self, room: int, rows: int, expected: float, acceptance: float | None = None) -> int:
+        """The number of guesses (0..room) that maximizes expected tokens over the step's time, for guesses
+        that stand with this chance (the last kind's by default). A step with guesses also pays the host's time
+        between steps where one without could be queued ahead (`StepTimes.host`)."""
+        a = self.acceptance() if acceptance is None else acceptance
         best, best_rate = 0, expected / self.times.cost(rows)
         gain, chance = 0.0, 1.0
         for k in range(1, room + 1):
@@ -258,15 +280,16 @@ class Speculation:
         return best
 
     def expected(self, guessed: int) -> float:
-        """Tokens a step with `guessed` guesses is expected to give beyond the one it always gives."""
-        a = self.acceptance
+        """Tokens a step with `guessed` guesses (of the last kind) is expected to give beyond the one it always
+        gives."""
+        a = self.acceptance()
         return sum(a ** i for i in range(1, guessed + 1))
 
     def checked(self, guessed: int, stood: int) -> None:
         """`stood` of `guessed` guesses matched what the model sampled."""
         if guessed:
-            self.stood += stood
-            self.missed += stood < guessed
+            self.stood[self.kind] += stood
+            self.missed[self.kind] += stood < guessed
 
 
 def check(decoding, logits: torch.Tensor, guesses: list[int]) -> Iterator[tuple[int, str]]:

@@ -158,18 +158,27 @@ class StepTimes:
     """How long a model's decode step takes by its number of rows, as measured: what a guess costs. Per
     row count a moving average that falls at once to a faster step (a first step that built the kernel,
     or one slowed by another process, does not stay in it). Rows not measured yet are estimated from
-    those that were."""
+    those that were. A row count not measured for STALE_STEPS steps is forgotten: a step slowed once (another
+    process's threads on the cores, a first run) made its row count look too dear to try again, and, through
+    the estimate of the others, could keep every guess off for the life of the server."""
 
     PRIOR_ROW_COST = 0.15  # a row more costs this part of a one-row step, until two row counts are measured
+    STALE_STEPS = 200
 
     def __init__(self):
         self.seconds: dict[int, float] = {}
+        self.measured_at: dict[int, int] = {}  # rows -> the step it was last measured at
+        self.steps = 0
         # The host's work between two steps that a step with guesses leaves the device idle for, where a step
         # without them is queued before its tokens are read (the engine on a GPU's slots); 0 elsewhere.
         self.host = 0.0
 
     def observe(self, rows: int, seconds: float) -> None:
+        self.steps += 1
         self.seconds[rows] = self._average(self.seconds.get(rows), seconds)
+        self.measured_at[rows] = self.steps
+        for stale in [r for r, at in self.measured_at.items() if self.steps - at >= self.STALE_STEPS]:
+            del self.seconds[stale], self.measured_at[stale]
 
     def observe_host(self, seconds: float) -> None:
         self.host = self._average(self.host or None, seconds)

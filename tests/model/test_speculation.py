@@ -137,6 +137,22 @@ def test_speculation_guesses_as_many_as_raise_the_tokens_per_second():
     assert batched.guesses(lambda: [1], 1, rows=7, expected=7.0) == []  # beside 6 other streams it would not
 
 
+def test_a_step_slowed_once_does_not_keep_guesses_off_for_good():
+    """One slow step of 8 rows (another server's threads on the cores) made every row count look dear through the
+    estimate, and guesses were never made again, so never measured again: it is forgotten after STALE_STEPS."""
+    fresh = StepTimes()
+    fresh.observe(1, 1.0)
+    fresh.observe(8, 100.0)  # the first measure of 8 rows, slowed
+    speculation = Speculation(Always(), fresh)
+    for _ in range(3):
+        speculation.checked(3, 3)  # guesses that stand
+    assert speculation.planned(7) == 0  # every row count looks dear
+    for _ in range(StepTimes.STALE_STEPS):
+        fresh.observe(1, 1.0)  # steps without guesses
+    assert 8 not in fresh.seconds and fresh.cost(8) == pytest.approx(1.0 + 7 * StepTimes.PRIOR_ROW_COST)
+    assert speculation.planned(7) > 0  # tried again, and measured again
+
+
 def test_a_long_match_is_guessed_although_single_token_matches_missed():
     """A reply that quotes its prompt: the quote's matches of several tokens stand, the single tokens between
     them miss. Counted together, those misses stopped every guess where a row costs 42% of a step (AVX2)."""

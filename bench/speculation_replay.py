@@ -11,8 +11,9 @@ for the default model's 4-bit blocks on AVX2, 0.09-0.17 on AVX-512 with VNNI, a 
 
     policy   model/speculation.py's Speculation over PromptLookup, as the engine runs it: the guesses it makes,
              the rows it pays for, the tokens each step gives
-    bound    prompt lookup's guesses where a policy knew which stand: each step checks exactly the guesses that
-             will stand, and nothing where none will (no policy that guesses from the prompt does better)
+    oracle   prompt lookup's guesses where a policy knew which stand: each step checks exactly the guesses that
+             will stand, and nothing where none will. Near what any policy over prompt lookup can give, not a
+             strict bound: a policy that stops short can at times meet a longer match at the next step
 
 Each ask's figure is its reply's tokens over the replayed time, against a step of one row a token (speculation
 off); then the geometric mean of the copy asks and of the plain questions. The replay leaves out the time to
@@ -66,7 +67,7 @@ def standing(guesses: list[int], reply: list[int], at: int) -> int:
     return n
 
 
-def replay(prompt: list[int], reply: list[int], row_cost: float, bound: bool) -> float:
+def replay(prompt: list[int], reply: list[int], row_cost: float, oracle: bool) -> float:
     """The reply's speed with speculation over its speed without, in steps of one row."""
     times = StepTimes()
     for rows in range(1, 9):
@@ -76,7 +77,7 @@ def replay(prompt: list[int], reply: list[int], row_cost: float, bound: bool) ->
     while at < len(reply):
         room = len(reply) - at - 1
         context = prompt + reply[:at]
-        if bound:
+        if oracle:
             guesses = speculation.guesser.propose(context, min(room, 7)) if room > 0 else []
             guesses = guesses[:standing(guesses, reply, at)]
         else:
@@ -111,8 +112,8 @@ def main() -> int:
         if args.replies:
             args.replies.write_text(json.dumps(got))
     costs = [float(c) for c in args.row_costs.split(",")]
-    print(f"\n{args.asks} asks, penalty {args.penalty}; speculation on / off, policy and bound, by a row's cost:")
-    print("| ask | tokens | " + " | ".join(f"policy {c:g} | bound {c:g}" for c in costs) + " |")
+    print(f"\n{args.asks} asks, penalty {args.penalty}; speculation on / off, policy and oracle, by a row's cost:")
+    print("| ask | tokens | " + " | ".join(f"policy {c:g} | oracle {c:g}" for c in costs) + " |")
     print("|---|---|" + "---|---|" * len(costs))
     for kind, got_kind in got.items():
         means = {c: ([], []) for c in costs}

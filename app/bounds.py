@@ -53,6 +53,9 @@ Name = Annotated[str, Meta(max_length=MAX_NAME_LENGTH)]
 TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]
 Count = Annotated[int, Meta(ge=0, le=MAX_INT32)]
 FileText = Annotated[str, Meta(max_length=MAX_FILE_CHARS)]
+# A request's labels, kept with a stored response: OpenAI's 16 pairs, keys of 64 characters, values of 512
+Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
+                     Meta(max_length=16)]
 
 
 def reply_seed(seed: int, index: int) -> int:

@@ -20,6 +20,7 @@ from app.bounds import (
     MAX_MESSAGES,
     MAX_STOP_STRINGS,
     MAX_TOOLS,
+    Metadata,
     MinP,
     Name,
     Penalty,
@@ -99,7 +100,7 @@ class Body(Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool | None = None
     # Labels of the request, with no effect on the reply.
     user: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None

@@ -145,7 +145,8 @@ def parse_completion(body: object, profiles: dict, default: str) -> CompletionRe
 # ---- reading a body -----------------------------------------------------------------------------
 
 B = TypeVar("B", bound=msgspec.Struct)
-AT = re.compile(r"(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?", re.DOTALL)  # msgspec's "... - at `$.a[0].b`"
+# msgspec's "... - at `$.a[0].b`", or "... - at `key` in `$.a`" for an object's key
+AT = re.compile(r"(?P<what>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?", re.DOTALL)
 FIELD = re.compile(r"Object (?P<kind>missing required|contains unknown) field `(?P<name>[^`]*)`")
 RANGE = re.compile(r"Expected `(int|float)` [<>]")
 
@@ -190,6 +191,8 @@ def _invalid(error: str, kind: type[msgspec.Struct], body: dict) -> ApiError:
     """msgspec's error ("Expected `int` <= 4 - at `$.n`") as OpenAI's, with the parameter as `param`."""
     at = AT.fullmatch(error)
     what, where = at["what"], (at["path"] or "").replace("[...]", "").lstrip(".")  # ([...]: a value of a dict)
+    if at["key"]:
+        what = f"{what} for a key"
     field = FIELD.fullmatch(what)
     if field:
         where = f"{where}.{field['name']}".lstrip(".")

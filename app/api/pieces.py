@@ -62,8 +62,9 @@ def failure_error(failed: Failed) -> ApiError:
     if failed.reason == "prompt_too_long":
         return ApiError(400, failed.message, param="messages", code="context_length_exceeded")
     tools = failed.message.startswith("tools")  # (the engine names the tools where they are what it refuses)
-    if failed.reason == "bad_request":
-        return ApiError(400, failed.message, param="tools" if tools else None)
+    if failed.reason == "bad_request":  # (and the messages, where a model cannot take what they hold)
+        param = "tools" if tools else "messages" if failed.message.startswith("messages:") else None
+        return ApiError(400, failed.message, param=param)
     if failed.reason == "bad_schema":
         return ApiError(400, failed.message, param=failed.message.split(":")[0] if tools else "response_format",
                         code="invalid_function_parameters" if tools else "invalid_json_schema")

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from app.bounds import MAX_MESSAGES, MAX_TOOLS, MinP, Name, Penalty, Seed, Tokens, TopK, TopP
+from app.bounds import MAX_MESSAGES, MAX_TOOLS, Metadata, MinP, Name, Penalty, Seed, Tokens, TopK, TopP
 from app.api.openai import RepetitionPenalty, Temperature
 
 # What the Responses API has and this server does not do: a 400 that says so, unless the value asks for nothing.
@@ -150,7 +150,7 @@ class ResponseBody(Struct, forbid_unknown_fields=True, kw_only=True):
     seed: Seed | None = None
     # Labels of the request, with no effect on the reply.
     user: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None

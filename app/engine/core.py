@@ -445,6 +445,12 @@ class Engine:
                                       "send the request without tool_choice (with \"auto\" it answers in text)",
                                       "bad_request")
                     tool_options = dict(tools=None, tool_choice=None)
+                if not checkpoint.chat_format.supports_tools and any(
+                        m.role == "tool" or m.tool_calls for m in request.messages):
+                    raise Refused(f"messages: the model {request.model} has no tool calling (its chat template is "
+                                  "given no tools; Llama 3 checkpoints are), so its prompt cannot hold a tool's result "
+                                  "or an assistant's tool_calls: send the conversation without them, or choose a "
+                                  "model with tool calling", "bad_request")
                 messages, files = choose_prompt_files(checkpoint.chat_format, request.messages, info.context_limit,
                                                       settings.max_new_tokens, **tool_options)
                 prompt, left_out = fit_prompt(checkpoint.chat_format, messages, request.left_out,

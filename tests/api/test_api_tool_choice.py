@@ -69,3 +69,5 @@ def test_a_model_without_tool_calling_refuses_tools_by_name():
     error = failure_error(failed)
     assert (error.status, error.param) == (400, "tools") and "tool_choice" in error.message
     assert failure_error(Failed("r", "The request cannot be answered: messages", "bad_request")).param is None
+    held = failure_error(Failed("r", "messages: the model chatml has no tool calling (...)", "bad_request"))
+    assert (held.status, held.param) == (400, "messages")

@@ -242,6 +242,8 @@ def test_a_json_schema_format_gives_a_document_of_the_schema(client):
     ({"input": "\ud800"}, "input"),
     ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
      "tool_choice"),
+    ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),  # kept with the response: OpenAI's bounds
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
 ])
 def test_bad_requests_name_the_responses_field(server, body, param):
     answer = httpx.post(f"{server.url}/v1/responses", content=json.dumps({"model": "tiny"} | body).encode(),

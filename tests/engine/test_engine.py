@@ -659,6 +659,24 @@ def test_a_model_without_tool_calling_answers_in_text_unless_a_call_is_demanded(
         assert last(events).message.startswith("tools: ") and "tool_choice" in last(events).message
 
 
+def test_a_model_without_tool_calling_refuses_a_conversation_with_tool_results_by_what_it_holds(tmp_path):
+    """A tool's result or an assistant's calls cannot go in a prompt whose template has no tools: refused naming
+    the messages and why, not by the position the chat format numbers them at (the API's indices differ)."""
+    from support.special_checkpoints import write_chatml_checkpoint
+    h = EngineHarness(write_chatml_checkpoint(tmp_path / "chatml"))
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    with_result = chat("What is the weather in Paris?")
+    with_result.add("assistant", "", tool_calls=[call])
+    with_result.add("tool", "Sunny, 21 C", tool_call_id="call_1")
+    with_result.add("user", "Thanks. And tomorrow?")
+    for tools in (None, WEATHER):
+        events = h.ask(r := request(with_result, GREEDY, model="chatml", tools=tools))[r.id]
+        failed = last(events)
+        assert failed.reason == "bad_request" and failed.message.startswith("messages: ")
+        assert "has no tool calling" in failed.message and "message 2" not in failed.message
+    assert last(h.ask(r := request("Hi", GREEDY, model="chatml"))[r.id]).text  # the engine answers the next
+
+
 def test_tool_calls_and_results_are_prompted_as_the_chat_format_writes_them(tiny, checkpoint):
     h = harness(tiny, checkpoint)
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}

@@ -25,8 +25,8 @@ repeat_penalty (over the last 64 tokens: repeat_last_n may be 64, or 0 to turn i
 presence_penalty are done. num_ctx and num_keep are taken and change nothing: the context is the server's
 (LLAMA_MAX_CONTEXT; /api/show tells it). The runner's options (num_thread, num_gpu, num_batch, use_mmap, ...)
 change nothing here either. typical_p, tfs_z and mirostat are refused by name unless off (1, 1, 0); so are
-images, context, template, suffix and think (this server's models do not think apart). Anything Ollama does
-not have is refused by name too.
+images, context, template, suffix and think (this server's models do not think apart). A field Ollama does not
+have is left out, as Ollama does, and named in the log (app.api.ollama_shapes.read_ollama).
 
 Every request goes through the same API key check (LLAMA_API_KEY, as `Authorization: Bearer`: the ollama
 clients send OLLAMA_API_KEY so) and the same guard as /v1 (app.api.guard), and its body through the same
@@ -60,7 +60,7 @@ from app.settings import parse_duration
 from model.tools import read_tools
 
 from app.api.openai import ApiError
-from app.api.parse import ApiRequest, ChatRequest, CompletionRequest, check_calls, json_within, read_body
+from app.api.parse import ApiRequest, ChatRequest, CompletionRequest, check_calls, json_within
 from app.api import ollama_models
 from app.api.body import json_body
 from app.api.ollama_models import model_named
@@ -83,6 +83,7 @@ from app.api.ollama_shapes import (
     TopLogprob,
     Version,
     now_text,
+    read_ollama,
 )
 
 REPEAT_LAST_N = 64  # tokens the repeat penalty looks back over (model/decoding.py)
@@ -146,7 +147,7 @@ class Run:
 
 
 def read_chat(body: object, profiles: dict) -> Run:
-    chat = read_body(body, ChatBody, refused={})
+    chat = read_ollama(body, ChatBody)
     common = _common(chat, profiles)
     tools = json_within(msgspec.to_builtins(chat.tools), "tools") if chat.tools else None
     try:
@@ -166,7 +167,7 @@ def read_chat(body: object, profiles: dict) -> Run:
 
 
 def read_generate(body: object, profiles: dict) -> Run:
-    generate = read_body(body, GenerateBody, refused={})
+    generate = read_ollama(body, GenerateBody)
     for name, empty, why in [("images", [], "images are not supported: the models here read text"),
                              ("context", [], "context (the token ids of an earlier reply) is not taken: send the "
                                              "conversation to /api/chat instead"),

@@ -36,9 +36,9 @@ from model.summary import count, summarize
 from app.backend.protocol import Backend, EngineError, is_remote
 from app.weights import InUse, Refused, Weights
 from app.api.openai import ApiError
-from app.api.parse import read_body
 from app.api.body import json_body
-from app.api.ollama_shapes import NDJSON, Details, Error, ModelBody, ModelEntry, ModelList, Progress, ShowReply, now_text
+from app.api.ollama_shapes import (NDJSON, Details, Error, ModelBody, ModelEntry, ModelList, Progress, ShowReply, now_text,
+                                   read_ollama)
 
 QUANTIZATION = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "fp64": "F64", "int8": "INT8", "int4": "INT4"}
 FOREVER_S = 2**63 / 1e9  # a model kept until the engine stops expires as Ollama's do: at Go's longest duration
@@ -165,7 +165,7 @@ def running(backend: Backend, name: str, max_context: int | None, started: float
 def model_asked(body: object, profiles: dict | None) -> tuple[str, ModelBody]:
     """The model a body names (`model`, or `name` as older clients write it): one of `profiles` (404 if not), or
     with profiles None the name as given."""
-    asked = read_body(body, ModelBody, refused={})
+    asked = read_ollama(body, ModelBody)
     named = asked.model or asked.name
     return (model_named(named, profiles) if profiles is not None else named or ""), asked
 

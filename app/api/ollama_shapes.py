@@ -1,18 +1,23 @@
 """Ollama's JSON shapes, as declared types: the request bodies of its routes (app.api.ollama reads a body into
 them, so a wrong type or a number out of range is a 400 naming the field) and the replies they write.
 
-Read from Ollama's API documentation (docs/api.md) and its Python client (ollama 0.6, _types.py). The request
-types are strict (`forbid_unknown_fields`): a field Ollama does not have is refused by name. Fields Ollama has
-and this server does not do (images, context, template, suffix, think, most runner options) are declared, so
-that app.api.ollama can refuse them by name unless their value asks for nothing. Replies leave out what they
+Read from Ollama's API documentation (docs/api.md) and its Python client (ollama 0.6, _types.py). A field the
+request types do not declare is left out of the request, as Ollama's server leaves out what it does not know
+(Go's JSON reader drops it; an unknown option is a warning in its log): app.api.ollama names them in the log.
+Fields Ollama has and this server does not do (images, context, template, suffix, think, most runner options)
+are declared, so that app.api.ollama can refuse them by name unless their value asks for nothing. Replies leave out what they
 do not have (`UNSET`), as Ollama's do: the statistics are in the last object of a reply only.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from datetime import datetime, timezone
-from typing import Annotated, Literal
+from functools import cache
+from typing import Annotated, Literal, TypeVar
 
+import msgspec.inspect
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from app.bounds import (
@@ -32,6 +37,9 @@ from app.bounds import (
     TopP,
 )
 from app.api.openai import Tool
+from app.api.parse import read_body
+
+log = logging.getLogger(__name__)
 
 # The version of Ollama's API these routes follow (GET /api/version): structured outputs (0.5) and tool calls,
 # before thinking models (0.9). Clients read it to tell what they may ask for.
@@ -49,7 +57,7 @@ def now_text(at: float | None = None) -> str:
 
 # ---- the bodies ---------------------------------------------------------------------------------
 
-class Options(Struct, forbid_unknown_fields=True, kw_only=True):
+class Options(Struct, kw_only=True):
     """A request's `options` (Ollama's Modelfile parameters). null is as left out."""
 
     # The reply's sampling and length (app.messages.ReplySettings)
@@ -95,7 +103,7 @@ KeepAlive = float | str  # seconds, or a duration such as "5m" (negative: foreve
 Think = bool | Literal["low", "medium", "high"]
 
 
-class Asked(Struct, forbid_unknown_fields=True, kw_only=True):
+class Asked(Struct, kw_only=True):
     """What /api/chat and /api/generate both read."""
 
     model: Name
@@ -108,19 +116,19 @@ class Asked(Struct, forbid_unknown_fields=True, kw_only=True):
     top_logprobs: TopLogprobs | None = None
 
 
-class CallFunction(Struct, forbid_unknown_fields=True, kw_only=True):
+class CallFunction(Struct, kw_only=True):
     name: Name
     arguments: dict[str, object] | str = {}  # Ollama writes an object; OpenAI's JSON text is taken too
     index: int | None = None  # (newer Ollama numbers its calls)
 
 
-class ToolCall(Struct, forbid_unknown_fields=True, kw_only=True):
+class ToolCall(Struct, kw_only=True):
     function: CallFunction
     id: Name | None = None
     type: Literal["function"] | None = None
 
 
-class Message(Struct, forbid_unknown_fields=True, kw_only=True):
+class Message(Struct, kw_only=True):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""  # (the Python client leaves an empty one out)
     images: list[str] | None = None
@@ -145,7 +153,7 @@ class GenerateBody(Asked):
     images: list[str] | None = None
 
 
-class ModelBody(Struct, forbid_unknown_fields=True, kw_only=True):
+class ModelBody(Struct, kw_only=True):
     """/api/show, /api/delete and /api/pull: the model (older clients call it `name`)."""
 
     model: Name | None = None
@@ -153,6 +161,50 @@ class ModelBody(Struct, forbid_unknown_fields=True, kw_only=True):
     verbose: bool | None = None  # /api/show: nothing more to tell
     insecure: bool | None = None  # /api/pull: the hub is reached over HTTPS (or HF_ENDPOINT) either way
     stream: bool | None = None  # /api/pull; left out: true
+
+
+B = TypeVar("B", bound=Struct)
+MAX_NAMED = 8  # undeclared fields named in one log line
+
+
+def read_ollama(body: object, kind: type[B]) -> B:
+    """The body as `kind` (app.api.parse.read_body: a 400 names a field of a wrong type or value). What `kind`
+    does not declare is left out and named in the log, as Ollama leaves out what it does not know: a client of
+    a newer Ollama, or one that sends OpenAI's `user` or a model's old option (`rope_frequency_base`), is
+    answered as Ollama answers it."""
+    asked = read_body(body, kind, refused={})
+    names = list(undeclared(body, _shape(kind)))
+    if names:
+        shown = ", ".join(repr(name[:64]) for name in names[:MAX_NAMED])
+        log.warning("Ollama request: left out %d field(s) this API does not have: %s%s", len(names), shown,
+                    ", ..." if len(names) > MAX_NAMED else "")
+    return asked
+
+
+@cache
+def _shape(kind: type[Struct]) -> msgspec.inspect.Type:
+    return msgspec.inspect.type_info(kind)
+
+
+def undeclared(value: object, shape: msgspec.inspect.Type, where: str = "") -> Iterator[str]:
+    """The paths ("options.rope_frequency_base", "messages[0].name") of the keys in `value` (JSON as read, already
+    of `shape`) that `shape` does not declare, in the types that let them pass (no forbid_unknown_fields)."""
+    if isinstance(shape, msgspec.inspect.UnionType):  # at most one member is a list, one an object
+        for member in shape.types:
+            yield from undeclared(value, member, where)
+    elif isinstance(shape, msgspec.inspect.Metadata):
+        yield from undeclared(value, shape.type, where)
+    elif isinstance(shape, msgspec.inspect.ListType) and isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from undeclared(item, shape.item_type, f"{where}[{i}]")
+    elif isinstance(shape, msgspec.inspect.StructType) and isinstance(value, dict) and not shape.forbid_unknown_fields:
+        fields = {field.encode_name: field.type for field in shape.fields}
+        for name, item in value.items():
+            path = f"{where}.{name}" if where else name
+            if name in fields:
+                yield from undeclared(item, fields[name], path)
+            else:
+                yield path
 
 
 # ---- the replies --------------------------------------------------------------------------------

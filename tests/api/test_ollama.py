@@ -156,6 +156,27 @@ def test_options_that_change_nothing_here_are_taken_and_a_stop_cuts(client):
     assert cut.done_reason == "stop"
 
 
+def test_fields_ollama_does_not_have_are_left_out_and_named_in_the_log(server):
+    """As Ollama's server: a newer client's field, OpenAI's `user`, an old option change nothing and are logged."""
+    asked = {"model": "tiny", "messages": QUESTION, "stream": False, "options": {"temperature": 0, "num_predict": 12}}
+    expected = post(server, "/api/chat", asked).json()["message"]["content"]
+    extra = asked | {"user": "ada", "truncate": True, "options": asked["options"] | {"rope_frequency_base": 5e5},
+                     "messages": [QUESTION[0], QUESTION[1] | {"name": "ada"}]}
+    response = post(server, "/api/chat", extra)
+    assert response.status_code == 200 and response.json()["message"]["content"] == expected, response.text
+    line = "left out 4 field(s) this API does not have: 'messages[1].name', 'options.rope_frequency_base', " \
+           "'user', 'truncate'"
+    deadline = time.monotonic() + 10
+    while line not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert line in server.log()
+    show = post(server, "/api/show", {"model": "tiny", "verbose": False, "format": "gguf"})
+    assert show.status_code == 200 and "'format'" in server.log()
+    # a declared field of the wrong type is still a 400 naming it, beside an undeclared one
+    wrong = post(server, "/api/chat", extra | {"options": {"made_up": 1, "temperature": "hot"}})
+    assert wrong.status_code == 400 and "options.temperature" in wrong.json()["error"]
+
+
 def test_a_json_schema_format_gives_a_document_of_it(client):
     for stream in (False, True):
         reply = client.chat(model="tiny", messages=QUESTION, format=COLOR, stream=stream,
@@ -322,7 +343,6 @@ USER = [{"role": "user", "content": "Hi"}]
     ("/api/chat", {"model": "tiny", "messages": USER, "options": {"mirostat": 2}}, "options.mirostat"),
     ("/api/chat", {"model": "tiny", "messages": USER, "options": {"typical_p": 0.5}}, "options.typical_p"),
     ("/api/chat", {"model": "tiny", "messages": USER, "options": {"repeat_last_n": 128}}, "options.repeat_last_n"),
-    ("/api/chat", {"model": "tiny", "messages": USER, "options": {"made_up": 1}}, "made_up"),
     ("/api/chat", {"model": "tiny", "messages": USER, "format": "xml"}, "format"),
     ("/api/chat", {"model": "tiny", "messages": USER, "format": {"type": "nonsense"}}, "schema"),
     ("/api/chat", {"model": "tiny", "messages": USER, "format": json.loads("[" * 100 + "]" * 100)}, "format"),
@@ -332,7 +352,6 @@ USER = [{"role": "user", "content": "Hi"}]
     ("/api/chat", {"model": "tiny", "messages": USER, "think": True}, "think"),
     ("/api/chat", {"model": "tiny", "messages": USER, "keep_alive": "soon"}, "keep_alive"),
     ("/api/chat", {"model": "tiny", "messages": USER, "top_logprobs": 3}, "top_logprobs"),
-    ("/api/chat", {"model": "tiny", "messages": USER, "user": "ada"}, "user"),
     ("/api/chat", {"messages": USER}, "model"),
     ("/api/generate", {"model": "tiny", "prompt": "x", "context": [1, 2, 3]}, "context"),
     ("/api/generate", {"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),

@@ -556,7 +556,8 @@ async def models_action(action: cl.Action):
     if element is None:
         await cl.Message(content=said, author="models").send()
         return
-    element = await models_panel.show(MODELS, element, conversation.model, user, said)
+    models_panel.say(element, said)
+    element = await models_panel.show(MODELS, element, conversation.model, user)
     for pull in MODELS.weights.under_way():
         if id(pull) not in before:
             models_panel.follow_in_background(MODELS, element, pull, lambda: current_conversation().model, user)

@@ -34,6 +34,7 @@ from app.settings import Settings, save_default
 from app.weights import Pull, Refused, Weights
 
 WATCH_INTERVAL_S = 0.5
+MAX_ENDED = 3  # pulls' ends the panel shows at once
 HUB_PAGE = re.compile(r"(https?://)?(www\.)?(huggingface\.co|hf\.co)/", re.IGNORECASE)  # before owner/name
 FOLLOWING: set[asyncio.Task] = set()  # the tasks that keep panels' progress bars moving (held: tasks are weak)
 # Suggested on a first start, when the embedded default is the only model: (repo, download size in bytes).
@@ -125,7 +126,7 @@ class ModelsPanel:
         return {"models": rows, "pulls": pulls, "interrupted": interrupted, "suggestions": self.suggestions(),
                 "admin": admin,
                 "note": DEFAULT_NOTE.format(name=self.backend.default) if only_default else "",
-                "said": said}
+                "said": said, "ended": []}
 
     async def act(self, payload: dict, conversation, user: str | None, busy: bool) -> str:
         """What the user clicked; returns a line saying what was done, or why not."""
@@ -208,7 +209,8 @@ def public_source(source: str) -> str:
 
 async def show(panel: ModelsPanel, element: cl.CustomElement | None, current: str | None, user: str | None,
                said: str = "") -> cl.CustomElement:
-    """The panel sent as a message (element None), or its props sent again. Neither is stored in the chat's
+    """The panel sent as a message saying `said` (element None), or its props sent again with what it says now
+    (`say`: the latest line, whatever was said while the models were read). Neither is stored in the chat's
     history: the panel is a tool of the moment, not part of the conversation."""
     props = await panel.props(current, user, said)
     if element is None:
@@ -218,24 +220,31 @@ async def show(panel: ModelsPanel, element: cl.CustomElement | None, current: st
         element = cl.CustomElement(name="ModelsPanel", props=props, display="inline")
         await element.send(for_id=message.id, persist=False)
     else:
-        element.props = props
+        element.props = props | {key: element.props.get(key, props[key]) for key in ("said", "ended")}
         await element.send(for_id=element.for_id, persist=False)  # (CustomElement.update() would store it)
     return element
+
+
+def say(element: cl.CustomElement, line: str, ended: bool = False) -> None:
+    """What the panel says from its next `show`: the line of a click; or, ended, how a pull ended, under the
+    lines of other pulls that ended since the last click (each pull's end stays in view, MAX_ENDED at most)."""
+    lines = [*element.props.get("ended", []), line][-MAX_ENDED:] if ended else []
+    element.props = element.props | {"said": "\n".join(lines) if ended else line, "ended": lines}  # (a new dict)
 
 
 async def follow(panel: ModelsPanel, element: cl.CustomElement, pull: Pull, current, user: str | None) -> None:
     """Send the panel's props again every WATCH_INTERVAL_S while `pull` is under way, then say how it ended.
     `current`: the chat's model now (a callable)."""
     while not pull.finished.is_set():
-        await show(panel, element, current(), user, element.props.get("said", ""))
+        await show(panel, element, current(), user)
         try:
             await asyncio.wait_for(pull.finished.wait(), WATCH_INTERVAL_S)
         except TimeoutError:
             pass
     name = pull.folder.name if pull.folder else pull.repo_id
-    said = (f"Not pulled: {pull.error}" if pull.error and not pull.cancelled else pull.error
-            or f"{name} is here: choose Use to chat with it.")
-    await show(panel, element, current(), user, said)
+    say(element, f"Not pulled: {pull.error}" if pull.error and not pull.cancelled else pull.error
+        or f"{name} is here: choose Use to chat with it.", ended=True)
+    await show(panel, element, current(), user)
 
 
 def follow_in_background(panel: ModelsPanel, element: cl.CustomElement, pull: Pull, current, user: str | None) -> None:

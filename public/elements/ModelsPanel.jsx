@@ -86,7 +86,7 @@ export default function ModelsPanel() {
           </form>
         </div>
       ) : <p className="mt-2 text-xs text-muted-foreground">Only the server's model admins may pull or remove models.</p>}
-      {props.said && <p className="models-said mt-2">{props.said}</p>}
+      {props.said && <p className="models-said mt-2" style={{whiteSpace: 'pre-line'}}>{props.said}</p>}
     </div>
   );
 }

@@ -173,6 +173,28 @@ def test_a_folder_of_gguf_files_on_this_machine_is_imported(main, tmp_path):
     assert "GGUF import" in imported["details"] and "int8" in imported["details"]
 
 
+def test_pulls_that_end_together_each_say_how_they_ended(main, tmp_path):
+    """Two imports started one after the other end while the panel refreshes for both: each one's line stays."""
+    chat = Chat(main)
+    for name, seed in (("Tiny-First-q8_0", 4), ("Tiny-Second-q8_0", 5)):
+        (tmp_path / name).mkdir()
+        write_llama3_gguf(hf_model(seed=seed), tmp_path / name / f"{name}.gguf", "q8_0")
+
+    async def scenario():
+        await chat.start()
+        await chat.send("/models")
+        await click(chat, do="pull", source=str(tmp_path / "Tiny-First-q8_0"))
+        await click(chat, do="pull", source=str(tmp_path / "Tiny-Second-q8_0"))
+        ended = await until(chat, lambda p: not p["pulls"] and p["said"].count("is here") == 2, timeout=120)
+        await click(chat, do="use", name="Tiny-First-q8_0")
+        return ended, panel(chat)
+
+    ended, used = run(scenario(), 180)
+    assert sorted(ended["said"].split("\n")) == [f"{name} is here: choose Use to chat with it."
+                                                  for name in ("Tiny-First-q8_0", "Tiny-Second-q8_0")]
+    assert used["said"].startswith("This chat now uses Tiny-First-q8_0") and "is here" not in used["said"]
+
+
 def test_a_gguf_address_is_downloaded_cut_then_resumed_and_imported(main, hub, tmp_path):
     gguf = write_llama3_gguf(hf_model(seed=4), tmp_path / "Tiny-Llama-3-f16.gguf", "f16")
     (tmp_path / "page.gguf").write_text("<!doctype html><title>A model's page</title>")  # no GGUF at that address

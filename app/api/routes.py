@@ -12,6 +12,8 @@
                                 is in memory now; an idle one is unloaded after LLAMA_KEEP_ALIVE)
     GET  /v1/models/{model}
     GET  /metrics               Prometheus metrics (app.api.metrics)
+    any other /v1 path          404 in OpenAI's shape (code unknown_url), saying why for OpenAI's routes not
+                                served here (embeddings, audio, images, files, ...)
     /api/chat, /api/generate,   Ollama's API, for the tools that speak only it (app.api.ollama)
     /api/tags, ...
 
@@ -174,7 +176,34 @@ def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int
     if weights is None:  # (the chat app passes the one its models panel uses)
         weights = Weights(backend, weights_dir, Environment().text("HF_ENDPOINT"))
     ollama.add_routes(router, backend, max_body_mb, weights, max_context)
+
+    @router.api_route("/v1", methods=ELSEWHERE_METHODS)
+    @router.api_route("/v1/{rest:path}", methods=ELSEWHERE_METHODS)
+    async def elsewhere(http_request: HttpRequest, rest: str = "") -> Response:
+        """Any other /v1 path, or method: OpenAI's 404 (not the chat page, nor a bare 405), saying why where
+        OpenAI has the route."""
+        why = NOT_SERVED.get(rest.split("/")[0], "")
+        where = f"{http_request.method} {http_request.url.path}"
+        raise ApiError(404, f"Invalid URL ({where[:200]}){': ' + why if why else ''}.", code="unknown_url")
+
     return router
+
+
+ELSEWHERE_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
+NOT_SERVED = {  # OpenAI's routes this server does not have, and why
+    "embeddings": "embeddings are not served here",
+    "audio": "audio is not served here: the models here read and write text",
+    "images": "images are not served here: the models here read and write text",
+    "moderations": "moderation is not served here",
+    "files": "files are not uploaded apart here: send a file in a chat message (a `file` content part)",
+    "uploads": "files are not uploaded apart here: send a file in a chat message (a `file` content part)",
+    "assistants": "the Assistants API is not served here: use /v1/responses or /v1/chat/completions",
+    "threads": "the Assistants API is not served here: use /v1/responses or /v1/chat/completions",
+    "batches": "batches are not served here: send the requests themselves, they are batched as they come",
+    "fine_tuning": "fine-tuning is not served here",
+    "vector_stores": "vector stores are not served here",
+    "realtime": "the Realtime API is not served here",
+}
 
 
 async def answer(http_request: HttpRequest, asked: ApiRequest, start) -> Response:

@@ -244,6 +244,20 @@ def test_an_unknown_model_is_a_404(client):
         client.models.retrieve("gpt-4o")
 
 
+def test_a_route_not_served_is_openais_404_saying_why(client, server):
+    """Not Chainlit's page, nor a bare 405: what OpenAI's clients read, and why for a route OpenAI has."""
+    with pytest.raises(openai.NotFoundError) as error:
+        client.embeddings.create(model="tiny", input="Hi")
+    assert error.value.body["code"] == "unknown_url" and "embeddings are not served here" in error.value.body["message"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for method, path in (("GET", "/v1/chat/completions"), ("POST", "/v1/nothing/x"), ("DELETE", "/v1/models"),
+                         ("GET", "/v1")):
+        response = httpx.request(method, f"{server.url}{path}", headers=headers, timeout=30)
+        assert response.status_code == 404 and response.headers["content-type"] == "application/json", response.text
+        assert response.json()["error"]["message"] == f"Invalid URL ({method} {path}).", response.text
+    assert httpx.get(f"{server.url}/v1/embeddings", timeout=30).status_code == 401  # the key first, as OpenAI
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_prompt_longer_than_the_context_is_a_400(client, stream):
     with pytest.raises(openai.BadRequestError) as error:

@@ -38,7 +38,6 @@ import msgspec
 
 import chainlit as cl
 from chainlit.chat_context import chat_contexts
-from chainlit.config import FILES_DIRECTORY
 from chainlit.config import config as chainlit_config
 from chainlit.context import init_ws_context
 from chainlit.data import get_data_layer
@@ -57,7 +56,6 @@ from app.web.display import Paced, ShownStream, shown
 from app.web.file_store import FileStore
 from app.messages import FINISH_REASONS, Done, Failed, Loading, Queued, ReplySettings, Restarting, Text
 from app.web.presets import CUSTOM, preset_of, read_presets
-from app.private_files import private_folder
 from app.weights import Weights
 from model.options import Environment
 from app.settings import Settings, SettingsError
@@ -106,7 +104,7 @@ def start() -> None:
         SIGN_IN = (users.SignIn.from_settings(SETTINGS, key=os.environ["CHAINLIT_AUTH_SECRET"].encode())
                    if SETTINGS.auth == "password" else None)
         SIGNED_IN = sessions.still_signed_in(SIGN_IN.passwords if SIGN_IN else None)
-        private_folder(FILES_DIRECTORY)  # Chainlit keeps there the files it sends and those uploaded
+        uploads.claim_folder()  # this server's folder for the files Chainlit sends and those uploaded
         chainlit_config.features.spontaneous_file_upload = attachments.upload_feature()
         http_server.configure_chainlit(SETTINGS)  # slow clients cut off; X-Forwarded-For only from trusted proxies
         page.install()  # the page asks no other site for anything

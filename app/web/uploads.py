@@ -14,6 +14,12 @@ session, as Chainlit keeps it (an edited message reads it again).
 
 The same loop measures the history database, its files and the uploads (`STORED`, bytes by part), so a
 scrape of /metrics reads a number, never walks a folder.
+
+Each server has a folder of its own, .files/<process id> (`claim_folder`): Chainlit deletes the whole of .files
+when its server stops, and this sweep deleted the folders of sessions it did not know, so a second server
+started from the same project folder (on another port, or a test's) lost its sessions' files: their uploads,
+and the models panel, which Chainlit writes there too. A server's folder goes when it stops; those of servers
+no longer running, and an older layout's session folders, are deleted when the next one starts.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -30,17 +37,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs
 
-from chainlit.config import FILES_DIRECTORY
+import chainlit.config
+import chainlit.server
 from chainlit.session import WebsocketSession, ws_sessions_id
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.bounds import MAX_PENDING_BYTES, MAX_PENDING_FILES
+from app.private_files import private_folder
 
 log = logging.getLogger(__name__)
 
 ROUTE = "/project/file"  # Chainlit's upload route
-FOLDER = FILES_DIRECTORY  # Chainlit's uploads, a folder per session
+FOLDER = chainlit.config.FILES_DIRECTORY / str(os.getpid())  # this server's uploads, a folder per session
+SESSION_FOLDER = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")  # (an older layout's)
 KEEP_SECONDS = 300.0  # an upload no message took is deleted this long after it came (within a sweep more)
 SWEEP_SECONDS = 30.0
 
@@ -107,6 +117,32 @@ class Tracked:
             delete(file["id"], session)
             return problem
         return None
+
+
+def claim_folder() -> Path:
+    """Make FOLDER the one where Chainlit keeps this server's session files (and deletes when it stops), and
+    delete what servers no longer running left beside it."""
+    private_folder(FOLDER.parent)
+    private_folder(FOLDER)
+    chainlit.config.FILES_DIRECTORY = FOLDER  # (read by each session for its folder)
+    chainlit.server.FILES_DIRECTORY = FOLDER  # (deleted when the server stops)
+    for folder in FOLDER.parent.iterdir():
+        left = (folder.name.isdigit() and len(folder.name) <= 7 and not running(int(folder.name))) or (
+            SESSION_FOLDER.fullmatch(folder.name) and time.time() - folder.stat().st_mtime > KEEP_SECONDS)
+        if left and folder.is_dir() and folder != FOLDER:
+            shutil.rmtree(folder, ignore_errors=True)
+    return FOLDER
+
+
+def running(pid: int) -> bool:
+    """Whether a process of that id is there (another account's too)."""
+    try:
+        os.kill(pid, 0)  # no signal: only whether it is there
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def crowded(session_id: str, coming: int = 0) -> str | None:

@@ -131,7 +131,7 @@ def test_the_upload_endpoint_takes_only_the_files_the_app_reads(server):
     for refused in (exe, binary):
         assert refused.status_code == 400 and "File type not allowed" in refused.text, refused.text
     assert notes.status_code == 200, notes.text
-    stored = ROOT / ".files" / session_id  # Chainlit's uploads of the session, removed when it ends
+    stored = ROOT / ".files" / str(server.process.pid) / session_id  # the server's uploads of the session
     shutil.rmtree(stored, ignore_errors=True)
 
 

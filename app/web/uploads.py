@@ -15,7 +15,7 @@ session, as Chainlit keeps it (an edited message reads it again).
 The same loop measures the history database, its files and the uploads (`STORED`, bytes by part), so a
 scrape of /metrics reads a number, never walks a folder.
 
-Each server has a folder of its own, .files/<process id> (`claim_folder`): Chainlit deletes the whole of .files
+Each server has a folder of its own, .files/<host>-<process id> (`claim_folder`): Chainlit deletes the whole of .files
 when its server stops, and this sweep deleted the folders of sessions it did not know, so a second server
 started from the same project folder (on another port, or a test's) lost its sessions' files: their uploads,
 and the models panel, which Chainlit writes there too. A server's folder goes when it stops; those of servers
@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,7 +50,10 @@ from app.private_files import private_folder
 log = logging.getLogger(__name__)
 
 ROUTE = "/project/file"  # Chainlit's upload route
-FOLDER = chainlit.config.FILES_DIRECTORY / str(os.getpid())  # this server's uploads, a folder per session
+# This server's uploads, a folder per session. Named by host and process: a project folder shared by containers
+# (each with its own process ids) is cleaned only of its own host's servers that stopped.
+HOST = socket.gethostname()
+FOLDER = chainlit.config.FILES_DIRECTORY / f"{HOST}-{os.getpid()}"
 SESSION_FOLDER = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")  # (an older layout's)
 KEEP_SECONDS = 300.0  # an upload no message took is deleted this long after it came (within a sweep more)
 SWEEP_SECONDS = 30.0
@@ -127,7 +131,8 @@ def claim_folder() -> Path:
     chainlit.config.FILES_DIRECTORY = FOLDER  # (read by each session for its folder)
     chainlit.server.FILES_DIRECTORY = FOLDER  # (deleted when the server stops)
     for folder in FOLDER.parent.iterdir():
-        left = (folder.name.isdigit() and len(folder.name) <= 7 and not running(int(folder.name))) or (
+        host, _, pid = folder.name.rpartition("-")
+        left = (host == HOST and pid.isdigit() and len(pid) <= 7 and not running(int(pid))) or (
             SESSION_FOLDER.fullmatch(folder.name) and time.time() - folder.stat().st_mtime > KEEP_SECONDS)
         if left and folder.is_dir() and folder != FOLDER:
             shutil.rmtree(folder, ignore_errors=True)

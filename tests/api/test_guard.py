@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import threading
 import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -131,7 +132,7 @@ def test_the_upload_endpoint_takes_only_the_files_the_app_reads(server):
     for refused in (exe, binary):
         assert refused.status_code == 400 and "File type not allowed" in refused.text, refused.text
     assert notes.status_code == 200, notes.text
-    stored = ROOT / ".files" / str(server.process.pid) / session_id  # the server's uploads of the session
+    stored = ROOT / ".files" / f"{socket.gethostname()}-{server.process.pid}" / session_id  # the session's uploads
     shutil.rmtree(stored, ignore_errors=True)
 
 

@@ -242,21 +242,24 @@ def test_the_bytes_on_disk_are_in_the_metrics():
 
 
 def test_each_server_keeps_its_session_files_in_a_folder_of_its_own(tmp_path, monkeypatch):
-    """Chainlit deletes its whole files folder when its server stops: each server claims .files/<its pid>,
-    and what stopped servers left is deleted, never a running one's nor a session's of the last minutes."""
+    """Chainlit deletes its whole files folder when its server stops: each server claims .files/<host>-<its pid>,
+    and what stopped servers of this host left is deleted, never a running one's, another host's (a container
+    sharing the folder) nor a session's of the last minutes."""
     root = tmp_path / ".files"
-    monkeypatch.setattr(uploads, "FOLDER", root / str(os.getpid()))
+    monkeypatch.setattr(uploads, "FOLDER", root / f"{uploads.HOST}-{os.getpid()}")
     monkeypatch.setattr(chainlit.config, "FILES_DIRECTORY", chainlit.config.FILES_DIRECTORY)
     monkeypatch.setattr(chainlit.server, "FILES_DIRECTORY", chainlit.server.FILES_DIRECTORY)
     gone = subprocess.Popen(["true"])
     gone.wait()
-    other, stopped = root / str(os.getppid()), root / str(gone.pid)
+    other, stopped = root / f"{uploads.HOST}-{os.getppid()}", root / f"{uploads.HOST}-{gone.pid}"
+    elsewhere = root / f"another-host-{gone.pid}"
     old, recent = root / "0b7c6f6e-1a2b-4c3d-8e9f-001122334455", root / "1b7c6f6e-1a2b-4c3d-8e9f-001122334455"
-    for folder in (other, stopped, old, recent, root / "notes"):
+    for folder in (other, stopped, elsewhere, old, recent, root / "notes"):
         (folder / "a").mkdir(parents=True)
     os.utime(old, (time.time() - 2 * uploads.KEEP_SECONDS,) * 2)
     assert uploads.claim_folder() == uploads.FOLDER == chainlit.config.FILES_DIRECTORY == chainlit.server.FILES_DIRECTORY
-    assert sorted(p.name for p in root.iterdir()) == sorted([str(os.getpid()), other.name, recent.name, "notes"])
+    assert sorted(p.name for p in root.iterdir()) == sorted([uploads.FOLDER.name, other.name, elsewhere.name,
+                                                             recent.name, "notes"])
     assert uploads.FOLDER.stat().st_mode & 0o777 == 0o700 and root.stat().st_mode & 0o777 == 0o700
     uploads.claim_folder()  # again (a second app in the process): the same folder
     assert uploads.FOLDER.is_dir() and other.is_dir()

@@ -132,10 +132,11 @@ def claim_folder() -> Path:
     chainlit.server.FILES_DIRECTORY = FOLDER  # (deleted when the server stops)
     for folder in FOLDER.parent.iterdir():
         host, _, pid = folder.name.rpartition("-")
-        left = (host == HOST and pid.isdigit() and len(pid) <= 7 and not running(int(pid))) or (
-            SESSION_FOLDER.fullmatch(folder.name) and time.time() - folder.stat().st_mtime > KEEP_SECONDS)
-        if left and folder.is_dir() and folder != FOLDER:
-            shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):  # (gone meanwhile: another server starting cleaned it)
+            left = (host == HOST and pid.isdigit() and len(pid) <= 7 and not running(int(pid))) or (
+                SESSION_FOLDER.fullmatch(folder.name) and time.time() - folder.stat().st_mtime > KEEP_SECONDS)
+            if left and folder.is_dir() and folder != FOLDER:
+                shutil.rmtree(folder, ignore_errors=True)
     return FOLDER
 
 

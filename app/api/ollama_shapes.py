@@ -5,8 +5,9 @@ Read from Ollama's API documentation (docs/api.md) and its Python client (ollama
 request types do not declare is left out of the request, as Ollama's server leaves out what it does not know
 (Go's JSON reader drops it; an unknown option is a warning in its log): app.api.ollama names them in the log.
 Fields Ollama has and this server does not do (images, context, template, suffix, think, most runner options)
-are declared, so that app.api.ollama can refuse them by name unless their value asks for nothing. Replies leave out what they
-do not have (`UNSET`), as Ollama's do: the statistics are in the last object of a reply only.
+are declared, so that app.api.ollama can refuse them by name unless their value asks for nothing. Replies
+leave out what they do not have (`UNSET`), as Ollama's do: the statistics are in the last object of a reply
+only.
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ session, as Chainlit keeps it (an edited message reads it again).
 The same loop measures the history database, its files and the uploads (`STORED`, bytes by part), so a
 scrape of /metrics reads a number, never walks a folder.
 
-Each server has a folder of its own, .files/<host>-<process id> (`claim_folder`): Chainlit deletes the whole of .files
-when its server stops, and this sweep deleted the folders of sessions it did not know, so a second server
-started from the same project folder (on another port, or a test's) lost its sessions' files: their uploads,
-and the models panel, which Chainlit writes there too. A server's folder goes when it stops; those of servers
+Each server has a folder of its own, .files/<host>-<process id> (`claim_folder`): Chainlit deletes the whole
+of .files when its server stops, and this sweep deleted the folders of sessions it did not know, so a second
+server started from the same project folder (on another port, or a test's) lost its sessions' files: their
+uploads, and the models panel, which Chainlit writes there too. A server's folder goes when it stops; those of servers
 no longer running, and an older layout's session folders, are deleted when the next one starts.
 """
 

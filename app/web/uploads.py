@@ -53,7 +53,14 @@ ROUTE = "/project/file"  # Chainlit's upload route
 # This server's uploads, a folder per session. Named by host and process: a project folder shared by containers
 # (each with its own process ids) is cleaned only of its own host's servers that stopped.
 HOST = socket.gethostname()
-FOLDER = chainlit.config.FILES_DIRECTORY / f"{HOST}-{os.getpid()}"
+
+
+def server_folder(pid: int, files: Path = chainlit.config.FILES_DIRECTORY) -> Path:
+    """The folder of this host's server of process id `pid` in Chainlit's files folder."""
+    return files / f"{HOST}-{pid}"
+
+
+FOLDER = server_folder(os.getpid())
 SESSION_FOLDER = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")  # (an older layout's)
 KEEP_SECONDS = 300.0  # an upload no message took is deleted this long after it came (within a sweep more)
 SWEEP_SECONDS = 30.0

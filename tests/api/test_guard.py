@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import threading
 import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +35,7 @@ from support.special_checkpoints import write_scripted_checkpoint
 from app.api import routes as api, guard
 from app.bounds import MAX_FILE_BYTES, MAX_FILES
 from app.settings import Settings, SettingsError
+from app.web.uploads import server_folder
 from app.web import attachments
 
 pytestmark = pytest.mark.timeout(300)
@@ -132,7 +132,7 @@ def test_the_upload_endpoint_takes_only_the_files_the_app_reads(server):
     for refused in (exe, binary):
         assert refused.status_code == 400 and "File type not allowed" in refused.text, refused.text
     assert notes.status_code == 200, notes.text
-    stored = ROOT / ".files" / f"{socket.gethostname()}-{server.process.pid}" / session_id  # the session's uploads
+    stored = server_folder(server.process.pid, ROOT / ".files") / session_id  # the session's uploads
     shutil.rmtree(stored, ignore_errors=True)
 
 

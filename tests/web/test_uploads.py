@@ -246,12 +246,12 @@ def test_each_server_keeps_its_session_files_in_a_folder_of_its_own(tmp_path, mo
     and what stopped servers of this host left is deleted, never a running one's, another host's (a container
     sharing the folder) nor a session's of the last minutes."""
     root = tmp_path / ".files"
-    monkeypatch.setattr(uploads, "FOLDER", root / f"{uploads.HOST}-{os.getpid()}")
+    monkeypatch.setattr(uploads, "FOLDER", uploads.server_folder(os.getpid(), root))
     monkeypatch.setattr(chainlit.config, "FILES_DIRECTORY", chainlit.config.FILES_DIRECTORY)
     monkeypatch.setattr(chainlit.server, "FILES_DIRECTORY", chainlit.server.FILES_DIRECTORY)
     gone = subprocess.Popen(["true"])
     gone.wait()
-    other, stopped = root / f"{uploads.HOST}-{os.getppid()}", root / f"{uploads.HOST}-{gone.pid}"
+    other, stopped = uploads.server_folder(os.getppid(), root), uploads.server_folder(gone.pid, root)
     elsewhere = root / f"another-host-{gone.pid}"
     old, recent = root / "0b7c6f6e-1a2b-4c3d-8e9f-001122334455", root / "1b7c6f6e-1a2b-4c3d-8e9f-001122334455"
     for folder in (other, stopped, elsewhere, old, recent, root / "notes"):

@@ -27,10 +27,16 @@ import platform
 import re
 import shutil
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 from .cpu import cpu_tag, is_intel
 from .options import DEFAULT_CACHE_DIR
@@ -162,10 +168,11 @@ def _name(march: str) -> str:
 def _build(march: str) -> Kernels:
     name, folder = _name(march), build_folder(march)
     library = folder / f"{name}.so"
-    if library.is_file():  # built before, by this or any checkout of the same code
-        torch.ops.load_library(str(library))
-    else:
-        _compile(name, march, folder)
+    with _compiling(folder):  # processes starting together (engines, test workers) compile a build once
+        if library.is_file():  # built before, by this or any checkout of the same code
+            torch.ops.load_library(str(library))
+        else:
+            _compile(name, march, folder)
     ops = getattr(torch.ops, name)
     # Shapes of the outputs, so torch.compile can trace through the ops: x (..., K) -> (..., sum N_i).
     torch.library.register_fake(f"{name}::matvec_bf16")(lambda x, ws, fp32_out=False: _fake_output(x, ws, fp32_out))
@@ -179,6 +186,17 @@ def _build(march: str) -> Kernels:
         lambda w, scale, offset, dtype: w.new_empty(w.shape[0], w.shape[1] * 2, dtype=dtype))
     torch.library.register_fake(f"{name}::dequantize_int8")(lambda w, scale, dtype: w.new_empty(w.shape, dtype=dtype))
     return Kernels(march=march, name=name, ops=ops, path=ops.path(), folder=folder)
+
+
+@contextmanager
+def _compiling(folder: Path):
+    """While inside, this process alone of those on the machine builds `folder` (a lock file beside it); where
+    there are no POSIX file locks, each process may compile its own copy (_compile keeps the first)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(f"{folder.name}.lock"), "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def _compile(name: str, march: str, folder: Path) -> None:

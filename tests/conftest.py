@@ -16,6 +16,13 @@ if os.environ.get("LLAMA_TEST_AS_AMX") == "1":
 
     model.cpu.has_amx = model.cpu.has_native_bf16 = lambda: True
 
+# Under pytest-xdist (pytest.ini's -n) each worker computes with its share of the cores, so that two workers'
+# OpenMP threads do not spin against each other on the same cores (a worker's torch threads are set in
+# pytest_configure), and threads waiting for work sleep rather than spin (OpenMP reads this when torch loads;
+# the engine and server processes that tests start inherit it).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Triton's kernels (model/triton_kernels.py) run in its interpreter on the CPU: the switch is read when a kernel
 # is defined, so before anything imports them. On a GPU (LLAMA_TEST_DEVICE=cuda) they compile.
 if os.environ.get("LLAMA_TEST_DEVICE", "cpu").strip() == "cpu":
@@ -32,6 +39,32 @@ def pytest_configure(config):
     if OPTIONS.kernel_options != ModelOptions().kernel_options:  # (the defaults need no torch import here)
         from model import kernels
         kernels.configure(**OPTIONS.kernel_options)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its share of the cores
+        import torch
+        torch.set_num_threads(max(1, cores() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    if is_xdist_controller(config):
+        # The default model's folder is written once, before the workers start: two writing it at once would
+        # each remove the other's unfinished copy (model/convert/gguf.py).
+        from support.special_checkpoints import default_model
+        default_model()
+
+
+def is_xdist_controller(config) -> bool:
+    """Whether this process hands the tests to pytest-xdist's workers (pytest.ini's -n) and runs none itself."""
+    return (not hasattr(config, "workerinput") and config.pluginmanager.hasplugin("xdist")
+            and bool(config.getoption("numprocesses", None)))
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config):
+    """pytest.ini's `-n auto`: one worker per core, at most 4. Most of the suite's time is spent waiting on
+    servers, engine processes and the browser, or in one thread of Python, so two workers on two cores finish
+    about 1.5 times sooner than one; past 4, each worker's servers and models cost more memory than the
+    wait they save."""
+    return max(1, min(cores(), 4))
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,8 @@ document (tests/support/needle.py) is found by the greedy answer to a question a
 in bf16 and in q8 (LLAMA_KV_TYPE) alike (bench/kv_quality.py measures the rest at 6,000 tokens and more:
 perplexity, agreement, the needle).
 
-3,000 tokens is past every length at which the code takes another way: a dozen prefill chunks (256, or 512
-as on AMX CPUs), each decode step's attention split into a dozen pieces of 256 positions
+3,000 tokens is past every length at which the code takes another way: several prefill chunks (12 of 256, or
+6 of 512 as on AMX CPUs), each decode step's attention split into a dozen pieces of 256 positions
 (csrc/decode_step.cpp's kPositionsPerTask), q8 blocks written by prefill and by decode; at 6,000 the test
 took twice as long for the same branches."""
 

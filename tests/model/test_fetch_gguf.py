@@ -27,6 +27,7 @@ from support.kernels import x_in_int8
 import model.checkpoint
 import model.convert.gguf as gguf_module
 import model.convert.gguf_tensors as tensors_module
+from model.convert.gguf_reader import Reader
 from model import ChatFormat, Tokenizer, generate, load_checkpoint
 from model.checkpoint import CheckpointError, blocks_decode_fast
 from model.kernels import kernels
@@ -65,7 +66,57 @@ def imported(sources, tmp_path_factory):
 
 @functools.cache
 def reader(path: Path) -> gguf.GGUFReader:
-    return gguf.GGUFReader(path)  # ~10 s for a Llama 3 vocabulary: read each file once
+    return Reader(path)  # each file read once
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG], ids=["little", "big"])
+def test_the_reader_reads_what_the_gguf_library_reads(tmp_path, endian):
+    """model/convert/gguf_reader.Reader (the library's reader, values sliced from a plain view of the map)
+    gives the library's fields and tensors: every value type, arrays of strings and of numbers, strings
+    that are not ASCII, tensors of a float and a quantized type, either byte order."""
+    path = tmp_path / "values.gguf"
+    writer = gguf.GGUFWriter(path, "llama", endianess=endian)
+    writer.add_uint8("u8", 255)
+    writer.add_int8("i8", -128)
+    writer.add_uint16("u16", 65535)
+    writer.add_int16("i16", -32768)
+    writer.add_uint32("u32", 2**32 - 1)
+    writer.add_int32("i32", -2**31)
+    writer.add_uint64("u64", 2**64 - 1)
+    writer.add_int64("i64", -2**63)
+    writer.add_float32("f32", -1.5e-5)
+    writer.add_float64("f64", 2.0 ** -1074)
+    writer.add_bool("bool", True)
+    writer.add_string("str", "Grüße, 世界 🦙")
+    writer.add_array("strings", ["a", "", "ĠHello", "日本"] * 50)
+    writer.add_array("numbers", list(range(-5, 300)))
+    writer.add_array("floats", [0.5, -2.25, 1e30])
+    writer.add_tensor("w", np.arange(24, dtype=np.float32).reshape(4, 6))
+    q8 = gguf.quants.quantize(np.linspace(-1, 1, 64 * 2, dtype=np.float32).reshape(2, 64), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("q", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, theirs = Reader(path), gguf.GGUFReader(path)
+    assert ours.endianess == theirs.endianess == endian
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
+        assert [p.tobytes() for p in mine.parts] == [p.tobytes() for p in field.parts], name
+        assert [p.dtype for p in mine.parts] == [p.dtype for p in field.parts], name
+        if name.startswith("GGUF.") or field.types[0] != gguf.GGUFValueType.ARRAY or field.types[-1] == gguf.GGUFValueType.STRING:
+            assert mine.contents() == field.contents(), name
+        else:
+            assert np.array_equal(mine.contents(), field.contents()), name
+    assert ours.fields["strings"].contents()[2] == "ĠHello" and ours.fields["u64"].contents() == 2**64 - 1
+    assert ours.data_offset == theirs.data_offset
+    assert len(ours.tensors) == len(theirs.tensors) == 2
+    for mine, tensor in zip(ours.tensors, theirs.tensors):
+        assert (mine.name, mine.tensor_type, list(mine.shape), mine.data_offset) == \
+            (tensor.name, tensor.tensor_type, list(tensor.shape), tensor.data_offset)
+        assert mine.data.dtype == tensor.data.dtype and np.array_equal(mine.data, tensor.data)
 
 
 def tensor_dtypes(folder: Path) -> dict[str, str]:

@@ -29,13 +29,11 @@ from model.linear import MAX_KERNEL_ROWS
 
 pytestmark = pytest.mark.timeout(900)
 
-GREEDY = ReplySettings(max_new_tokens=40, temperature=0.0, repetition_penalty=1.0)
-SEEDED = ReplySettings(max_new_tokens=40, temperature=0.8, top_p=0.95, seed=11)
+GREEDY = ReplySettings(max_new_tokens=32, temperature=0.0, repetition_penalty=1.0)
+SEEDED = ReplySettings(max_new_tokens=32, temperature=0.8, top_p=0.95, seed=11)
 QUESTIONS = ["What is the capital of France?", "How do I boil an egg?", "Write a haiku about autumn.",
-             "What is 17 times 23?", "Explain photosynthesis in one paragraph.",
-             "Give me three tips for sleeping better.", "What is the difference between a list and a tuple in Python?",
-             "Who wrote Pride and Prejudice?", "Translate 'good morning' into Spanish.", "Why is the sky blue?",
-             "Suggest a name for a pet goldfish.", "How many legs does a spider have?"]
+             "What is the difference between a list and a tuple in Python?", "Why is the sky blue?",
+             "Give me three tips for sleeping better."]
 LONG_SYSTEM = "You are a helpful assistant. " + " ".join(f"Rule {i}: answer clearly, briefly and kindly."
                                                          for i in range(60))  # several prefill chunks
 
@@ -100,17 +98,18 @@ def threads():
 
 def test_everyday_questions_get_the_same_answers_fresh_cached_and_together(default_model_as, threads):
     """Each question alone on an engine that keeps no cache; then twice in a row on one that does (the
-    second time the whole prompt is in the cache); then all twelve at once; then alone with one thread."""
+    second time the whole prompt is in the cache); then all six at once, in a batch of four (two wait, then
+    join as others end); then alone with one thread."""
     folder, checkpoint = default_model_as
     conversations = [chat(q) for q in QUESTIONS]
     threads(2)
     fresh = Asker(folder, checkpoint, kv_cache_mb=0).one_by_one(conversations)
-    caching = Asker(folder, checkpoint, max_batch=8)
+    caching = Asker(folder, checkpoint, max_batch=4)
     first, second = caching.one_by_one(conversations), caching.one_by_one(conversations)
-    together = caching.ask(conversations)  # 12 > max_batch 8: four wait, then join as others end
+    together = caching.ask(conversations)  # 6 > max_batch 4: two wait, then join as others end
     threads(1)
     one_thread = Asker(folder, checkpoint, kv_cache_mb=0).one_by_one(conversations)
-    assert len({tuple(tokens) for tokens, _, _ in fresh}) == len(QUESTIONS)  # twelve different answers
+    assert len({tuple(tokens) for tokens, _, _ in fresh}) == len(QUESTIONS)  # six different answers
     assert same(fresh, first) == same(fresh, second) == same(fresh, together) == same(fresh, one_thread) == []
 
 
@@ -119,7 +118,7 @@ def test_follow_ups_and_a_shared_system_prompt_get_the_same_answers_as_on_a_fres
     engine, taking kept caches, against an engine that computes every prompt from its start."""
     folder, checkpoint = default_model_as
     caching, fresh = Asker(folder, checkpoint), Asker(folder, checkpoint, kv_cache_mb=0)
-    firsts = [chat(q, system=LONG_SYSTEM) for q in QUESTIONS[:4]]
+    firsts = [chat(q, system=LONG_SYSTEM) for q in QUESTIONS[:3]]
     cached_firsts = caching.one_by_one(firsts)
     assert same(cached_firsts, fresh.one_by_one(firsts)) == []
     assert all(reused > 0 for _, _, reused in cached_firsts[1:])  # the system prompt's whole chunks
@@ -135,7 +134,7 @@ def test_follow_ups_and_a_shared_system_prompt_get_the_same_answers_as_on_a_fres
 
 def test_a_seeded_reply_is_the_same_fresh_cached_and_together(default_model_as):
     folder, checkpoint = default_model_as
-    conversations = [chat(q, system=LONG_SYSTEM) for q in QUESTIONS[:6]]
+    conversations = [chat(q, system=LONG_SYSTEM) for q in QUESTIONS[:4]]
     fresh = Asker(folder, checkpoint, kv_cache_mb=0).one_by_one(conversations, SEEDED)
     caching = Asker(folder, checkpoint)
     assert same(fresh, caching.one_by_one(conversations, SEEDED)) == []

@@ -186,6 +186,7 @@ def test_the_running_streams_decode_while_a_prompt_is_built(tiny, checkpoint, mo
         checkpoint, second, GREEDY).tokens
 
 
+@pytest.mark.cpu_rules
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(tiny, checkpoint):
     h = harness(tiny, checkpoint)
     streaming = request("Go on", ReplySettings(max_new_tokens=400, temperature=0.0))
@@ -254,6 +255,7 @@ def test_cancel_while_waiting_ends_at_once(tiny, checkpoint):
 LONG_SYSTEM = "You are a helpful assistant who answers briefly and kindly. " * (PREFILL_CHUNK // 7)
 
 
+@pytest.mark.cpu_rules
 def test_a_follow_up_takes_the_whole_prefill_chunks_of_its_conversation(tiny, checkpoint):
     """A kept cache gives only positions computed by whole prefill chunks (model/kv_cache.py): the first
     prompt's last partial chunk and the reply run again, so the reply is the one a fresh engine gives."""
@@ -272,6 +274,7 @@ def test_a_follow_up_takes_the_whole_prefill_chunks_of_its_conversation(tiny, ch
     assert last(fresh.ask(again)[again.id]).token_ids == second.token_ids
 
 
+@pytest.mark.cpu_rules
 @pytest.mark.parametrize("refine", [True, False])
 def test_while_idle_a_kept_reply_is_computed_again_so_the_follow_up_reuses_it(tiny, checkpoint, refine):
     """A reply of 300 tokens crosses whole prefill chunks; while nothing else runs, the engine computes them
@@ -292,6 +295,7 @@ def test_while_idle_a_kept_reply_is_computed_again_so_the_follow_up_reuses_it(ti
     assert last(fresh.ask(again)[again.id]).token_ids == second.token_ids
 
 
+@pytest.mark.cpu_rules
 def test_conversations_that_share_a_start_share_its_keys_and_values(tiny, checkpoint):
     h = harness(tiny, checkpoint)
     one = request(chat("Question one", system=LONG_SYSTEM), GREEDY)
@@ -305,6 +309,7 @@ def test_conversations_that_share_a_start_share_its_keys_and_values(tiny, checkp
     assert len(h.engine.prefix_cache) == 2  # the first chat's cache stayed for it
 
 
+@pytest.mark.cpu_rules
 def test_one_users_kept_caches_are_not_reused_for_another_user(tiny, checkpoint):
     h = harness(tiny, checkpoint)
     conversation = chat("What is the capital of France?", system=LONG_SYSTEM)
@@ -332,6 +337,7 @@ def long_chat(turns: int, system: str = "You are a pirate.") -> Conversation:
     return chat(*texts, f"Last question {turns}", system=system)
 
 
+@pytest.mark.cpu_rules
 def test_a_trimmed_chat_is_reported_with_the_reply_and_keeps_its_start(tiny, checkpoint):
     limit = 2 * PREFILL_CHUNK  # a context of two prefill chunks (whatever the CPU makes them): a start to keep
     h = harness(tiny, checkpoint, max_context=limit)
@@ -352,6 +358,7 @@ def test_a_trimmed_chat_is_reported_with_the_reply_and_keeps_its_start(tiny, che
     assert second.stats.reused_tokens > 0
 
 
+@pytest.mark.cpu_rules
 def test_a_chat_that_fits_is_reported_whole(tiny, checkpoint):
     h = harness(tiny, checkpoint, max_context=512)
     done = last(h.ask(r := request(chat("Hi", "Hello!", "How are you?"), ReplySettings(max_new_tokens=300)))[r.id])
@@ -380,6 +387,7 @@ def test_a_message_longer_than_the_context_is_a_polite_error_and_the_engine_goes
 
 # ---- models and faults --------------------------------------------------------------------------
 
+@pytest.mark.cpu_rules
 def test_models_load_on_first_use_once_and_a_broken_one_is_reported(tiny, tmp_path):
     loads = []
 
@@ -407,6 +415,7 @@ def test_models_load_on_first_use_once_and_a_broken_one_is_reported(tiny, tmp_pa
     assert last(events).reason == "bad_request" and "nothing" in last(events).message
 
 
+@pytest.mark.cpu_rules
 def test_the_default_model_is_served_from_its_q4_1_blocks_where_the_kernel_runs_else_widened(
         tmp_path, monkeypatch, smollm2_gguf):
     """Prepared on start, the default model keeps its int4 blocks where the decode kernel multiplies them
@@ -429,6 +438,7 @@ def test_the_default_model_is_served_from_its_q4_1_blocks_where_the_kernel_runs_
     assert h.engine.models.checkpoints["Other-Q4_1"].model.layers[0].attention.wq.weight.dtype == torch.uint8
 
 
+@pytest.mark.cpu_rules
 def test_the_token_table_for_logprobs_is_read_while_the_model_loads(tiny, monkeypatch):
     """Not at the first request that asks for logprobs, whose first token would wait for it."""
     reads = []
@@ -553,6 +563,7 @@ def test_n_replies_share_one_prefill_and_each_is_the_reply_its_seed_gives(tiny, 
 
 
 
+@pytest.mark.cpu_rules
 def test_the_engine_moves_a_leader_and_its_follower_through_their_states(tiny, checkpoint):
     h = harness(tiny, checkpoint, kv_cache_mb=0)
     r = request("word" + " word" * PREFILL_CHUNK, ReplySettings(max_new_tokens=3, temperature=0.0), n=2)
@@ -588,6 +599,7 @@ def scripted(monkeypatch, checkpoint, text: str) -> None:
     monkeypatch.setattr("app.engine.sequence.Sequence.draw", lambda self, logits: torch.tensor(ids[len(self.tokens)]))
 
 
+@pytest.mark.cpu_rules
 def test_a_tool_call_is_held_back_and_comes_as_a_call(tiny, checkpoint, monkeypatch):
     h = harness(tiny, checkpoint)
     scripted(monkeypatch, checkpoint, '[get_weather(city="Paris")]')
@@ -604,6 +616,7 @@ def test_a_tool_call_is_held_back_and_comes_as_a_call(tiny, checkpoint, monkeypa
     assert "get_weather" in prompt  # the definitions were in the prompt the engine built
 
 
+@pytest.mark.cpu_rules
 def test_text_that_is_no_tool_call_streams_and_undeclared_calls_stay_text(tiny, checkpoint, monkeypatch):
     h = harness(tiny, checkpoint)
     scripted(monkeypatch, checkpoint, "It is sunny in Paris today.")
@@ -616,6 +629,7 @@ def test_text_that_is_no_tool_call_streams_and_undeclared_calls_stay_text(tiny, 
     assert "".join(e.text for e in events if isinstance(e, Text)) == last(events).text  # sent at the end
 
 
+@pytest.mark.cpu_rules
 def test_with_tool_choice_none_a_call_the_model_writes_is_text(tiny, checkpoint, monkeypatch):
     h = harness(tiny, checkpoint)
     call = '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}'
@@ -627,6 +641,7 @@ def test_with_tool_choice_none_a_call_the_model_writes_is_text(tiny, checkpoint,
     assert last(events).text == "" and [c["function"]["name"] for c in last(events).tool_calls] == ["get_weather"]
 
 
+@pytest.mark.cpu_rules
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_call_that_tool_choice_asks_for_is_what_the_reply_is(tiny, checkpoint, tool_choice):
     h = harness(tiny, checkpoint)
@@ -644,6 +659,7 @@ def test_a_call_that_tool_choice_asks_for_is_what_the_reply_is(tiny, checkpoint,
         assert all(isinstance(json.loads(c["function"]["arguments"])["city"], str) for c in done.tool_calls)
 
 
+@pytest.mark.cpu_rules
 def test_a_model_without_tool_calling_answers_in_text_unless_a_call_is_demanded(tmp_path):
     """Clients that offer their tools with every message (Open WebUI) get text, as "auto" allows; "required" or a
     named function, which only a call satisfies, is a bad request that says why."""
@@ -659,6 +675,7 @@ def test_a_model_without_tool_calling_answers_in_text_unless_a_call_is_demanded(
         assert last(events).message.startswith("tools: ") and "tool_choice" in last(events).message
 
 
+@pytest.mark.cpu_rules
 def test_a_model_without_tool_calling_refuses_a_conversation_with_tool_results_by_what_it_holds(tmp_path):
     """A tool's result or an assistant's calls cannot go in a prompt whose template has no tools: refused naming
     the messages and why, not by the position the chat format numbers them at (the API's indices differ)."""
@@ -677,6 +694,7 @@ def test_a_model_without_tool_calling_refuses_a_conversation_with_tool_results_b
     assert last(h.ask(r := request("Hi", GREEDY, model="chatml"))[r.id]).text  # the engine answers the next
 
 
+@pytest.mark.cpu_rules
 def test_tool_calls_and_results_are_prompted_as_the_chat_format_writes_them(tiny, checkpoint):
     h = harness(tiny, checkpoint)
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}

@@ -45,6 +45,7 @@ def test_replies_in_slots_batched_and_alone_are_the_replies_without_slots(tiny, 
     assert sorted(static.model.static.cache.free) == [0, 1, 2]  # every slot back once the replies ended
 
 
+@pytest.mark.cpu_rules
 def test_a_follow_up_reuses_the_copy_kept_of_a_slot(tiny, checkpoint, static, monkeypatch):
     h = harness(tiny, static)
     conversation = Conversation(system_prompt=LONG_SYSTEM)
@@ -64,6 +65,7 @@ def test_a_follow_up_reuses_the_copy_kept_of_a_slot(tiny, checkpoint, static, mo
     assert last(fresh.ask(r := request(conversation, GREEDY))[r.id]).token_ids == second.token_ids
 
 
+@pytest.mark.cpu_rules
 def test_steps_queued_before_their_tokens_are_read_give_the_replies_of_plain_steps(tiny, static, monkeypatch):
     """Where no reply guesses, the engine queues a batch's next step in the slots on the tokens drawn on the
     device before it reads them (app/engine/ahead.py). Replies ending at different steps (their token limits),

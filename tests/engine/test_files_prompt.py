@@ -179,6 +179,7 @@ def test_dialog_renders_files_into_the_content(chat_format):
 
 # ---- through the engine -------------------------------------------------------------------------
 
+@pytest.mark.cpu_rules
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("one_thread")
 def test_the_engine_reports_the_files_and_reuses_the_cache_on_the_next_turn(tiny):
@@ -202,6 +203,7 @@ def test_the_engine_reports_the_files_and_reuses_the_cache_on_the_next_turn(tiny
     assert first.stats.prompt_tokens > use.tokens > LIMIT // 2
 
 
+@pytest.mark.cpu_rules
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("one_thread")
 def test_a_long_file_goes_in_whole_where_the_models_own_context_holds_it(tiny):

@@ -69,6 +69,7 @@ def unloaded(events: list) -> list[str]:
     return [e.model for e in events if isinstance(e, ModelUnloaded)]
 
 
+@pytest.mark.cpu_rules
 def test_an_idle_model_is_unloaded_after_its_keep_alive_with_its_caches_and_is_collected(weights, caplog):
     clock = Clock()
     h = engine(weights, clock, keep_alive=60)
@@ -184,6 +185,7 @@ def test_the_default_model_stays_unless_keep_alive_is_set(weights):
     assert unloaded(h.events) == ["tiny"]
 
 
+@pytest.mark.cpu_rules
 def test_the_next_request_loads_it_again_and_gets_the_same_greedy_reply(weights):
     clock, loads = Clock(), Loads()
     h = engine(weights, clock, loads, keep_alive=10)

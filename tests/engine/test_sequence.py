@@ -60,6 +60,7 @@ def prefill(sequence: Sequence) -> None:
         sequence.computed(ids)
 
 
+@pytest.mark.cpu_rules
 def test_a_reply_goes_through_every_state_and_ends_at_its_token_limit(checkpoint, words):
     sequence, = sequences()
     prompt = words[:PREFILL_CHUNK + 10]  # two chunks
@@ -145,6 +146,7 @@ def test_a_cancel_while_waiting_in_line_finishes_it(checkpoint, words):
     assert sequence.done().finish_reason == "cancelled"
 
 
+@pytest.mark.cpu_rules
 def test_a_cancel_while_prefilling_finishes_it_before_its_next_chunk(checkpoint, words):
     sequence, = sequences()
     start(sequence, checkpoint, words[:PREFILL_CHUNK + 10])

@@ -127,6 +127,7 @@ def _hf_folder_copy(hf, folder):
     return folder
 
 
+@pytest.mark.cpu_rules
 def test_loading_is_memory_mapped_and_builds_on_meta(hf_folder):
     """bf16 file run in bf16: parameters are views of the mapped file, not copies."""
     from safetensors.torch import load_file, save_file
@@ -159,6 +160,7 @@ def test_greedy_generation_with_kv_cache_matches_transformers(reference, hf_fold
     assert gen.finish_reason == "length" and text == ckpt.tokenizer.decode(gen.tokens)
 
 
+@pytest.mark.cpu_rules
 def test_prefix_reuse_takes_whole_prefill_chunks_and_gives_identical_greedy_output(hf_folder):
     from model.kv_cache import PREFILL_CHUNK as C
     ckpt = load_checkpoint(hf_folder, dtype=torch.float32)
@@ -218,6 +220,7 @@ def test_prompt_longer_than_context_is_refused(hf_folder):
     assert gen.kv_cache.max_len == 64  # sized to prompt + reply, never the model's 131072
 
 
+@pytest.mark.cpu_rules
 def test_bfloat16_run_is_close_to_float32(reference, hf_folder):
     ckpt = load_checkpoint(hf_folder, dtype=torch.bfloat16)
     assert ckpt.model.tok_embeddings.weight.dtype == torch.bfloat16
@@ -287,6 +290,7 @@ def test_pickle_that_would_run_code_is_refused(hf_folder, tmp_path):
         load_checkpoint(tmp_path)
 
 
+@pytest.mark.cpu_rules
 def test_cancel_during_prefill_stops_between_chunks(hf_folder):
     from model.generation import PREFILL_CHUNK
     ckpt = load_checkpoint(hf_folder, dtype=torch.float32)

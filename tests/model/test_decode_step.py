@@ -111,7 +111,7 @@ def prefilled(ckpt, lengths, max_len=32, kv_type="bf16") -> list[KVCache]:
         cache = KVCache(ckpt.config, max_len, dtype=ckpt.model.compute_dtype, kv_type=kv_type)
         ids = [(7 * i + 3 * j + 11) % 500 for j in range(n)]
         with torch.inference_mode():
-            ckpt.model(torch.tensor([ids]), 0, cache)
+            ckpt.model(torch.tensor([ids]), 0, cache, last_only=True)  # (the cache is what is kept)
         cache.tokens = ids
         caches.append(cache)
     return caches

@@ -26,6 +26,7 @@ MAX_TOOLS = 128
 MAX_JSON_CHARS = 100_000  # tools, or a JSON schema, as JSON text
 MAX_NAME_LENGTH = 256  # a model's, a tool's or a call's name or id
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # tokens one request's logit_bias may name
 MAX_DEPTH = 64  # nesting of objects and arrays, the request body's own levels included
 MAX_FILES = 10  # files attached to one message
 MAX_FILE_BYTES = 20 * 2**20  # one file as uploaded
@@ -45,6 +46,7 @@ TopP = Annotated[float, Meta(gt=0, le=1)]
 MinP = Annotated[float, Meta(ge=0, le=1)]
 RepetitionPenalty = Annotated[float, Meta(gt=0, le=10)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]  # OpenAI's frequency and presence penalties
+Bias = Annotated[float, Meta(ge=-100, le=100)]  # OpenAI's logit_bias values
 Seed = Annotated[int, Meta(ge=-INT64, le=INT64 - 1)]
 StopString = Annotated[str, Meta(max_length=MAX_STOP_LENGTH)]
 Replies = Annotated[int, Meta(ge=1, le=MAX_N)]

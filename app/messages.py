@@ -41,9 +41,11 @@ from model.options import ModelOptions
 from app.bounds import (
     MAX_FILE_CHARS,
     MAX_FILES,
+    MAX_LOGIT_BIAS,
     MAX_MESSAGES,
     MAX_STOP_STRINGS,
     MAX_TOOLS,
+    Bias,
     Count,
     FileText,
     MinP,
@@ -79,6 +81,8 @@ class ReplySettings(msgspec.Struct, frozen=True, omit_defaults=True):
     frequency_penalty: Penalty | None = None  # OpenAI's, over the reply; 0 is off
     presence_penalty: Penalty | None = None
     seed: Seed | None = None  # None: random; reply i of n takes bounds.reply_seed(seed, i)
+    logit_bias: Annotated[dict[TokenId, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None  # OpenAI's: added
+    # to those tokens' logits before sampling (model/sampling.py)
     stop: Annotated[tuple[StopString, ...], Meta(max_length=MAX_STOP_STRINGS)] = ()  # end the reply (not in it)
     ignore_eos: bool = False  # go on past the model's stop tokens, to the token limit (for benchmarks)
 

@@ -23,7 +23,10 @@ accept() applies the rules in this order:
 5. Then the token limit ("length"): the prompt and the reply fit the context limit, and the reply
    `max_new_tokens`. A reply completed by its last allowed token ended by rule 4, not by its length.
 6. With tools declared, text that may still be a call is held back; at the end a call to a declared
-   tool becomes `tool_calls` (the text is then the content around it), anything else is given out.
+   tool becomes `tool_calls` (the text is then the content around it), anything else is given out. A reply
+   that tool_choice forced to be a call (`forced`: the names it may call) and that its token limit (or a cancel)
+   cut short is a call too: its whole calls and the last one as far as it went (model/tool_parser.py cut_calls),
+   never text (none at all where not even a name was written).
 
 A constraint that cannot go on (its grammar engine fails at some token: model/structured.py) raises
 ConstraintFailed from mask() or advance(): the reply ends there ("constraint_failed", `error` says why), its
@@ -40,7 +43,7 @@ import torch
 
 from .sampling import Sampler, SamplingParams, token_logprobs
 from .stats import Stats
-from .tool_parser import may_be_tool_call, parse_tool_calls
+from .tool_parser import cut_calls, may_be_tool_call, parse_tool_calls
 from .tools import ToolCall
 
 NO_TOKEN = -1  # what sample() gives once the reply ended without a token (its constraint failed)
@@ -125,13 +128,14 @@ class Decoding:
     stop_ids: the ids that end the reply (empty: go on to the token limit). stop: a string or strings that
     end it (never shown). constraint: what the reply must be (model.structured.JsonConstraint: mask(), advance(),
     finished). logprobs: report each token's logprob and this many alternatives (None: off). tools: the
-    names of the functions the reply may call. started: perf_counter() time the stats count from.
+    names of the functions the reply may call; forced: those it must call one of (tool_choice "required" or a
+    name: its constraint is the call's JSON). started: perf_counter() time the stats count from.
     """
 
     def __init__(self, tokenizer, prompt: list[int], *, sampling: SamplingParams, max_new_tokens: int,
                  context_limit: int, stop_ids: Collection[int], stop: str | Sequence[str] = (), constraint=None,
                  logprobs: int | None = None, tools: Collection[str] = (), parallel_tool_calls: bool = True,
-                 device="cpu", started: float | None = None):
+                 forced: Collection[str] = (), device="cpu", started: float | None = None):
         self.tokenizer = tokenizer
         self.max_new_tokens = max(0, min(max_new_tokens, context_limit - len(prompt)))
         self.sampler = Sampler(sampling, device=device)
@@ -140,6 +144,7 @@ class Decoding:
         self.constraint = constraint
         self.top_logprobs = logprobs
         self.tools = set(tools)
+        self.forced = set(forced)
         self.parallel_tool_calls = parallel_tool_calls
         self.started = time.perf_counter() if started is None else started
         # Control tokens the model may emit (e.g. <|python_tag|>) stay in `tokens` but not in the text.
@@ -157,6 +162,7 @@ class Decoding:
         self._holding = bool(self.tools)  # may the reply still be a tool call?
         self._held: list[str] = []  # text not given out while it may be a call
         self._content = ""  # the text around the tool calls, once ended
+        self._cut = False  # a forced call cut short: never text, even before a call began
         self._logprob: Logprob | None = None  # of the token sample() chose last
         self._first = True
         self._flushed = False
@@ -169,7 +175,7 @@ class Decoding:
     @property
     def text(self) -> str:
         """The reply's text: what accept() and end() gave out and hold; the content around a tool call."""
-        if self.tool_calls:
+        if self.tool_calls or self._cut:
             return self._content
         return "".join(self._pieces)
 
@@ -250,10 +256,13 @@ class Decoding:
         unsent = self._emit(self._rest())
         self.stats.total_time = time.perf_counter() - self.started
         if self.tools:
-            self._content, found = parse_tool_calls(self.tokenizer.decode(self.tokens))  # control tokens spelled
+            text = self.tokenizer.decode(self.tokens)  # control tokens spelled out
+            self._content, found = parse_tool_calls(text)
             calls = [call for call in found if call.name in self.tools]  # not Meta's built-ins, unless declared
+            if not calls and self.forced and self.finish_reason in ("length", "cancelled"):  # the call cut short
+                self._content, calls, self._cut = "", cut_calls(text, self.forced), True
             self.tool_calls = calls if self.parallel_tool_calls else calls[:1]
-        if self.tool_calls:
+        if self.tool_calls or self._cut:
             return ""
         return unsent + "".join(self._held)
 

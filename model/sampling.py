@@ -14,7 +14,10 @@ draw), so top-p and min-p see the probabilities before temperature reshapes them
   presence, where count is how often the token was generated so far in this reply (not the prompt,
   as OpenAI's and vLLM's docs define them; no window).
 
-Greedy (temperature 0) takes the argmax after the penalties, as llama.cpp does.
+Before the penalties, `logit_bias` (OpenAI's): a number in [-100, 100] added to a token's logit at every step
+(-100 all but bans the token, +100 all but forces it), as llama.cpp's chain adds it first.
+
+Greedy (temperature 0) takes the argmax after the bias and the penalties, as llama.cpp does.
 
 Two ways to the same draw: on a GPU every step is a tensor op over the whole vocabulary (no wait for the
 host); on the CPU the filters look only at the tokens near the top, found with numpy (`host_sample`): torch's
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 
 PENALTY_RANGE = 2.0  # OpenAI accepts frequency/presence penalties in [-2, 2]
+BIAS_RANGE = 100.0  # and logit biases in [-100, 100]
 QUOTE_RUN = 3  # ids in a row, found in the prompt, after which the prompt's next id is a quote's (0: none is)
 
 
@@ -47,6 +51,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     penalty_last_n: int = 64  # ids the repetition penalty looks back over; 0 is off, -1 is all
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias): added to that token's logit
 
     def __post_init__(self):
         def need(ok: bool, name: str, expected: str):
@@ -72,6 +77,12 @@ class SamplingParams:
         need(integer("penalty_last_n") and self.penalty_last_n >= -1, "penalty_last_n",
              "a whole number >= -1 (0 is off, -1 is the whole history)")
         need(self.seed is None or integer("seed"), "seed", "a whole number or None")
+        for token, bias in self.logit_bias:
+            if not (isinstance(token, int) and not isinstance(token, bool) and token >= 0):
+                raise ValueError(f"sampling parameter logit_bias: token id {token!r}: expected a whole number >= 0")
+            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and abs(bias) <= BIAS_RANGE):
+                raise ValueError(f"sampling parameter logit_bias: the bias of token {token} is {bias!r}: expected "
+                                 f"a number in [-{BIAS_RANGE:g}, {BIAS_RANGE:g}]")
 
 
 def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -298,6 +309,7 @@ class Sampler:
         self.quoted: QuotedRuns | None = None  # the prompt's runs, once sampling starts
         self.generated: dict[int, int] = {}  # token id -> times generated in this reply
         self.started = False  # has sample() been called (so accepted ids are generated ones)?
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias's (ids, biases), once on the device
 
     def accept(self, token_ids) -> None:
         for token in token_ids:
@@ -310,9 +322,19 @@ class Sampler:
                 self.prompt.append(token)
 
     def penalized(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits (vocab,) float32 with the repetition, frequency and presence penalties applied."""
+        """logits (vocab,) float32 with the logit bias, then the repetition, frequency and presence penalties
+        applied."""
         p = self.params
         logits = logits.float()
+        if p.logit_bias:
+            if self.bias is None:
+                past = max(token for token, _ in p.logit_bias)
+                if past >= logits.shape[-1]:
+                    raise ValueError(f"logit_bias: token id {past} is not in the vocabulary (ids 0 to "
+                                     f"{logits.shape[-1] - 1})")
+                self.bias = (torch.tensor([token for token, _ in p.logit_bias], device=logits.device),
+                             torch.tensor([bias for _, bias in p.logit_bias], dtype=torch.float32, device=logits.device))
+            logits = logits.index_add(0, *self.bias)
         if p.repetition_penalty != 1.0 and self.recent:
             quoted = self.quoted or QuotedRuns(self.prompt)
             if self.started:  # the prompt is whole: its runs are kept for the reply's steps

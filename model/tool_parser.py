@@ -24,6 +24,7 @@ import json
 import re
 import uuid
 import warnings
+from collections.abc import Collection
 
 from .tools import BUILTIN_TOOLS, ToolCall
 
@@ -33,6 +34,7 @@ END_TOKENS = ("<|eot_id|>", "<|eom_id|>")
 FUNCTION_TAG = re.compile(r"<function=(?P<name>[^}]+)>(?P<arguments>{.*?})")  # llama_models' pattern
 BUILTIN_CALL = re.compile(r'\b(?P<name>\w+)\.call\(query="(?P<query>[^"]*)"\)')
 CALL_OPENINGS = (PYTHON_TAG, "<function=", "{", "[")  # how a reply that is a call begins
+FORCED_CALL, PARAMETERS = '{"type": "function", "name": "', '", "parameters": '  # model/tool_choice.py's layout
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
@@ -117,6 +119,37 @@ def python_list_calls(text: str) -> list[tuple[str, dict]]:
             return []
         calls.append((node.func.id, arguments))
     return calls
+
+
+def cut_calls(text: str, names: Collection[str]) -> list[ToolCall]:
+    """A reply that tool_choice made a call (model/tool_choice.py: a JSON call, or an array of them, in json.dumps's
+    layout) cut short by its token limit, as OpenAI returns one: its whole calls, then the last as far as it
+    went, its arguments the JSON text written so far (a str; "" before they began). A name cut short is the one
+    name of `names` it can still be, else what was written of it."""
+    decoder = json.JSONDecoder()
+    text = text.lstrip()
+    position, calls = int(text.startswith("[")), []
+    while True:
+        try:
+            value, end = decoder.raw_decode(text, position)
+        except (json.JSONDecodeError, RecursionError):
+            break
+        call = json_call(value) if isinstance(value, dict) else None
+        if call is None:
+            break
+        calls.append(ToolCall(f"call_{uuid.uuid4().hex}", *call))
+        position = end + 2 if text.startswith(", ", end) else len(text)  # the next call, or the cut between two
+    rest = text[position:]
+    if not rest.strip(", "):  # cut after a whole call
+        return calls
+    if not (rest.startswith(FORCED_CALL) or FORCED_CALL.startswith(rest)):
+        return calls
+    name, quote, after = rest[len(FORCED_CALL):].partition('"')
+    if not quote:  # cut inside the name
+        possible = [n for n in names if n.startswith(name)]
+        name = possible[0] if len(possible) == 1 else name
+    arguments = after.removeprefix(PARAMETERS[1:]) if after.startswith(PARAMETERS[1:]) else ""
+    return calls + [ToolCall(f"call_{uuid.uuid4().hex}", name, arguments)]
 
 
 def may_be_tool_call(text: str) -> bool:

@@ -46,12 +46,12 @@ class ToolDefinition:
 class ToolCall:
     id: str
     name: str
-    arguments: dict = field(default_factory=dict)
+    arguments: dict | str = field(default_factory=dict)  # a str: JSON text cut short (the reply's token limit)
 
     def to_openai(self) -> dict:
         """As an OpenAI chat completion's message.tool_calls[i]."""
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+        arguments = self.arguments if isinstance(self.arguments, str) else json.dumps(self.arguments, ensure_ascii=False)
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
 
 
 def tool_prompt_format_for(config) -> str:

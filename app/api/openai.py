@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from app.bounds import (
+    MAX_LOGIT_BIAS,
     MAX_MESSAGES,
     MAX_STOP_STRINGS,
     MAX_TOOLS,
@@ -39,7 +40,6 @@ RETRY_AFTER_S = 5  # what a client refused for a full queue, or while the model 
 REFUSED = {
     "audio": "audio output is not supported: this server answers in text",
     "modalities": "only text output is supported",
-    "logit_bias": "logit_bias is not supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
     "functions": "'functions' is deprecated and not supported",
@@ -47,7 +47,7 @@ REFUSED = {
     "reasoning_effort": "this model does not reason in a separate channel",
     "verbosity": "verbosity is not supported",
 }
-HARMLESS = {"modalities": [["text"]], "logit_bias": [{}]}
+HARMLESS = {"modalities": [["text"]]}
 
 
 class ApiError(Exception):
@@ -93,6 +93,7 @@ class Body(Struct, forbid_unknown_fields=True, kw_only=True):
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     seed: Seed | None = None  # the n replies take seed, seed + 1, ...
+    logit_bias: Annotated[dict[str, object], Meta(max_length=MAX_LOGIT_BIAS)] | None = None  # read by parse.py
     stop: Stop | None = None
     n: Replies | None = None
     stream: bool | None = None

@@ -33,7 +33,7 @@ import msgspec
 
 from model.tools import read_tool_calls, read_tool_choice, read_tools
 
-from app.bounds import MAX_FILE_BYTES, MAX_FILES, MAX_JSON_CHARS, json_problem
+from app.bounds import MAX_FILE_BYTES, MAX_FILES, MAX_INT32, MAX_JSON_CHARS, Bias, json_problem
 from app.backend.conversation import Conversation
 from app.files.read import FileRefused, check_together, read_deadline, read_file
 from app.messages import Attachment, ReplySettings
@@ -257,10 +257,33 @@ def _common(body: Body, profiles: dict, default: str, max_tokens: int | None) ->
     settings = ReplySettings(
         max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
         min_p=body.min_p, repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty, seed=body.seed, stop=tuple(s for s in stops if s),
-        ignore_eos=bool(body.ignore_eos))
+        presence_penalty=body.presence_penalty, seed=body.seed, logit_bias=logit_bias(body.logit_bias),
+        stop=tuple(s for s in stops if s), ignore_eos=bool(body.ignore_eos))
     return {"model": model, "settings": settings, "n": body.n or 1, "stream": bool(body.stream),
             "include_usage": bool(body.stream_options and body.stream_options.include_usage)}
+
+
+TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
+def logit_bias(asked: dict[str, object] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, {"token id": bias}, as {id: bias}: each key a token id written in decimal digits, each
+    value a number in [-100, 100] (whether the id is in the model's vocabulary, the engine checks)."""
+    if not asked:
+        return None
+    bias = {}
+    for key, value in asked.items():
+        if not TOKEN_ID.fullmatch(key) or int(key) > MAX_INT32:
+            shown = key if len(key) <= 24 else key[:24] + "..."
+            raise ApiError(400, f"'logit_bias': the key {json.dumps(shown, ensure_ascii=False)} is not a token id; "
+                                'its keys are token ids as strings, such as "1234".', param="logit_bias",
+                           code="invalid_value")
+        try:
+            bias[int(key)] = msgspec.convert(value, Bias, strict=True)
+        except msgspec.ValidationError:
+            raise ApiError(400, f"'logit_bias.{key}' is {json.dumps(value)[:40]}; expected a number from -100 to 100.",
+                           param=f"logit_bias.{key}", code="invalid_value") from None
+    return bias
 
 
 def _conversation(messages: list[Message], model: str) -> Conversation:

@@ -53,7 +53,8 @@ async def pieces(request) -> AsyncIterator[Piece | Finish | Usage]:
             prompt_tokens = max(prompt_tokens, event.stats.prompt_tokens)  # the n replies share one prompt
             cached_tokens = max(cached_tokens, event.stats.reused_tokens)  # (kept caches are of this user only)
             completion_tokens += event.stats.new_tokens
-            reason = "tool_calls" if event.tool_calls else "length" if event.finish_reason == "length" else "stop"
+            # (a call cut short by the token limit is a call, its finish_reason "length", as OpenAI's)
+            reason = "length" if event.finish_reason == "length" else "tool_calls" if event.tool_calls else "stop"
             yield Finish(event.index, reason, event.tool_calls)
     yield Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, PromptTokensDetails(cached_tokens))
 
@@ -62,8 +63,9 @@ def failure_error(failed: Failed) -> ApiError:
     if failed.reason == "prompt_too_long":
         return ApiError(400, failed.message, param="messages", code="context_length_exceeded")
     tools = failed.message.startswith("tools")  # (the engine names the tools where they are what it refuses)
-    if failed.reason == "bad_request":  # (and the messages, where a model cannot take what they hold)
-        param = "tools" if tools else "messages" if failed.message.startswith("messages:") else None
+    if failed.reason == "bad_request":  # (and the messages or logit_bias, where a model cannot take what they hold)
+        param = "tools" if tools else next((name for name in ("messages", "logit_bias")
+                                            if failed.message.startswith(f"{name}:")), None)
         return ApiError(400, failed.message, param=param)
     if failed.reason == "bad_schema":
         return ApiError(400, failed.message, param=failed.message.split(":")[0] if tools else "response_format",

@@ -414,12 +414,13 @@ def done(response: shapes.Response, text: str, finish: Finish | None, usage: Usa
     if text or not (finish and finish.tool_calls):
         response.output.append(shapes.OutputMessage(id=f"msg_{uuid.uuid4().hex}",
                                                     content=[shapes.OutputTextPart(text=text)]))
+    cut = finish is not None and finish.reason == "length"
     for call in finish.tool_calls if finish else []:
         function = call.get("function") or {}
         response.output.append(shapes.OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=call.get("id") or "",
                                                          name=function.get("name", ""),
-                                                         arguments=function.get("arguments", "")))
-    cut = finish is not None and finish.reason == "length"
+                                                         arguments=function.get("arguments", ""),
+                                                         status="incomplete" if cut else "completed"))
     response.status = "incomplete" if cut else "completed"
     response.incomplete_details = shapes.IncompleteDetails("max_output_tokens") if cut else None
     if usage is not None:

@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP API over the backend the chat UI uses (`app.backend.protocol`).
 
     POST /v1/chat/completions   model, messages, n (up to 4), temperature, top_p, top_k, min_p,
-                                repetition_penalty, frequency_penalty, presence_penalty, max_tokens (or
+                                repetition_penalty, frequency_penalty, presence_penalty, logit_bias, max_tokens (or
                                 max_completion_tokens), seed, stop, stream (server-sent events),
                                 stream_options.include_usage, logprobs + top_logprobs, tools +
                                 tool_choice + parallel_tool_calls (Llama 3), response_format (JSON),
@@ -26,7 +26,7 @@ out of the prompt and reads no call; "required", or {"type": "function", "functi
 reply to a call of one of the tools (of that one) whose arguments are valid against its `parameters` schema
 (model/tool_choice.py), and parallel_tool_calls false to exactly one call. Calls come back as message.tool_calls
 with content null and finish_reason "tool_calls"; streamed, one delta per call at the reply's end, none of the
-call as content. A model without tool calling (a chat template's) refuses tools (400, param "tools").
+call as content. A forced call cut by max_tokens is the call as far as it went, with finish_reason "length". A model without tool calling (a chat template's) refuses tools (400, param "tools").
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad parameter
 (named in `param`), a prompt too long for the context (code context_length_exceeded) or a JSON schema refused

@@ -262,6 +262,8 @@ class RemoteClient:
         # not OpenAI's; vLLM, llama.cpp's server and this app's API take them
         body |= {"top_k": s.top_k or None, "min_p": s.min_p or None,
                  "repetition_penalty": s.repetition_penalty if s.repetition_penalty not in (None, 1.0) else None}
+        if s.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in s.logit_bias.items()}
         if s.ignore_eos:
             body["ignore_eos"] = True
         return {k: v for k, v in body.items() if v is not None}

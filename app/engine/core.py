@@ -428,6 +428,9 @@ class Engine:
         A chat's oldest messages are left out where they no longer fit (or it is Refused, if it asked not to be
         trimmed), and its replies report so (Done.context). Refused: a prompt that cannot be built."""
         settings = request.settings.over(info.defaults)
+        if settings.logit_bias and (past := max(settings.logit_bias)) >= checkpoint.config.vocab_size:
+            raise Refused(f"logit_bias: token id {past} is not in the vocabulary of {request.model} (token ids 0 to "
+                          f"{checkpoint.config.vocab_size - 1:,})", "bad_request")
         try:
             if request.prompt is not None:
                 prompt, context = checkpoint.tokenizer.encode(request.prompt, bos=True), Context(info.context_limit)

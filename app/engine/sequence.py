@@ -35,6 +35,7 @@ from model.decoding import Decoding
 from model.kv_cache import KVCache
 from model.sampling import SamplingParams
 from model.speculation import Speculation, check
+from model.tools import forces_call, read_tool_choice, read_tools
 
 from app.messages import Context, Done, Generate, ReplySettings, Stats, TokenLogprob
 
@@ -91,16 +92,18 @@ class Sequence:
         request = self.request
         tools = ({t["function"]["name"] for t in request.tools or []}
                  if request.tool_choice != "none" and checkpoint.chat_format.supports_tools else set())
+        choice = read_tool_choice(request.tool_choice, read_tools(request.tools)) if tools else "none"
+        forced = (tools if choice == "required" else {choice}) if forces_call(choice) else set()
         self.decoding = Decoding(
             checkpoint.tokenizer, prompt, max_new_tokens=settings.max_new_tokens, context_limit=limit,
             sampling=SamplingParams(
                 temperature=settings.temperature, top_k=settings.top_k or 0, top_p=settings.top_p,
                 min_p=settings.min_p, repetition_penalty=settings.repetition_penalty,
                 frequency_penalty=settings.frequency_penalty, presence_penalty=settings.presence_penalty,
-                seed=settings.seed),
+                seed=settings.seed, logit_bias=tuple((settings.logit_bias or {}).items())),
             stop_ids=set() if settings.ignore_eos else checkpoint.stop_ids, stop=settings.stop,
             constraint=constraint, logprobs=request.logprobs if token_bytes is not None else None,
-            tools=tools, parallel_tool_calls=request.parallel_tool_calls, device=checkpoint.device,
+            tools=tools, parallel_tool_calls=request.parallel_tool_calls, forced=forced, device=checkpoint.device,
             started=self.arrived)
         if self.state is State.FINISHED:  # cancelled while its model loaded
             self.decoding.cancel()

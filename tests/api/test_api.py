@@ -8,6 +8,7 @@ so the same start also checks that those settings take effect.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import time
@@ -50,22 +51,36 @@ def client(server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def greedy(tiny):
-    """The engine's greedy reply to a dialog, computed in this process."""
+def greedy_generation(tiny):
+    """The engine's greedy reply to a dialog (or a raw prompt), computed in this process: its Generation."""
     from model.checkpoint import load_checkpoint
     from model.generation import Generation
+    from model.sampling import SamplingParams
 
     checkpoint = load_checkpoint(tiny, dtype=torch.float32)
 
-    def reply(messages: list[dict], max_tokens: int) -> tuple[str, int]:
-        ids = checkpoint.chat_format.encode_dialog(messages)
+    def reply(messages: list[dict] | str, max_tokens: int, logit_bias: dict[int, float] | None = None) -> Generation:
+        ids = checkpoint.tokenizer.encode(messages, bos=True) if isinstance(messages, str) else \
+            checkpoint.chat_format.encode_dialog(messages)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return "".join(Generation(checkpoint, ids, max_new_tokens=max_tokens, temperature=0.0,
-                                      max_context=MAX_CONTEXT)), len(ids)
+            generation = Generation(checkpoint, ids, max_new_tokens=max_tokens, max_context=MAX_CONTEXT,
+                                    sampling=SamplingParams(logit_bias=tuple((logit_bias or {}).items())))
+            "".join(generation)
+            return generation
         finally:
             torch.set_num_threads(threads)
+
+    return reply
+
+
+@pytest.fixture(scope="module")
+def greedy(greedy_generation):
+    """The engine's greedy reply to a dialog, computed in this process: (text, prompt tokens)."""
+    def reply(messages: list[dict], max_tokens: int) -> tuple[str, int]:
+        generation = greedy_generation(messages, max_tokens)
+        return generation.text, len(generation.prompt_ids)
 
     return reply
 
@@ -465,7 +480,6 @@ def test_a_raw_completion_continues_the_prompt(client, stream, tiny):
 @pytest.mark.parametrize("extra, param", [
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"web_search_options": {}}, "web_search_options"),
@@ -633,3 +647,74 @@ def test_json_mode_on_the_default_model_gives_a_json_object(default_model_client
         max_tokens=200, response_format={"type": "json_object"})
     assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+# ---- logit_bias -----------------------------------------------------------------------------------
+
+def test_logit_bias_bans_and_forces_tokens_in_the_engines_greedy_reply(client, server, greedy_generation):
+    """OpenAI's logit_bias: -100 keeps the greedy reply's first token out, +100 makes every token that one; the
+    replies are the engine's greedy replies with the same bias, alone, n of them, streamed, next to a request
+    without a bias in the same batch, and on the completions route."""
+    plain = greedy_generation(QUESTION, 8)
+    first = plain.tokens[0]
+    banned = greedy_generation(QUESTION, 8, {first: -100})
+    assert banned.tokens[0] != first and first not in banned.tokens[:1]
+    forced_id = plain.tokens[-1] if plain.tokens[-1] != first else plain.tokens[1]
+    forced = greedy_generation(QUESTION, 8, {forced_id: 100, first: 5})
+    assert forced.tokens == [forced_id] * 8
+
+    def ask(bias: dict | None, **more) -> list[str]:
+        reply = client.chat.completions.create(model="tiny", messages=QUESTION, temperature=0, max_tokens=8,
+                                               logit_bias=bias, **more)
+        return [choice.message.content for choice in reply.choices]
+
+    assert ask({str(first): -100}) == [banned.text] and ask({str(forced_id): 100, str(first): 5}) == [forced.text]
+    assert ask({str(first): -100}, n=2) == [banned.text] * 2
+    streamed = client.chat.completions.create(model="tiny", messages=QUESTION, temperature=0, max_tokens=8,
+                                              logit_bias={str(first): -100}, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == banned.text
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # one batch: each reply its own bias
+        together = list(pool.map(lambda bias: ask(bias)[0], [{str(first): -100}, None, {str(forced_id): 100, str(first): 5}]))
+    assert together == [banned.text, plain.text, forced.text]
+    prompt = "The capital of France is"
+    raw = greedy_generation(prompt, 6)
+    raw_banned = greedy_generation(prompt, 6, {raw.tokens[0]: -100.0})
+    completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                           logit_bias={str(raw.tokens[0]): -100})
+    assert completion.choices[0].text == raw_banned.text != raw.text
+
+
+@pytest.mark.parametrize("bias, says, param", [
+    ({"abc": 1}, "the key \"abc\" is not a token id", "logit_bias"),
+    ({"-1": 1}, "the key \"-1\" is not a token id", "logit_bias"),
+    ({"1.5": 1}, "is not a token id", "logit_bias"),
+    ({" 12": 1}, "is not a token id", "logit_bias"),
+    ({"\uff11\uff12": 1}, "is not a token id", "logit_bias"),  # full-width digits
+    ({"1" * 40: 1}, "\"111111111111111111111111...\" is not a token id", "logit_bias"),
+    ({"4294967296": 1}, "is not a token id", "logit_bias"),
+    ({"12": 100.5}, "'logit_bias.12' is 100.5; expected a number from -100 to 100", "logit_bias.12"),
+    ({"12": True}, "is true", "logit_bias.12"),
+    ({"12": "5"}, "is \"5\"", "logit_bias.12"),
+    ({"12": None}, "is null", "logit_bias.12"),
+    ({"12": [1]}, "is [1]", "logit_bias.12"),
+    ({str(i): 1 for i in range(1025)}, "length <= 1024", "logit_bias"),
+    ([1, 2], "expected `object | null`, got `array`", "logit_bias"),
+])
+def test_a_logit_bias_that_is_not_token_ids_to_numbers_is_a_400_naming_the_key(bias, says, param):
+    with pytest.raises(ApiError) as error:
+        parse_chat({"messages": [{"role": "user", "content": "x"}], "logit_bias": bias}, {"tiny": None}, "tiny")
+    assert (error.value.status, error.value.param) == (400, param) and says in error.value.message, error.value.message
+    with pytest.raises(ApiError) as error:
+        parse_completion({"prompt": "x", "logit_bias": bias}, {"tiny": None}, "tiny")
+    assert (error.value.status, error.value.param) == (400, param)
+
+
+def test_a_logit_bias_past_the_models_vocabulary_is_a_400_naming_the_id(client, tiny):
+    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=2,
+                                       logit_bias={"5": 1, str(vocab): -100})
+    assert error.value.body["param"] == "logit_bias"
+    assert f"token id {vocab} is not in the vocabulary of tiny (token ids 0 to {vocab - 1:,})" in error.value.body["message"]
+    assert client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=2,
+                                          logit_bias={str(vocab - 1): -100}).choices[0].finish_reason == "length"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 from support.servers import ApiServer, server_env
-from support.tool_calls import QUESTION, TOOLS, ask_all, body, problems
+from support.tool_calls import QUESTION, SCHEMAS, TOOLS, ask_all, body, problems
 
 from app.api.pieces import failure_error
 from app.messages import Failed
@@ -71,3 +71,39 @@ def test_a_model_without_tool_calling_refuses_tools_by_name():
     assert failure_error(Failed("r", "The request cannot be answered: messages", "bad_request")).param is None
     held = failure_error(Failed("r", "messages: the model chatml has no tool calling (...)", "bad_request"))
     assert (held.status, held.param) == (400, "messages")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_forced_call_cut_by_max_tokens_is_the_call_so_far_with_finish_reason_length(server, tool_choice):
+    """As OpenAI's: the calls, the last with its arguments where they ended, no content, finish_reason "length",
+    streamed as tool-call deltas only (the same calls as the whole reply's: greedy); through the Responses API a
+    function_call item with status "incomplete" in an incomplete response. The same seeds with room to finish
+    give whole calls whose arguments begin with the cut ones'."""
+    allowed = set(SCHEMAS) if tool_choice == "required" else {"get_weather"}
+    full = ask_all(server.url, KEY, [body(0, tool_choice, False) | {"temperature": 0}], stream=False)[0]
+    assert full[2] == "tool_calls"
+    cases = range(3, 27, 3)  # max_tokens: cut in the name, the keys, the values
+    asked = [body(0, tool_choice, False) | {"max_tokens": limit, "temperature": 0} for limit in cases]
+    whole, streamed = ask_all(server.url, KEY, asked, stream=False), ask_all(server.url, KEY, asked, stream=True)
+    named = 0
+    for limit, (content, calls, finish), (s_content, s_calls, s_finish) in zip(cases, whole, streamed):
+        if finish == "tool_calls":  # the whole call took no more than this
+            assert calls == full[1] or [c["arguments"] for c in calls] == [c["arguments"] for c in full[1]]
+            continue
+        assert (content, finish) == (None, "length") and (s_content, s_finish) == (None, "length"), limit
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c["name"], c["arguments"]) for c in s_calls]
+        assert 1 <= len(calls) <= len(full[1]), (limit, calls)
+        for call, done in zip(calls, full[1]):  # greedy: the cut calls are the whole reply's as far as they went
+            assert call["arguments"] == done["arguments"][:len(call["arguments"])], (limit, call, done)
+            assert done["name"].startswith(call["name"])
+        named += calls[0]["name"] in allowed
+    assert named >= 3  # most were cut after the name
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    choice = {"type": "function", "name": "get_weather"} if tool_choice != "required" else "required"
+    response = client.responses.create(model="tiny", input=QUESTION[0]["content"], max_output_tokens=16,
+                                       tools=[{"type": "function", **t["function"]} for t in TOOLS],
+                                       tool_choice=choice, temperature=0)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    [item] = response.output
+    assert item.type == "function_call" and item.status == "incomplete" and item.name in allowed

@@ -92,7 +92,8 @@ def test_the_backends_models_are_the_profiles(remote, backend):
 @pytest.mark.parametrize("settings", [
     ReplySettings(max_new_tokens=40, temperature=0.0),
     ReplySettings(max_new_tokens=40, temperature=1.0, top_k=50, top_p=0.95, seed=3),
-], ids=["greedy", "seeded"])
+    ReplySettings(max_new_tokens=40, temperature=0.0, logit_bias={13: -100.0, 11: 4.5}),
+], ids=["greedy", "seeded", "biased"])
 def test_a_reply_through_the_backend_is_the_local_reply(remote, local, settings):
     conversation = chat("Hello there", "Hi! How can I help?", "Tell me about Paris.", system="Be brief.")
     events = ask(remote, conversation, settings)

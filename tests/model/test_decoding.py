@@ -382,3 +382,32 @@ def test_scripted_replies_end_alike_stop_token_stop_string_tool_call(engine, che
         assert len(gen.tool_calls) == 1 and done.text == gen.text == ""
     elif stop:
         assert done.text == "It is sunny in "
+
+
+FORCED = '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one", "array"])
+def test_a_forced_call_cut_by_the_token_limit_is_the_call_as_far_as_it_went(tokenizer, parallel):
+    """tool_choice "required" or a name (its JSON: model/tool_choice.py) cut by max_new_tokens at every token: the
+    whole calls, then the last with its arguments as written so far, its name the one allowed name it can be."""
+    text = f"[{FORCED}, {FORCED.replace('get_weather', 'get_time')}]" if parallel else FORCED
+    ids = tokenizer.encode(text)
+    names = {"get_weather", "get_time"}
+    seen = set()
+    for limit in range(1, len(ids)):
+        d = decoding(tokenizer, tools=names | {"other"}, forced=names, max_new_tokens=limit)
+        assert not any(feed(d, ids)) and d.finish_reason == "length" and d.text == ""
+        written = tokenizer.decode(ids[:limit])
+        calls = [(c.name, c.arguments) for c in d.tool_calls]
+        whole = written.count('}}')  # the calls written whole
+        assert calls[:whole] == [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"city": "Paris", "days": 3})][:whole]
+        if len(calls) > whole:
+            name, arguments = calls[-1]
+            assert isinstance(arguments, str) and written.endswith('"parameters": ' + arguments if arguments else "")
+            assert name in names or sum(n.startswith(name) for n in names) > 1  # cut in "get_": either
+            seen.add((name in names, bool(arguments)))
+        assert d.tool_calls or written == "["  # nothing of a call yet: no call, and no text
+    assert seen >= {(True, True), (True, False)}
+    d = decoding(tokenizer, tools=names, max_new_tokens=8)  # "auto": a cut reply is text, not a call
+    assert "".join(feed(d, ids)) == tokenizer.decode(ids[:8]) and d.tool_calls == []

@@ -353,3 +353,29 @@ def test_token_logprobs_are_the_models_own_distribution():
     assert [lp for _, lp in top] == pytest.approx([float(expected[i]) for i in (1, 2, 0)])
     assert token_logprobs(logits, 3, top_n=0) == (pytest.approx(float(expected[3])), [])
     assert len(token_logprobs(logits, 0, top_n=20)[1]) == 4  # at most the whole vocabulary
+
+
+def test_logit_bias_is_added_before_the_penalties_and_bans_or_forces_tokens():
+    logits = torch.tensor([3.0, 2.0, -1.0, 0.5])
+    biased = Sampler(SamplingParams(repetition_penalty=2.0, logit_bias=((1, 4.0), (3, -0.5))))
+    biased.accept([1])
+    # token 1: (2 + 4) / 2, the bias first, then the repetition penalty (llama.cpp's chain); token 3: 0.5 - 0.5
+    assert biased.penalized(logits).tolist() == [3.0, 3.0, -1.0, 0.0]
+    assert biased.sample(logits) == 0  # greedy: the first of equals
+    assert Sampler(SamplingParams(logit_bias=((0, -100.0),))).sample(logits) == 1
+    torch.manual_seed(0)
+    vocab = torch.randn(1000) * 5
+    best = vocab.topk(20).indices.tolist()
+    for seed in range(50):  # sampled at temperature 1: a banned token never comes, a forced one always
+        banned = Sampler(SamplingParams(temperature=1.0, seed=seed, logit_bias=tuple((i, -100.0) for i in best)))
+        assert banned.sample(vocab) not in best
+        forced = Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=seed, logit_bias=((int(vocab.argmin()), 100.0),)))
+        assert forced.sample(vocab) == int(vocab.argmin())
+
+
+def test_logit_bias_outside_its_range_or_the_vocabulary_is_refused_naming_it():
+    for bad in (((1, 100.5),), ((1, float("nan")),), ((1, True),), ((-1, 1.0),), (("1", 1.0),), ((1.0, 1.0),)):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="logit_bias: token id 4 is not in the vocabulary"):
+        Sampler(SamplingParams(logit_bias=((4, 1.0), (2, 1.0)))).sample(torch.zeros(4))

@@ -236,6 +236,11 @@ def test_a_seeded_reply_is_the_same_with_and_without_speculation(smollm2, fixed_
             steps["off"] += replies[0].stats.decode_steps
             steps["auto"] += replies[1].stats.decode_steps
     assert steps["auto"] < steps["off"]  # some guesses stood (a sampled reply repeats its prompt less)
+    nine = smollm2.tokenizer.encode(" nine")[0]  # banned: each guess of the prompt's " nine" must be refused
+    replies = [generate(smollm2, prompt, max_new_tokens=40, speculate=s,
+                        sampling=SamplingParams(logit_bias=((nine, -100.0),))) for s in ("off", "auto")]
+    assert "".join(replies[0]) == "".join(replies[1]) and replies[0].tokens == replies[1].tokens
+    assert nine not in replies[0].tokens and replies[1].stats.guesses > 0
 
 
 # ---- the library

@@ -200,7 +200,7 @@ def builds() -> list[str]:
 @pytest.mark.parametrize("march", builds())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-activations"])
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])
-def test_a_decode_step_gives_each_sequence_the_same_logits_alone_or_in_a_batch(monkeypatch, tmp_path, march, dtype,
+def test_a_decode_step_gives_each_sequence_the_same_logits_alone_or_in_a_batch(monkeypatch, batch_folder, march, dtype,
                                                                                quantize):
     """The fused decode step and the output head of each kernel build: sequences at different positions
     (past a piece of the attention's split), decoded alone and in batches of 2 to 8, bit for bit."""
@@ -219,11 +219,9 @@ def test_a_decode_step_gives_each_sequence_the_same_logits_alone_or_in_a_batch(m
     decoded = Counting()
     monkeypatch.setattr(model.linear, "kernels", lambda: ops)
     monkeypatch.setattr(model.decode_step, "kernels", lambda: decoded)
-    torch.manual_seed(0)
-    hf = hf_model(seed=4, num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=352)
     monkeypatch.setattr(model.checkpoint, "has_native_bf16", lambda: dtype == torch.bfloat16)
-    net = load_from(hf, quantize, tmp_path)
+    net = load_checkpoint(batch_folder, dtype=torch.bfloat16, quantize=quantize).model  # matrices bf16 or quantized
+    torch.manual_seed(0)
     assert net.compute_dtype == dtype
     lengths = [3, 40, 300, 17, 5, 260, 90, 1]
     caches = []
@@ -249,10 +247,12 @@ def test_a_decode_step_gives_each_sequence_the_same_logits_alone_or_in_a_batch(m
     assert decoded.count == len(lengths) + MAX_KERNEL_ROWS - 1  # every step took the fused op
 
 
-def load_from(hf, quantize: str | None, folder: Path):
-    """Our Llama with hf's weights, matrices in bf16 (or quantized)."""
-    hf.save_pretrained(folder)
-    return load_checkpoint(folder, dtype=torch.bfloat16, quantize=quantize).model
+@pytest.fixture(scope="module")
+def batch_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("batch")
+    hf_model(seed=4, num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=352).save_pretrained(folder)
+    return folder
 
 
 def test_llama_deterministic_keeps_int8_batches_out_of_amx_tiles():

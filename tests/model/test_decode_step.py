@@ -153,8 +153,9 @@ QUANTIZE = [None, "int8", "int4", "q4_0"]  # bf16 weights, int8, int4 of Q4_1 bl
 
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (6, 2), (8, 2)])  # GQA ratios 1, 3, 4
 @pytest.mark.parametrize("quantize", QUANTIZE)
-def test_fp32_activations_give_the_reference_logits(ops, tmp_path, monkeypatch, n_heads, n_kv_heads, quantize):
-    ckpt = tiny(tmp_path, monkeypatch, n_heads, n_kv_heads, torch.float32, quantize)
+def test_fp32_activations_give_the_reference_logits(ops, folders_by_shape, monkeypatch, n_heads, n_kv_heads, quantize):
+    ckpt = tiny(folders_by_shape("3 layers", n_heads, n_kv_heads), monkeypatch, n_heads, n_kv_heads, torch.float32,
+                quantize)
     assert_kinds(ckpt, quantize)
     steps, fused_caches, reference_caches = decode_both(ckpt, ops)
     tol = 1e-5 if quantize is None else 3e-4  # of the scale
@@ -228,8 +229,9 @@ def test_caches_of_several_pieces_give_the_reference(ops, folders_by_shape, monk
 
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (6, 2), (8, 2)])
 @pytest.mark.parametrize("quantize", QUANTIZE)
-def test_bf16_activations_give_the_reference_tokens(ops, tmp_path, monkeypatch, n_heads, n_kv_heads, quantize):
-    ckpt = tiny(tmp_path, monkeypatch, n_heads, n_kv_heads, torch.bfloat16, quantize)
+def test_bf16_activations_give_the_reference_tokens(ops, folders_by_shape, monkeypatch, n_heads, n_kv_heads, quantize):
+    ckpt = tiny(folders_by_shape("3 layers", n_heads, n_kv_heads), monkeypatch, n_heads, n_kv_heads, torch.bfloat16,
+                quantize)
     assert_kinds(ckpt, quantize)
     steps, _, _ = decode_both(ckpt, ops)
     for fused, reference in steps:
@@ -261,10 +263,10 @@ def test_a_batch_of_eight_and_a_single_sequence(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("activations", [torch.float32, torch.bfloat16])
-def test_an_int4_model_with_an_int8_matrix_is_fused(ops, tmp_path, monkeypatch, activations):
+def test_an_int4_model_with_an_int8_matrix_is_fused(ops, folders_by_shape, monkeypatch, activations):
     """int4 keeps a matrix whose K is not whole blocks of 32 as int8: with an FFN of 176, each layer's w2
     (K = 176, int8 groups of 44) is int8 and its other matrices int4, and the op takes them side by side."""
-    ckpt = tiny(tmp_path, monkeypatch, 6, 2, activations, "int4", ffn_dim=176)
+    ckpt = tiny(folders_by_shape("ffn 176", 6, 2), monkeypatch, 6, 2, activations, "int4", ffn_dim=176)
     for block in ckpt.model.layers:
         assert block.feed_forward.w2.weight.dtype == torch.int8
         others = [block.attention.wq, block.attention.wk, block.attention.wv, block.attention.wo,

@@ -31,13 +31,12 @@ import tempfile
 import threading
 import time
 import uuid
-from urllib.parse import unquote, urlsplit
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model.convert.folder import partial_folder, source_of
-from model.convert.url import URL
+from model.convert.folder import ConversionError, model_folder, partial_folder, source_of
+from model.convert.url import URL, gguf_file_name
 from model.options import PROJECT_ROOT
 
 from app.backend.protocol import Backend, is_remote
@@ -119,14 +118,15 @@ class Weights:
                 raise Refused(f"{repo_id} is neither a .gguf file nor a folder of them")
             pull = Pull(repo_id, None, None, None)
         elif local and URL.fullmatch(repo_id):
-            name = unquote(Path(urlsplit(repo_id).path).name)
-            if not name.lower().endswith(".gguf") or name.startswith("."):
-                raise Refused(f"{repo_id} is not the address of a .gguf file")
-            pull = Pull(repo_id, None, None, partial_folder(self.folder / name[:-len(".gguf")]))
+            try:  # the rules the download itself follows (model/convert/url.py), checked before it starts
+                name = gguf_file_name(repo_id)
+                pull = Pull(repo_id, None, None, partial_folder(model_folder(self.folder, name[:-len(".gguf")])))
+            except ConversionError as e:
+                raise Refused(str(e)) from None
         else:
             # huggingface_hub takes 0.6 s to import: at the first pull (on a thread: streams go on), not at start
             hub = await asyncio.to_thread(importlib.import_module, "model.convert.hub")
-            if not hub.REPO_ID.fullmatch(repo_id):
+            if not hub.is_repo_id(repo_id):
                 raise Refused(f"{repo_id!r} is not a Hugging Face model id: expected owner/name, e.g. "
                               "meta-llama/Llama-3.2-1B-Instruct (this server pulls from Hugging Face, not from "
                               "Ollama's library)" + (", the full path of a .gguf file or folder, or a .gguf's "
@@ -136,7 +136,10 @@ class Weights:
             if revision is not None and (not hub.REVISION.fullmatch(revision) or ".." in revision):
                 raise Refused(f"{revision[:80]!r} is not a revision: expected a branch, tag or commit of {repo_id} "
                               "(letters, digits, '_', '.', '-' and '/', beginning with a letter or digit)")
-            folder = self.folder / repo_id.split("/")[1]
+            try:
+                folder = model_folder(self.folder, repo_id.split("/")[1])
+            except ConversionError as e:
+                raise Refused(str(e)) from None
             pull = Pull(repo_id, revision, folder, partial_folder(folder))
             if folder.is_dir():  # here already: not fetched again
                 source = source_of(folder)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .convert.folder import ConversionError
 from .convert.gguf import import_ggufs
-from .convert.hub import REPO_ID, download
+from .convert.hub import download, is_repo_id
 from .convert.url import fetch_gguf_url, is_url
 from .options import Environment
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         elif is_url(args.source):
             folders = fetch_gguf_url(args.source, weights_dir, args.name, args.force,
                                      on_files=(lambda sizes: report({"files": sizes})) if args.report else None)
-        elif not REPO_ID.fullmatch(args.source):
+        elif not is_repo_id(args.source):
             raise ConversionError(f"{args.source}: no such file or folder, and not a Hugging Face model id "
                                   "(owner/name, e.g. meta-llama/Llama-3.2-1B-Instruct)")
         else:

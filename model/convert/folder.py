@@ -24,6 +24,23 @@ def log(message: str) -> None:
     print(f"[fetch] {message}", file=sys.stderr, flush=True)
 
 
+def model_folder(weights_dir: str | Path, name: str) -> Path:
+    """weights_dir/name, the folder a pull or an import writes: refused (ConversionError) unless `name`, as it will
+    be used (every percent-decoding done by the caller), is one folder's name directly inside weights_dir: no
+    path separator, NUL or control character, not `.`, `..` or hidden (the name of a download's folder), at
+    most 255 bytes; and the folder, resolved (symbolic links followed), must be inside weights_dir resolved."""
+    shown = repr(name[:80])
+    if (not name or name.startswith(".") or any(c in name for c in "/\\") or any(ord(c) < 32 for c in name)
+            or len(name.encode("utf-8", "surrogatepass")) > 255):
+        raise ConversionError(f"{shown} is not a model folder's name: expected one name of at most 255 bytes, "
+                              "without '/', '\\' or control characters, not beginning with '.'")
+    weights = Path(weights_dir)
+    folder = weights / name
+    if folder.resolve().parent != weights.resolve():
+        raise ConversionError(f"{shown}: {folder} leads outside {weights} (a link); choose another name")
+    return folder
+
+
 def remove_stale_siblings(out_dir: Path) -> None:
     """Temp folders left by a conversion that crashed: `.NAME.tmp-*` and `.NAME.old-*`."""
     for pattern in (f".{out_dir.name}.tmp-*", f".{out_dir.name}.old-*"):

@@ -25,6 +25,7 @@ from .folder import (
     check_free_space,
     log,
     make_parent,
+    model_folder,
     move_into_place,
     new_build_folder,
     remove_stale_siblings,
@@ -205,7 +206,7 @@ def import_ggufs(source: Path, weights_dir: Path, name: str | None = None, force
 def import_one(path: Path, weights_dir: Path, name: str | None, force: bool) -> Path:
     log(f"reading {path}")
     reader = None if name or not is_ollama_blob(path) else open_gguf(path)  # the name is in its metadata
-    out_dir = weights_dir / (name or folder_name(path, reader))
+    out_dir = model_folder(weights_dir, name or folder_name(path, reader))
     if out_dir.exists() and not force:
         raise ConversionError(f"{out_dir} already exists; pass --force to replace it, or --name to choose "
                               "another folder")

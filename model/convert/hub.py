@@ -22,9 +22,11 @@ from pathlib import Path
 
 import httpx2  # huggingface_hub's HTTP client: its transport errors mean "no network"
 from huggingface_hub import HfApi, get_token, hf_hub_download, snapshot_download
+from huggingface_hub.utils import validate_repo_id
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
+    HFValidationError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
     RepositoryNotFoundError,
@@ -32,16 +34,28 @@ from huggingface_hub.errors import (
 )
 
 from ..config import ConfigError, LlamaConfig
-from .folder import (ConversionError, check_free_space, log, make_parent, move_into_place, note_source,
-                     partial_folder, undo)
+from .folder import (ConversionError, check_free_space, log, make_parent, model_folder, move_into_place,
+                     note_source, partial_folder, undo)
 
 WANTED = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
                     r"|model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json"
                     r"|special_tokens_map\.json|chat_template\.jinja|original/tokenizer\.model")
-REPO_ID = re.compile(r"\w[\w.-]*/[\w.][\w.-]*")  # owner/name, neither beginning with '-' (never an option)
+REPO_ID = re.compile(r"\w[\w.-]*/[\w.][\w.-]*", re.ASCII)  # owner/name, neither beginning with '-' (never an option)
 REVISION = re.compile(r"\w[\w./-]{0,254}")  # a branch, tag or commit: never an option (-...) nor a path (./, ../)
 SPARE_BYTES = 10_000_000
 HUB_CACHE = ".cache"  # huggingface_hub's bookkeeping inside a download folder
+
+
+def is_repo_id(repo_id: str) -> bool:
+    """owner/name as the Hub itself allows it (huggingface_hub's validate_repo_id: ASCII letters, digits, '-', '_'
+    and '.', no '--' or '..', at most 96 characters), checked before a download starts."""
+    if not REPO_ID.fullmatch(repo_id):
+        return False
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        return False
+    return True
 
 
 def download(repo_id: str, weights_dir: str | Path = "weights", *, name: str | None = None,
@@ -50,10 +64,10 @@ def download(repo_id: str, weights_dir: str | Path = "weights", *, name: str | N
     """`weights_dir/<name>` (default: the repo's name) holding the checkpoint; returns it. `endpoint`: the
     hub's address (default: huggingface.co). on_files: told the files to fetch and their sizes, before they come
     into `partial_folder(out_dir)` (for a progress report)."""
-    if not REPO_ID.fullmatch(repo_id):
+    if not is_repo_id(repo_id):
         raise ConversionError(f"{repo_id!r}: expected a Hugging Face model id (owner/name, e.g. "
                               "meta-llama/Llama-3.2-1B-Instruct)")
-    out_dir = Path(weights_dir) / (name or repo_id.split("/")[1])
+    out_dir = model_folder(weights_dir, name or repo_id.split("/")[1])
     if out_dir.exists() and not force:
         raise ConversionError(f"{out_dir} already exists; pass --force to download it again, or --name to "
                               "choose another folder")

@@ -16,29 +16,41 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from .folder import ConversionError, check_free_space, note_source, partial_folder
+from .folder import ConversionError, check_free_space, model_folder, note_source, partial_folder
 
 URL = re.compile(r"https?://\S+", re.IGNORECASE)
 CHUNK_BYTES = 1 << 20
 SPARE_BYTES = 10_000_000
 TIMEOUT_S = 60
+CHECK_EVERY = 64  # MB written between two checks of the free space
 
 
 def is_url(source: str) -> bool:
     return bool(URL.fullmatch(source))
 
 
+def gguf_file_name(url: str) -> str:
+    """The name of the .gguf file an address names: the last part of its path once percent-decoded (decoded
+    first: `%2F` is a '/'), one file's name ending in .gguf, else a ConversionError."""
+    path = urllib.parse.unquote(urllib.parse.urlsplit(url).path)
+    name = path.rsplit("/", 1)[-1]
+    if not name.lower().endswith(".gguf") or len(name) == len(".gguf"):
+        raise ConversionError(f"{url[:200]}: expected the address of a .gguf file")
+    if name.startswith(".") or "\\" in name or any(ord(c) < 32 for c in name):
+        raise ConversionError(f"{url[:200]}: {name[:80]!r} is not a file name a model folder can take")
+    return name
+
+
 def fetch_gguf_url(url: str, weights_dir: Path, name: str | None = None, force: bool = False,
                    on_files: Callable[[dict[str, int]], None] | None = None) -> list[Path]:
     """Download the GGUF at `url` and import it into weights_dir (as `name`, default its file's); returns the
     folder written. on_files: told the file and its size once the server has said it."""
-    file_name = urllib.parse.unquote(Path(urllib.parse.urlsplit(url).path).name)
-    if not file_name.lower().endswith(".gguf") or file_name.startswith("."):
-        raise ConversionError(f"{url}: expected the address of a .gguf file")
-    partial = partial_folder(weights_dir / (name or file_name[:-len(".gguf")]))
+    file_name = gguf_file_name(url)
+    partial = partial_folder(model_folder(weights_dir, name or file_name[:-len(".gguf")]))
+    target = model_folder(partial, file_name)  # (partial is created below: resolved, its parent is weights_dir's)
+    new = not partial.exists()
     partial.mkdir(parents=True, exist_ok=True)
     note_source(partial, url, None)
-    target = partial / file_name
     have = target.stat().st_size if target.is_file() else 0
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
     try:
@@ -52,10 +64,19 @@ def fetch_gguf_url(url: str, weights_dir: Path, name: str | None = None, force: 
             with open(target, "ab" if have else "wb") as out:
                 while chunk := response.read(CHUNK_BYTES):
                     out.write(chunk)
+                    # the free space again as it writes, whatever the server said the size is (or did not say)
+                    if (out.tell() // CHUNK_BYTES) % CHECK_EVERY == 0:
+                        check_free_space(weights_dir, SPARE_BYTES)
             if target.stat().st_size < total:  # the connection ended before the file did
                 raise ConnectionError("the server closed the connection")
+    except ConversionError:  # no room: nothing kept of a download that had not begun before
+        if new or not (target.is_file() and target.stat().st_size):
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     except urllib.error.HTTPError as e:
         if e.code != 416:  # 416: nothing past what is here: the file is whole
+            if new:
+                shutil.rmtree(partial, ignore_errors=True)
             raise ConversionError(f"{url}: the server answered {e.code} {e.reason}; check the address") from None
     except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
         here = target.stat().st_size / 1e6 if target.is_file() else 0
@@ -70,6 +91,7 @@ def fetch_gguf_url(url: str, weights_dir: Path, name: str | None = None, force: 
                               "(a model page's address is not its file's)")
     from .gguf import import_ggufs  # (gguf and numpy: not for the web process, which checks addresses with URL)
 
-    folders = import_ggufs(target, weights_dir, name, force)
-    shutil.rmtree(partial, ignore_errors=True)
-    return folders
+    try:
+        return import_ggufs(target, weights_dir, name, force)
+    finally:  # imported, or refused as a GGUF (its type, its architecture): the download is of no more use
+        shutil.rmtree(partial, ignore_errors=True)

@@ -127,12 +127,10 @@ class Weights:
             # huggingface_hub takes 0.6 s to import: at the first pull (on a thread: streams go on), not at start
             hub = await asyncio.to_thread(importlib.import_module, "model.convert.hub")
             if not hub.is_repo_id(repo_id):
-                raise Refused(f"{repo_id!r} is not a Hugging Face model id: expected owner/name, e.g. "
-                              "meta-llama/Llama-3.2-1B-Instruct (this server pulls from Hugging Face, not from "
+                raise Refused(f"{repo_id[:200]!r} is not a Hugging Face model id: expected owner/name (ASCII letters, "
+                              "digits, '-', '_' and '.', as the Hub allows), e.g. meta-llama/Llama-3.2-1B-Instruct (this server pulls from Hugging Face, not from "
                               "Ollama's library)" + (", the full path of a .gguf file or folder, or a .gguf's "
                                                      "http(s) address" if local else ""))
-            if repo_id.split("/")[1].startswith("."):  # ".." or a hidden name: the folder would not be the model's
-                raise Refused(f"{repo_id!r} is not a model's name: a name may not begin with '.'")
             if revision is not None and (not hub.REVISION.fullmatch(revision) or ".." in revision):
                 raise Refused(f"{revision[:80]!r} is not a revision: expected a branch, tag or commit of {repo_id} "
                               "(letters, digits, '_', '.', '-' and '/', beginning with a letter or digit)")

@@ -174,23 +174,39 @@ def _host_entry(entry: str) -> str:
     return entry.lower()
 
 
+# Every answer says that no other page may show it in a frame (clickjacking: a page of another site drawing the
+# chat under its own buttons): the old header and the CSP directive that replaced it, for every browser.
+FRAME_HEADERS = [(b"x-frame-options", b"DENY"), (b"content-security-policy", b"frame-ancestors 'none'")]
+
+
 class Guard:
     """ASGI middleware: a request with a foreign Host (421) or Origin (403) is answered here, and goes no
-    further; a websocket handshake is refused with the same status."""
+    further; a websocket handshake is refused with the same status. Every HTTP answer gets FRAME_HEADERS (a
+    response that sets its own Content-Security-Policy keeps it)."""
 
     def __init__(self, app: ASGIApp, allowed: Allowed):
         self.app, self.allowed = app, allowed
         self.logged: set[str] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket"):
-            refused = self.allowed.refusal(Headers(scope=scope))
-            if refused is not None:
-                status, message, what = refused
-                self._log(what, message)
-                await PlainTextResponse(message, status_code=status)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+
+        async def framed(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                names = {name.lower() for name, _ in headers}
+                message = {**message, "headers": headers + [h for h in FRAME_HEADERS if h[0] not in names]}
+            await send(message)
+
+        refused = self.allowed.refusal(Headers(scope=scope))
+        if refused is not None:
+            status, message, what = refused
+            self._log(what, message)
+            await PlainTextResponse(message, status_code=status)(scope, receive, framed)
+            return
+        await self.app(scope, receive, framed if scope["type"] == "http" else send)
 
     def _log(self, what: str, message: str) -> None:
         if what not in self.logged and len(self.logged) < MAX_LOGGED:

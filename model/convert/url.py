@@ -35,7 +35,7 @@ def gguf_file_name(url: str) -> str:
     path = urllib.parse.unquote(urllib.parse.urlsplit(url).path)
     name = path.rsplit("/", 1)[-1]
     if not name.lower().endswith(".gguf") or len(name) == len(".gguf"):
-        raise ConversionError(f"{url[:200]}: expected the address of a .gguf file")
+        raise ConversionError(f"{url[:200]}: not the address of a .gguf file")
     if name.startswith(".") or "\\" in name or any(ord(c) < 32 for c in name):
         raise ConversionError(f"{url[:200]}: {name[:80]!r} is not a file name a model folder can take")
     return name

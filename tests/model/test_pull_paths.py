@@ -77,7 +77,7 @@ def test_an_address_whose_name_decodes_to_a_path_writes_only_inside_the_weights_
             fetch_gguf_url(host.url + path, places.weights)
     assert everything(places.outside) == [] and everything(places.weights) == []
     for path, says in (("/g/a%5Cb.gguf", "is not a file name"), ("/g/%2E%2E.gguf", "is not a file name"),
-                       ("/g/..%2F.gguf", "expected the address of a .gguf file"),
+                       ("/g/..%2F.gguf", "not the address of a .gguf file"),
                        ("/g/x%00y.gguf", "is not a file name")):
         seen = len(host.paths)
         with pytest.raises(ConversionError, match=says):

@@ -46,7 +46,11 @@ def fetch_gguf_url(url: str, weights_dir: Path, name: str | None = None, force: 
     """Download the GGUF at `url` and import it into weights_dir (as `name`, default its file's); returns the
     folder written. on_files: told the file and its size once the server has said it."""
     file_name = gguf_file_name(url)
-    partial = partial_folder(model_folder(weights_dir, name or file_name[:-len(".gguf")]))
+    out_dir = model_folder(weights_dir, name or file_name[:-len(".gguf")])
+    if out_dir.exists() and not force:  # (asked before the download, which a refused import deletes)
+        raise ConversionError(f"{out_dir} already exists; pass --force to replace it, or --name to choose "
+                              "another folder")
+    partial = partial_folder(out_dir)
     target = model_folder(partial, file_name)  # (partial is created below: resolved, its parent is weights_dir's)
     new = not partial.exists()
     partial.mkdir(parents=True, exist_ok=True)

@@ -147,3 +147,11 @@ def test_the_free_space_is_checked_as_the_file_is_written(host, places, monkeypa
     with pytest.raises(ConversionError, match="not enough disk space"):
         fetch_gguf_url(f"{host.url}/g/big.gguf", places.weights)
     assert len(checks) == 2 and everything(places.weights) == []
+
+
+def test_an_address_whose_model_is_here_already_is_refused_before_the_download(host, places):
+    (places.weights / "here").mkdir()
+    seen = len(host.paths)
+    with pytest.raises(ConversionError, match="already exists; pass --force"):
+        fetch_gguf_url(f"{host.url}/g/here.gguf", places.weights)
+    assert len(host.paths) == seen and everything(places.weights) == ["here"]

@@ -8,7 +8,8 @@
                         template, and the sampling values a request leaves out (parameters, once it has loaded)
     GET    /api/ps      the models loaded now: size (its weights on disk), expires_at (when it is unloaded if no
                         request uses it before: its keep-alive), context_length
-    POST   /api/pull    a Hugging Face checkpoint (owner/name, hf.co/owner/name, :revision) into the weights folder
+    POST   /api/pull    a Hugging Face checkpoint (owner/name, hf.co/owner/name, :revision) into the weights folder;
+                        a model here already, named as /api/tags names it, is a success at once
                         (app.weights: a download that goes on if the client goes away, and resumes); the progress
                         streamed as Ollama's: {"status", "digest", "total", "completed"}, then {"status": "success"}
     DELETE /api/delete  a model folder out of the weights folder (not the default model, nor one loaded)
@@ -208,6 +209,13 @@ def add_routes(route, backend: Backend, max_body_mb: int, weights: Weights, max_
     @route("/api/pull", ["POST"])
     async def pull(http_request: HttpRequest) -> Response:
         named, asked = model_asked(await json_body(http_request, max_body_mb, any_type=True), None)
+        base, _, tag = (named or "").rpartition(":")
+        if named in backend.profiles or (tag == "latest" and base in backend.profiles):
+            # a model here already, by its own name (clients that "ensure" a model pull it first): as Ollama's
+            if asked.stream is False:
+                return json(Progress("success"))
+            return StreamingResponse(iter([msgspec.json.encode(Progress(s)) + b"\n" for s in ("pulling manifest", "success")]),
+                                     media_type=NDJSON, headers={"Cache-Control": "no-cache"})
         repo_id, revision = hub_name(named)
         try:
             job = await weights.pull(repo_id, revision)

@@ -284,6 +284,9 @@ def test_a_model_is_pulled_from_the_hub_even_if_the_client_goes_away_and_deleted
     assert "Tiny-Pulled" in [m.model for m in client.list().models] and (tiny.parent / "Tiny-Pulled").is_dir()
     assert client.chat(model="Tiny-Pulled", messages=QUESTION, options={"num_predict": 3}).eval_count == 3
     assert client.pull(PULLED).status == "success"  # here already
+    for here in ("tiny", "tiny:latest", "Tiny-Pulled"):  # by the name /api/tags gives it: here already, as Ollama's
+        assert client.pull(here).status == "success"
+        assert [s.status for s in client.pull(here, stream=True)] == ["pulling manifest", "success"]
     with pytest.raises(ollama.ResponseError) as error:  # another owner's model of the same name is not this one
         client.pull("someone-else/Tiny-Pulled")
     assert error.value.status_code == 400 and f"pulled from {PULLED}" in error.value.error

@@ -286,7 +286,10 @@ async def answer(http_request: HttpRequest, asked: ApiRequest, start) -> Respons
         ended = False
         try:
             if chat:
-                yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(asked.n)])
+                # a reply tool_choice makes a call has no content, not even an empty one (as OpenAI's: null)
+                forced = bool(getattr(asked, "tools", None)) and getattr(asked, "tool_choice", None) not in (None, "auto", "none")
+                yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=None if forced else ""))
+                             for i in range(asked.n)])
             item = first
             while not isinstance(item, Usage):
                 if isinstance(item, Piece):

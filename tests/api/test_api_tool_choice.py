@@ -100,6 +100,10 @@ def test_a_forced_call_cut_by_max_tokens_is_the_call_so_far_with_finish_reason_l
         named += calls[0]["name"] in allowed
     assert named >= 3  # most were cut after the name
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    asked = body(0, tool_choice, False) | {"max_tokens": 9, "temperature": 0}
+    chunks = [c.model_dump() for c in client.chat.completions.create(**asked, stream=True)]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"  # and no content, not even "": a call from the first
+    assert all(c["choices"][0]["delta"]["content"] is None for c in chunks if c["choices"])
     choice = {"type": "function", "name": "get_weather"} if tool_choice != "required" else "required"
     response = client.responses.create(model="tiny", input=QUESTION[0]["content"], max_output_tokens=16,
                                        tools=[{"type": "function", **t["function"]} for t in TOOLS],

@@ -462,6 +462,7 @@ def test_in_the_browser_another_site_reads_nothing_and_the_app_still_chats(guard
         page.set_default_timeout(60_000)
         answer = page.goto(guarded.url)  # the app's own page: signed in, with a cookie for 127.0.0.1
         page.wait_for_selector("#chat-input")
+        page.wait_for_selector("#starter-capital-of-france")  # its socket connected and its chat started
         assert answer.headers["x-frame-options"] == "DENY"  # no other site shows the app in a frame (and the
         assert answer.headers["content-security-policy"] == "frame-ancestors 'none'"  # page works under them)
         foreign = context.new_page()

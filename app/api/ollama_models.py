@@ -52,16 +52,22 @@ PARAMETERS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", 
               "presence_penalty": "presence_penalty", "max_new_tokens": "num_predict"}
 
 
-def model_named(named: str | None, profiles: dict) -> str:
-    """Our model by the name a client gives: ours, or Ollama's `name:latest` for it; 404 otherwise."""
-    if not named:
-        raise ApiError(400, "'model' is required: one of the models of GET /api/tags.", param="model")
+def local_name(named: str, profiles: dict) -> str | None:
+    """Our model by the name a client gives: ours, or Ollama's `name:latest` for it; None if it is not here."""
     base, _, tag = named.rpartition(":")
     if named not in profiles and tag == "latest" and base in profiles:
         return base
-    if named not in profiles:
+    return named if named in profiles else None
+
+
+def model_named(named: str | None, profiles: dict) -> str:
+    """local_name, or a 400 for no name and a 404 for one not here."""
+    if not named:
+        raise ApiError(400, "'model' is required: one of the models of GET /api/tags.", param="model")
+    name = local_name(named, profiles)
+    if name is None:
         raise ApiError(404, f"model '{named}' not found", param="model", code="model_not_found")
-    return named
+    return name
 
 
 
@@ -209,8 +215,7 @@ def add_routes(route, backend: Backend, max_body_mb: int, weights: Weights, max_
     @route("/api/pull", ["POST"])
     async def pull(http_request: HttpRequest) -> Response:
         named, asked = model_asked(await json_body(http_request, max_body_mb, any_type=True), None)
-        base, _, tag = (named or "").rpartition(":")
-        if named in backend.profiles or (tag == "latest" and base in backend.profiles):
+        if named and local_name(named, backend.profiles) is not None:
             # a model here already, by its own name (clients that "ensure" a model pull it first): as Ollama's
             if asked.stream is False:
                 return json(Progress("success"))

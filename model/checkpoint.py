@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .blocks import block_format, dequantize_blocks, is_blocks
 from .chat_format import load_chat_format
 from .checkpoint_files import CheckpointError, CheckpointFiles, find_checkpoint
 from .config import DEFAULT_MAX_CONTEXT, ConfigError, LlamaConfig
@@ -159,7 +160,9 @@ def check_state_dict(state: dict[str, torch.Tensor], model: Llama, files: Checkp
     unknown is there."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     expected |= {n: (expected[n][0], expected[n][1] // 2) for n, t in state.items()
-                 if t.dtype == torch.uint8 and len(expected.get(n, ())) == 2}
+                 if t.dtype == torch.uint8 and t.dim() == 2 and len(expected.get(n, ())) == 2}
+    expected |= {n: (expected[n][0], expected[n][1] // block_format(t).block, t.shape[2]) for n, t in state.items()
+                 if is_blocks(t) and len(expected.get(n, ())) == 2}  # llama.cpp's blocks: (N, K / block, bytes)
     where = files.weights[0] if len(files.weights) == 1 else files.folder
     if model.config.tie_word_embeddings:
         expected.pop("output.weight")
@@ -198,7 +201,7 @@ def take_quantized(state: dict[str, torch.Tensor], files: CheckpointFiles,
                     if name.endswith(kind)} for kind in (".scale", ".offset")}
     scales, offsets = found[".scale"], found[".offset"]
     int8 = {name for name, t in state.items() if t.dtype == torch.int8}
-    int4 = {name for name, t in state.items() if t.dtype == torch.uint8}
+    int4 = {name for name, t in state.items() if t.dtype == torch.uint8 and not is_blocks(t)}
     if not scales and not offsets and not int8 and not int4:
         return {}
     where = files.weights[0] if len(files.weights) == 1 else files.folder
@@ -354,9 +357,13 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
             if widen and name in in_file:  # from here on as a float32 file's weight
                 q = in_file.pop(name)
                 tensor = dequantize(tensor, q.scale, q.offset)
+            elif is_blocks(tensor) and (widen or device.type != "cpu"):  # only the CPU's kernel reads blocks
+                tensor = dequantize_blocks(tensor)
             if name in in_file:  # quantized in the file: its values, scales and offsets are kept as they are
                 tensor = tensor.to(device)
                 quantized[name] = _file_buffers(in_file[name], tensor.dtype, device)
+            elif is_blocks(tensor):  # llama.cpp's blocks, as the file has them
+                pass
             elif quantize == "int8" and name.startswith("layers.") and tensor.dim() == 2:
                 tensor, scale = quantize_int8(tensor.to(device), group=tensor.shape[1] if row_scales else None)
                 quantized[name] = Quantized(scale)

@@ -22,6 +22,7 @@ import torch
 
 from .kernels import kernels
 from .kv_cache import KVCache
+from .blocks import is_blocks
 from .linear import MAX_KERNEL_ROWS
 from .packed import is_packed
 from .rope import Rope
@@ -67,13 +68,16 @@ class LayerWeights:
             return self.norms_in(dtype), weights, [], []
         if not all(w.dtype in QUANTIZED_WEIGHTS for w in weights):
             return None
+        kinds = ["blocks" if is_blocks(w) else w.dtype for w in weights]  # llama.cpp's blocks: any of their formats
         for first in range(0, len(weights), len(LAYER_MATRICES)):
             for call in KERNEL_CALLS:
-                if len({weights[first + i].dtype for i in call}) > 1:
+                if len({kinds[first + i] for i in call}) > 1:
                     return None
-        scales = [m.scale.half() if m.weight.dtype == torch.uint8 else m.scale.float() for m in self.linears]
-        offsets = [m.offset.half() if m.weight.dtype == torch.uint8 and m.offset is not None else None
-                   for m in self.linears]
+        no_scale = torch.empty(0)  # blocks carry their scales inside them
+        scales = [no_scale if kind == "blocks" else m.scale.half() if kind == torch.uint8 else m.scale.float()
+                  for m, kind in zip(self.linears, kinds)]
+        offsets = [m.offset.half() if kind == torch.uint8 and m.offset is not None else None
+                   for m, kind in zip(self.linears, kinds)]
         return self.norms_in(dtype), weights, scales, offsets
 
     def norms_in(self, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -38,6 +38,7 @@ try:
 except ImportError:  # Windows
     fcntl = None
 
+from .block_formats import FORMATS
 from .cpu import cpu_tag, is_intel
 from .options import DEFAULT_CACHE_DIR
 
@@ -185,6 +186,9 @@ def _build(march: str) -> Kernels:
     torch.library.register_fake(f"{name}::dequantize_int4")(
         lambda w, scale, offset, dtype: w.new_empty(w.shape[0], w.shape[1] * 2, dtype=dtype))
     torch.library.register_fake(f"{name}::dequantize_int8")(lambda w, scale, dtype: w.new_empty(w.shape, dtype=dtype))
+    torch.library.register_fake(f"{name}::dequantize_blocks")(
+        lambda w, dtype: w.new_empty(w.shape[0], w.shape[1] * FORMATS[w.shape[2]].block, dtype=dtype))
+    torch.library.register_fake(f"{name}::matvec_blocks")(lambda x, ws, fp32_out=False: _fake_output(x, ws, fp32_out))
     return Kernels(march=march, name=name, ops=ops, path=ops.path(), folder=folder)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .blocks import dequantize_blocks, is_blocks
 from .kernels import kernels
 from .packed import is_packed, packed_linear
 from .quantize import can_quantize_int4, dequantize, quantize_int4, quantize_int8
@@ -24,7 +25,8 @@ MAX_KERNEL_ROWS = 8  # rows of x (tokens in one decode step) the decode kernel t
 # it (and with fp32 on 5 to 11 rows, with the number of threads, on Zen 5): the kernel, MAX_KERNEL_ROWS at a time,
 # or F.linear a row at a time. A prompt's last prefill chunk can be this short, and decode steps always are.
 FEW_ROWS = 2 * MAX_KERNEL_ROWS
-KERNEL_WEIGHTS = (torch.bfloat16, torch.float32, torch.int8, torch.uint8)  # what the kernel streams (uint8: int4)
+# What the kernel streams (uint8: int4; "blocks": llama.cpp's, model/blocks.py)
+KERNEL_WEIGHTS = (torch.bfloat16, torch.float32, torch.int8, torch.uint8, "blocks")
 DEQUANTIZE_BLOCK_BYTES = 8 << 20  # a stored matrix is widened for F.linear this many bytes of rows at a time
 QUANTIZE = ("int8", "int4")  # what quantize_model and load_checkpoint(quantize=...) take
 # How the output head is stored under each: int4 keeps it int8. On the default model an int4 head alone put
@@ -51,20 +53,25 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Ten
     alone or in any batch. Packed matrices (model/packed.py) go to their ops, any rows.
     """
     offsets = offsets or [None] * len(weights)
-    kind, k_dim = weights[0].dtype, x.shape[-1]
+    kind, k_dim = ("blocks" if is_blocks(weights[0]) else weights[0].dtype), x.shape[-1]
     rows = x.numel() // k_dim if k_dim else 0
     few = 1 <= rows <= FEW_ROWS and x.device.type == "cpu" and not any(map(is_packed, scales))
+    if few and len({"blocks" if is_blocks(w) else w.dtype for w in weights}) > 1:  # a kernel call per kind
+        y = torch.cat([linears(x, [w], [s], [o], fp32_out) for w, s, o in zip(weights, scales, offsets)], dim=-1)
+        return y
     if few and rows > MAX_KERNEL_ROWS:
         flat = x.reshape(rows, k_dim)
         y = torch.cat([linears(flat[i:i + MAX_KERNEL_ROWS], weights, scales, offsets, fp32_out)
                        for i in range(0, rows, MAX_KERNEL_ROWS)])
         return y.view(*x.shape[:-1], -1)
     if (few and kind in KERNEL_WEIGHTS and x.dtype in (torch.float32, torch.bfloat16)
-            and all(w.dtype == kind for w in weights)):
+            and all(("blocks" if is_blocks(w) else w.dtype) == kind for w in weights)):
         ops = kernels()
         if ops:  # y comes back in x's dtype, or fp32
             flat = x.reshape(rows, k_dim).contiguous()  # (M, K)
-            if kind == torch.bfloat16:
+            if kind == "blocks":  # llama.cpp's blocks, of one format or several
+                y = ops.matvec_blocks(flat, weights, fp32_out)
+            elif kind == torch.bfloat16:
                 y = ops.matvec_bf16(flat, weights, fp32_out)  # (M, sum N_i)
             elif kind == torch.float32:
                 y = ops.matvec_f32(flat, weights, fp32_out)
@@ -90,7 +97,7 @@ def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor 
     activations on CPUs without bf16 arithmetic) is widened into x's dtype a block of rows at a time."""
     if weight.dtype == x.dtype:
         return F.linear(x, weight)
-    n, k = weight.shape[0], x.shape[-1]
+    n, k = weight.shape[0], x.shape[-1]  # blocks: (N, K / block, bytes)
     block = max(1, DEQUANTIZE_BLOCK_BYTES // (k * x.element_size()))
     if block >= n:
         return F.linear(x, widen(weight, scale, offset, x.dtype))
@@ -107,6 +114,8 @@ def widen(weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor
           dtype: torch.dtype) -> torch.Tensor:
     """A stored matrix as `dtype`: int8 and int4 through the kernel's one-pass loops where it is built
     (csrc/dequantize.cpp), else model/quantize.py's dequantize, which those loops are tested against."""
+    if is_blocks(weight):
+        return dequantize_blocks(weight, dtype)
     ops = kernels() if scale is not None and weight.device.type == "cpu" else None
     if ops and dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous():
         if weight.dtype == torch.uint8:
@@ -198,6 +207,9 @@ class Embedding(nn.Embedding):
         self.register_buffer("offset", None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if is_blocks(self.weight):
+            ids = tokens.reshape(-1)
+            return dequantize_blocks(self.weight[ids]).view(*tokens.shape, -1)  # (..., dim) float32
         if self.scale is None:
             return super().forward(tokens)
         ids = tokens.reshape(-1)

@@ -114,7 +114,12 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Ten
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None = None,
                dtype=torch.float32) -> torch.Tensor:
-    """Any weight matrix as `dtype`: int4 (uint8, packed), int8 with scales, or a float matrix."""
+    """Any weight matrix as `dtype`: llama.cpp's blocks (model/blocks.py), int4 (uint8, packed), int8 with scales,
+    or a float matrix."""
+    from .blocks import dequantize_blocks, is_blocks
+
+    if is_blocks(weight):
+        return dequantize_blocks(weight, dtype)
     if weight.dtype == torch.uint8:
         return dequantize_int4(weight, scale, offset, dtype)
     if scale is not None:

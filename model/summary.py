@@ -17,6 +17,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from .block_formats import FORMATS
 from .checkpoint_files import CheckpointError, find_checkpoint
 from .config import ConfigError, LlamaConfig
 
@@ -47,10 +48,13 @@ def summarize(path: str | Path) -> CheckpointSummary:
     if files.format == "hf" and all(f.suffix == ".safetensors" for f in files.weights):
         by_dtype: dict[str, int] = {}
         for weights in files.weights:
-            for name, (dtype, n) in safetensors_tensors(weights).items():
+            for name, (dtype, shape) in safetensors_tensors(weights).items():
                 if name.endswith((".scale", ".offset")):  # a quantized weight's scales are part of that weight
                     continue
-                if dtype == "U8":  # int4: two weights a byte (model/quantize.py)
+                n = math.prod(shape)
+                if dtype == "U8" and len(shape) == 3 and shape[2] in FORMATS:  # llama.cpp's blocks (model/blocks.py)
+                    dtype, n = FORMATS[shape[2]].name, shape[0] * shape[1] * FORMATS[shape[2]].block
+                elif dtype == "U8":  # int4: two weights a byte (model/quantize.py)
                     dtype, n = "I4", 2 * n
                 by_dtype[dtype] = by_dtype.get(dtype, 0) + n
         config = _json(files.config)
@@ -66,8 +70,8 @@ def summarize(path: str | Path) -> CheckpointSummary:
                              CONFIG_DTYPES.get(config.dtype) if files.format != "meta" else None)
 
 
-def safetensors_tensors(path: Path) -> dict[str, tuple[str, int]]:
-    """Tensor name -> (dtype, number of elements), from the file's header alone."""
+def safetensors_tensors(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """Tensor name -> (dtype, shape), from the file's header alone."""
     with open(path, "rb") as f:
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
@@ -78,7 +82,7 @@ def safetensors_tensors(path: Path) -> dict[str, tuple[str, int]]:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: the safetensors header is not JSON: {e}") from None
     try:
-        return {name: (str(t["dtype"]), math.prod(int(d) for d in t["shape"]))
+        return {name: (str(t["dtype"]), [int(d) for d in t["shape"]])
                 for name, t in header.items() if name != "__metadata__"}
     except (AttributeError, KeyError, TypeError, ValueError) as e:  # (a header of another shape)
         raise CheckpointError(f"{path}: the safetensors header does not give each tensor's dtype and shape "

@@ -6,7 +6,8 @@ tokenizer as metadata, the weights as (often quantized) tensors. `convert_gguf` 
     config.json  generation_config.json  model.safetensors  + the tokenizer's files (gguf_tokenizer.py)
 
 into a new folder, atomically (folder.py). Weights keep their type (gguf_tensors.py): F32/F16/BF16
-as they are, Q8_0 as int8 with its scales, Q4_0 and Q4_1 as int4 with their scales (and minimums);
+as they are, Q8_0 as int8 with its scales, Q4_0 and Q4_1 as int4 with their scales (and minimums), the
+K-quants, Q5_0 and Q5_1 as llama.cpp's blocks (model/blocks.py); other types widened to bf16;
 the Llama 3 RoPE scaling, which a GGUF carries only as
 `rope_freqs.weight`, becomes the config's per-frequency factors.
 """
@@ -122,7 +123,7 @@ def write_folder(reader: GGUFReader, gguf_path: Path, folder: Path, config: dict
     """Every output file into `folder` (which exists and is empty)."""
     weights = [e for e in found if e.dtype in FLOAT_DTYPES and not e.name.endswith((".scale", ".offset"))]
     config["torch_dtype"] = FLOAT_DTYPES[max(weights, key=lambda e: e.nbytes).dtype] if weights else "float32"
-    if any(e.dtype == "U8" for e in found):  # int4, and any int8 beside it (same group size)
+    if any(e.dtype == "U8" and len(e.shape) == 2 for e in found):  # int4, and any int8 beside it (same group size)
         config["quantization"] = {"method": "int4", "group_size": INT4_GROUP}
     elif any(e.dtype == "I8" for e in found):
         config["quantization"] = {"method": "int8", "group_size": Q8_0_GROUP}
@@ -138,8 +139,8 @@ def write_folder(reader: GGUFReader, gguf_path: Path, folder: Path, config: dict
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dequantize: bool = False) -> Path:
     """Convert a Llama GGUF into a model folder at `out_dir` (replacing any there); returns it.
 
-    dequantize: tensor types other than F32/F16/BF16 become float32 (else only Q8_0, Q4_0 and Q4_1 are
-    accepted, kept as int8 and int4). Raises ConversionError for a bad file or a full disk, and leaves
+    dequantize: tensor types other than F32/F16/BF16 become float32 (else each is kept as gguf_tensors.py
+    says). Raises ConversionError for a bad file or a full disk, and leaves
     `out_dir`'s parent as it was.
     """
     gguf_path = Path(gguf_path)
@@ -183,8 +184,7 @@ def import_ggufs(source: Path, weights_dir: Path, name: str | None = None, force
     """Import `source`, a GGUF file or a folder searched for them (LM Studio's models folder, Ollama's
     blobs), each into `weights_dir/<name>`; returns the folders written.
 
-    In a folder, a file that cannot be imported (another architecture, a K-quant type) is skipped with a
-    line saying why; it is an error only when nothing could be imported.
+    In a folder, a file that cannot be imported (another architecture) is skipped with a line saying why; it is an error only when nothing could be imported.
     """
     if source.is_file():
         return [import_one(source, weights_dir, name, force)]

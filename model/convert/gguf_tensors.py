@@ -8,9 +8,13 @@ same values in the same bytes, nothing quantized twice and nothing widened to fp
   (N, K // 2)), `<module>.scale` (d) and `<module>.offset` (m), f16 (N, K // 32): weight = q d + m;
 - Q4_0 (d, 16 bytes) into `<module>.weight` and `<module>.scale` only: weight = (q - 8) d, which
   the loader reads as offset -8 d (model/quantize.py's int4, whose nibble order is llama.cpp's).
-q/k rows go from llama.cpp's interleaved RoPE order to ours. Any other type is refused, unless
-`dequantize`: then every quantized tensor becomes float32, which holds every dequantized value exactly
-(a folder transformers can read: the reference of tests/model/test_gguf.py).
+- Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, Q5_0 and Q5_1 (llama-quantize's K-quant presets, and their fall-backs for
+  rows that are not whole blocks of 256) into `<module>.weight` uint8 (N, K // block, bytes): the blocks as
+  they are, which the decode kernel reads (model/blocks.py).
+Any other type (IQ2_XS, IQ3_S, TQ1_0, ...) is widened to bf16 by the gguf library, with a log line naming it
+and the memory it then takes. q/k rows go from llama.cpp's interleaved RoPE order to ours. With `dequantize`
+every quantized tensor becomes float32, which holds every dequantized value exactly (a folder transformers
+can read: the reference of tests/model/test_gguf.py).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
+from ..block_formats import BY_NAME
 from ..quantize import INT4_GROUP
 from ..rope import permute_qk_rows
 from .folder import ConversionError, log
@@ -39,7 +45,6 @@ Q8_0_GROUP = 32  # weights per Q8_0 block, each block with one f16 scale
 Q4_HEADER = {GGMLQuantizationType.Q4_0: ["scale"], GGMLQuantizationType.Q4_1: ["scale", "offset"]}  # f16 each
 ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1}
 ROWS_PER_CHUNK = 8192  # rows copied at a time, so a large embedding never has a second full copy
-SUPPORTED = "F32, F16, BF16, Q8_0, Q4_0 and Q4_1"
 
 GGUF_TO_HF = {
     "token_embd": "model.embed_tokens",
@@ -108,7 +113,7 @@ def in_row_chunks(rows: np.ndarray, heads: int | None) -> Callable[[], Iterator[
 
 def entries(reader: GGUFReader, config: dict, path: Path, dequantize_others: bool) -> list[Entry]:
     """The safetensors entries of every tensor of the file (in its order), without reading their data."""
-    found = []
+    found, widened = [], {}  # widened: type name -> tensors
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:
             continue
@@ -121,14 +126,26 @@ def entries(reader: GGUFReader, config: dict, path: Path, dequantize_others: boo
             found += q8_0_entries(tensor, name, shape, heads, path)
         elif kind in Q4_HEADER and not dequantize_others:
             found += q4_entries(tensor, name, shape, heads, path)
+        elif kind.name in BY_NAME and len(shape) == 2 and not dequantize_others:
+            found.append(block_entry(tensor, name, shape, heads))
         elif dequantize_others:
             found.append(Entry(name, "F32", shape, dequantized(tensor, shape, heads, path)))
-        else:
-            raise ConversionError(f"{path}: tensor {tensor.name} is {kind.name}; this importer keeps weights "
-                                  f"as they are and supports {SUPPORTED} (Q5_0, Q5_1 and the K-quants such "
-                                  f"as Q4_K and Q6_K are not). Use the file's Q4_0, Q4_1, Q8_0, F16 or BF16 "
-                                  f"version.")
+        else:  # a type no kernel reads (IQ2_XS, IQ3_S, TQ1_0, ...): widened once, here
+            found.append(Entry(name, "BF16", shape, dequantized(tensor, shape, heads, path, torch.bfloat16)))
+            widened[kind.name] = widened.get(kind.name, 0) + 1
+    for kind_name, n in widened.items():
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind_name]]
+        log(f"{n} tensor{'s' * (n > 1)} in {kind_name}, which no decode kernel here reads, widened to bf16: "
+            f"{16 * block / (8 * size):.1f}x the memory they take in the file")
     return found
+
+
+def block_entry(tensor: ReaderTensor, name: str, shape: list[int], heads: int | None) -> Entry:
+    """A matrix in one of llama.cpp's block formats (model/blocks.py), its blocks as they are: uint8 (N, K / block, bytes)."""
+    n, k = shape
+    f = BY_NAME[tensor.tensor_type.name]
+    blocks = tensor.data.reshape(n, k // f.block, f.bytes)
+    return Entry(name, "U8", [n, k // f.block, f.bytes], in_row_chunks(blocks, heads))
 
 
 def q8_0_entries(tensor: ReaderTensor, name: str, shape: list[int], heads: int | None,
@@ -160,14 +177,17 @@ def q4_entries(tensor: ReaderTensor, name: str, shape: list[int], heads: int | N
     return found
 
 
-def dequantized(tensor: ReaderTensor, shape: list[int], heads: int | None,
-                path: Path) -> Callable[[], Iterator[np.ndarray]]:
+def dequantized(tensor: ReaderTensor, shape: list[int], heads: int | None, path: Path,
+                dtype: torch.dtype = torch.float32) -> Callable[[], Iterator[np.ndarray]]:
+    """The tensor's values from the gguf library's dequantization, in `dtype` (float32 holds each exactly)."""
     def chunks():
         values = dequantize(tensor.data, tensor.tensor_type)
         if list(values.shape) != shape:
             raise ConversionError(f"{path}: tensor {tensor.name} dequantized to {list(values.shape)}, "
                                   f"expected {shape}")
-        yield np.asarray(values, np.float32) if heads is None else permute_qk_rows(values, heads, to="half")
+        values = np.asarray(values, np.float32) if heads is None else permute_qk_rows(values, heads, to="half")
+        # bf16 through torch's rounding (to nearest even), as bytes: numpy has no bf16
+        yield values if dtype == torch.float32 else torch.from_numpy(values).to(dtype).view(torch.int16).numpy()
     return chunks
 
 

@@ -44,6 +44,7 @@
 #endif
 
 #include "dot_portable.h"  // prefetch_ahead
+#include "ggml_blocks.h"  // format_of
 #include "matvec.h"
 
 #ifndef TORCH_EXTENSION_NAME  // set by torch.utils.cpp_extension to the name the build was given
@@ -674,10 +675,13 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorLi
     const int64_t cols[kLayerMatrices] = {st.dim, st.dim, st.dim, q_rows, st.dim, st.dim, st.ffn_dim};
     const at::Tensor* w = &weights[layer * kLayerMatrices];  // this layer's matrices
     for (int64_t m = 0; m < kLayerMatrices; m++) {
-      const int64_t per_byte = w[m].scalar_type() == at::kByte ? 2 : 1;  // int4: two weights a byte
-      TORCH_CHECK(w[m].dim() == 2 && w[m].size(0) == rows[m] && w[m].size(1) * per_byte == cols[m],
+      // int4: two weights a byte; llama.cpp's blocks (N, K / block, bytes): the format's block of weights a row
+      const ggml::Format* blocks = w[m].dim() == 3 ? ggml::format_of(w[m].size(2)) : nullptr;
+      const int64_t per_byte = w[m].scalar_type() == at::kByte ? 2 : 1;
+      const int64_t k = blocks ? w[m].size(1) * blocks->block : w[m].size(1) * per_byte;
+      TORCH_CHECK((w[m].dim() == 2 || blocks) && w[m].size(0) == rows[m] && k == cols[m],
                   "decode_layers: layer ", layer, " matrix ", m, " is ", w[m].sizes(), " of ", w[m].scalar_type(),
-                  "; expected (", rows[m], ", ", cols[m] / per_byte, ")");
+                  "; expected (", rows[m], ", ", cols[m] / per_byte, ") or blocks of ", cols[m], " weights a row");
     }
     TORCH_CHECK(w[kWk].scalar_type() == w[kWq].scalar_type() && w[kWv].scalar_type() == w[kWq].scalar_type() &&
                 w[kW3].scalar_type() == w[kW1].scalar_type(),

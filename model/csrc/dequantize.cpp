@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "dot_portable.h"  // fp16_to_float
+#include "ggml_blocks.h"
 
 namespace {
 
@@ -97,6 +98,20 @@ at::Tensor dequantize_int8(const at::Tensor& q, const at::Tensor& scale, at::Sca
   });
 }
 
+// Blocks of llama.cpp's formats (ggml_blocks.h), uint8 (N, K / block, bytes), each weight as the gguf library
+// computes it.
+at::Tensor dequantize_blocks(const at::Tensor& w, at::ScalarType dtype) {
+  const ggml::Format* f = w.dim() == 3 ? ggml::format_of(w.size(2)) : nullptr;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && f != nullptr,
+              "dequantize_blocks: weights must be contiguous uint8 (N, K / block, bytes) of a block format; got ",
+              w.scalar_type(), " ", w.sizes());
+  const int64_t n = w.size(0), blocks = w.size(1);
+  const uint8_t* data = w.data_ptr<uint8_t>();
+  return widen(n, blocks * f->block, dtype, [&](int64_t r, float* __restrict dst) {
+    ggml::dequantize(*f, data + r * blocks * f->bytes, blocks, dst);
+  });
+}
+
 }  // namespace
 
 // As in matvec.cpp: a macro between, so that TORCH_EXTENSION_NAME is expanded before it is pasted.
@@ -106,9 +121,11 @@ at::Tensor dequantize_int8(const at::Tensor& q, const at::Tensor& scale, at::Sca
 FRAGMENT_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int4(Tensor w, Tensor scale, Tensor? offset, ScalarType dtype) -> Tensor");
   m.def("dequantize_int8(Tensor w, Tensor scale, ScalarType dtype) -> Tensor");
+  m.def("dequantize_blocks(Tensor w, ScalarType dtype) -> Tensor");
 }
 
 IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("dequantize_int4", dequantize_int4);
   m.impl("dequantize_int8", dequantize_int8);
+  m.impl("dequantize_blocks", dequantize_blocks);
 }

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "dot_portable.h"
+#include "ggml_blocks.h"
 #include "matvec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
@@ -818,6 +819,77 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
   return y;
 }
 
+// x rounded to int8 per 32 values for weights in llama.cpp's blocks (ggml_blocks.h): values (M, K), scales
+// max |x| / 127 (M, K / 32), and per group of 16 its scale times the sum of its int8 values (M, K / 16).
+// The buffers are the calling thread's.
+ggml::XBlocks round_to_int8_groups(const at::Tensor& x, int64_t rows) {
+  constexpr int64_t kBlock = ggml::kXBlock, kGroup = ggml::kGroup;
+  thread_local std::vector<int8_t> value_buffer;
+  thread_local std::vector<float> scales, sums, widened;
+  const int64_t k_dim = x.size(-1);
+  int8_t* values = aligned_zeros(value_buffer, rows * k_dim);
+  scales.resize(rows * k_dim / kBlock);
+  sums.resize(rows * k_dim / kGroup);
+  for (int64_t m = 0; m < rows; m++) {
+    const float* row = float_row(x, m, widened);
+    for (int64_t b = 0; b < k_dim / kBlock; b++) {
+      const float* xb = row + b * kBlock;
+      float x_max = 0.f;
+      for (int j = 0; j < kBlock; j++) x_max = std::max(x_max, std::abs(xb[j]));
+      const float scale = x_max / 127.f, inv = x_max > 0.f ? 127.f / x_max : 0.f;
+      int8_t* q = values + m * k_dim + b * kBlock;
+      int32_t group_sum[2] = {0, 0};
+      for (int j = 0; j < kBlock; j++) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
+        q[j] = static_cast<int8_t>(v);
+        group_sum[j / kGroup] += v;
+      }
+      scales[m * k_dim / kBlock + b] = scale;
+      for (int g = 0; g < 2; g++) sums[(m * k_dim + b * kBlock) / kGroup + g] = scale * static_cast<float>(group_sum[g]);
+    }
+  }
+  return {values, scales.data(), sums.data(), k_dim};
+}
+
+// Weights in llama.cpp's blocks (ggml_blocks.h), uint8 (N_i, K / block, bytes) each, of any of its formats,
+// one matrix beside another of another format (a Q4_K_M file's q|k|v: Q4_K, Q4_K, Q6_K).
+at::Tensor matvec_blocks(const at::Tensor& x, at::TensorList ws, bool fp32_out) {
+  TORCH_CHECK((x.dim() == 1 || x.dim() == 2) && x.is_contiguous() && x.device().is_cpu() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "matvec_blocks: x must be a contiguous float32 or bfloat16 CPU tensor of shape (K,) or (M, K); got ",
+              x.scalar_type(), " ", x.sizes());
+  const int64_t rows = x.dim() == 1 ? 1 : x.size(0), k_dim = x.size(-1);
+  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "matvec_blocks: x has ", rows, " rows; expected 1 to ", kMaxRows);
+  TORCH_CHECK(!ws.empty(), "matvec_blocks: no weight matrices");
+  std::vector<const ggml::Format*> formats;
+  std::vector<const uint8_t*> w;
+  int64_t align = ggml::kXBlock;  // pieces of K hold whole blocks of every matrix
+  for (size_t i = 0; i < ws.size(); i++) {
+    const at::Tensor& t = ws[i];
+    const ggml::Format* f = t.dim() == 3 ? ggml::format_of(t.size(2)) : nullptr;
+    TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.device().is_cpu() && f != nullptr,
+                "matvec_blocks: w[", i, "] must be a contiguous uint8 CPU tensor (N, K / block, bytes) of a ",
+                "block format (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1); got ", t.scalar_type(), " ", t.sizes());
+    TORCH_CHECK(t.size(1) * f->block == k_dim, "matvec_blocks: w[", i, "] holds ", t.size(1), " ", f->name,
+                " blocks a row (", t.size(1) * f->block, " weights) but x has K=", k_dim);
+    formats.push_back(f);
+    w.push_back(t.data_ptr<uint8_t>());
+    align = std::lcm(align, f->block);
+  }
+  const ggml::XBlocks xq = round_to_int8_groups(x, rows);
+  at::Tensor y;
+  with_rows(rows, [&](auto m_rows) {
+    constexpr int M = decltype(m_rows)::value;
+    y = rows_to<M>(x, out_type(x, fp32_out), ws, 1, 2, align, kOnes,
+                   [&](size_t i, int64_t r, int64_t k0, int64_t len, float* out) {
+      const ggml::Format& f = *formats[i];
+      const uint8_t* row = w[i] + (r * (k_dim / f.block) + k0 / f.block) * f.bytes;
+      ggml::dot_blocks<M>(f, row, len / f.block, xq, k0, out);
+    });
+  });
+  return y;
+}
+
 // The registered op: a Tensor?[] argument arrives as a c10::List.
 at::Tensor matvec_int4_op(const at::Tensor& x, at::TensorList ws, at::TensorList scales,
                           const c10::List<std::optional<at::Tensor>>& offsets, bool fp32_out) {
@@ -838,6 +910,7 @@ at::Tensor llama::matvec(const at::Tensor& x, at::TensorList ws, at::TensorList 
                          bool fp32_out) {
   TORCH_CHECK(!ws.empty(), "matvec: no weight matrices");
   const at::ScalarType kind = ws[0].scalar_type();
+  if (kind == at::kByte && ws[0].dim() == 3) return matvec_blocks(x, ws, fp32_out);
   if (kind == at::kByte) return matvec_int4(x, ws, scales, offsets, fp32_out);
   for (const std::optional<at::Tensor>& offset : offsets)
     TORCH_CHECK(!offset.has_value(), "matvec: an offset for ", kind, " weights; only int4 (uint8) blocks take one");
@@ -856,6 +929,7 @@ DEFINE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("matvec_f32(Tensor x, Tensor[] w, bool fp32_out=False) -> Tensor");
   m.def("matvec_int8(Tensor x, Tensor[] w, Tensor[] scale, bool fp32_out=False) -> Tensor");
   m.def("matvec_int4(Tensor x, Tensor[] w, Tensor[] scale, Tensor?[] offset, bool fp32_out=False) -> Tensor");
+  m.def("matvec_blocks(Tensor x, Tensor[] w, bool fp32_out=False) -> Tensor");
   m.def("path() -> str", &path);  // which of the code paths above this build compiled
   m.def("set_int8_x(bool on) -> bool", &set_int8_x);
   m.def("set_amx(bool on) -> bool", &set_amx);
@@ -867,4 +941,5 @@ IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("matvec_f32", matvec_f32);
   m.impl("matvec_int8", matvec_int8);
   m.impl("matvec_int4", matvec_int4_op);
+  m.impl("matvec_blocks", matvec_blocks);
 }

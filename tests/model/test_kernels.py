@@ -30,6 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ from support.kernels import amx_tiles, configured, has_int8_x, x_in_int8, x_in_i
 
 import model.kernels
 from model import cpu, load_checkpoint
+from model.block_formats import BY_NAME, FORMATS
 from model.kernels import CSRC, KernelBuildError, build, build_folder, decode_path
 from model.linear import MAX_KERNEL_ROWS
 from model.quantize import dequantize_int4, dequantize_int8, int4_offset, quantize_int4, quantize_int8, unpack_int4
@@ -440,6 +442,102 @@ def test_dequantize_ops_refuse_what_they_cannot_read(ops):
         ops.dequantize_int4(packed, scale, offset, torch.float16)
     with pytest.raises(RuntimeError, match=r"weights must be contiguous int8"):
         ops.dequantize_int8(packed, scale.float(), torch.float32)
+
+
+# ---- llama.cpp's blocks (csrc/ggml_blocks.h): the K-quants, Q5_0 and Q5_1 -------------------------------
+# Against the gguf library's dequantization of the same bytes (the reference of every GGUF reader). The kernel
+# rounds x to int8 per 32 values (as for int4, x_in_int8_blocks) and scales each group's integer dot product in
+# fp32; the fp32 summation bound is taken with E over |a q| + |a z + m| (weight = a (q - z) - m, the module's
+# docstring), what those products round relative to.
+# K: one block, several, a K-quant row that is not whole groups of 8 blocks (2304: 9), and rows of x read in
+# pieces of K (8448); Q5_0/Q5_1 also on the default model's 576.
+BLOCK_SHAPES = {256: [(1, 256), (7, 768), (33, 2304), (3, 8448)], 32: [(1, 32), (7, 96), (33, 576), (3, 8224)]}
+# Bytes of each format that hold q (zeroed, a block's weights are its -(a z + m)); the others hold d, dmin, scales
+Q_BYTES = {"Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192), "Q3_K": (0, 96), "Q2_K": (16, 80),
+           "Q5_0": (2, 22), "Q5_1": (4, 24)}
+HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "Q5_0": (0,),
+          "Q5_1": (0, 2)}  # offsets of each block's fp16 values
+
+
+def random_blocks(name: str, n: int, k: int, seed: int, extremes: bool = False) -> torch.Tensor:
+    """n rows of k weights in `name`'s blocks: random bytes, the fp16 values random too (normal around 1e-2, or
+    with `extremes` any finite fp16: subnormals, the largest, both signs)."""
+    f = BY_NAME[name]
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // f.block, f.bytes), dtype=torch.uint8, generator=g)
+    for offset in HALVES[name]:
+        if extremes:
+            bits = torch.randint(0, 0x7C00, (n, k // f.block), generator=g) | (torch.randint(0, 2, (n, k // f.block), generator=g) << 15)
+            values = bits.to(torch.int16).view(torch.float16)
+        else:
+            values = (torch.randn(n, k // f.block, generator=g) * 1e-2).half()
+        blocks[..., offset:offset + 2] = values.view(torch.uint8).view(n, k // f.block, 2)
+    return blocks
+
+
+def gguf_dequantized(blocks: torch.Tensor) -> torch.Tensor:
+    f = FORMATS[blocks.shape[2]]
+    values = gguf.quants.dequantize(blocks.numpy().reshape(blocks.shape[0], -1), gguf.GGMLQuantizationType[f.name])
+    return torch.from_numpy(values)
+
+
+def blocks_reference(blocks: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dequantized matrix (float64) and the bound's E: sum |a q| |x| + |a z + m| |x|."""
+    first, end = Q_BYTES[FORMATS[blocks.shape[2]].name]
+    no_q = blocks.clone()
+    no_q[..., first:end] = 0
+    wd, bias = gguf_dequantized(blocks).double(), gguf_dequantized(no_q).double()  # bias: -(a z + m) per weight
+    return wd, F.linear(x.abs(), (wd - bias).abs() + bias.abs())
+
+
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_blocks_dequantize_as_the_gguf_library_bit_for_bit(ops, name):
+    """Every format, fp16 values of every size (subnormal to the largest, both signs), q of every value: each
+    weight equal to the library's float32, bit for bit; in bf16, that float32 rounded."""
+    f = BY_NAME[name]
+    blocks = random_blocks(name, 37, 4 * max(f.block, 64), seed=len(name) * f.bytes, extremes=True)
+    reference = gguf_dequantized(blocks)
+    ours = ops.dequantize_blocks(blocks, torch.float32)
+    assert ours.shape == reference.shape and torch.equal(ours.view(torch.int32), reference.view(torch.int32))
+    assert torch.equal(ops.dequantize_blocks(blocks, torch.bfloat16), reference.bfloat16())
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+@pytest.mark.parametrize("name", list(BY_NAME))
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_blocks_weights(ops, m, name, x_dtype):
+    f = BY_NAME[name]
+    for n, k in BLOCK_SHAPES[f.block]:
+        blocks = random_blocks(name, n, k, seed=n + k + m)
+        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * torch.linspace(0.1, 3, m)[:, None]).to(x_dtype)
+        rounded, either_way = x_in_int8_blocks(x)
+        wd, magnitude = blocks_reference(blocks, rounded)
+        ours = ops.matvec_blocks(x, [blocks])
+        assert ours.shape == (m, n) and ours.dtype == x_dtype
+        exact, tol = bound(wd, rounded, x_dtype, extra=F.linear(either_way, wd.abs()))
+        check(ours, exact, tol + 4 * math.sqrt(k) * 2**-24 * magnitude)
+        alone = torch.cat([ops.matvec_blocks(x[i:i + 1].contiguous(), [blocks]) for i in range(m)])
+        assert torch.equal(ours, alone)  # a row's result does not depend on the rows beside it
+
+
+def test_blocks_of_several_formats_side_by_side(ops):
+    """A Q4_K_M file's q|k|v: one call over matrices of different formats, as each alone."""
+    k = 512
+    ws = [random_blocks(name, n, k, seed=n) for name, n in [("Q4_K", 64), ("Q6_K", 16), ("Q5_0", 16), ("Q2_K", 8)]]
+    x = torch.randn(3, k)
+    together = ops.matvec_blocks(x, ws, True)
+    assert torch.equal(together, torch.cat([ops.matvec_blocks(x, [w], True) for w in ws], dim=1))
+
+
+def test_blocks_that_are_not_a_format_are_refused(ops):
+    with pytest.raises(RuntimeError, match=r"w\[0\] must be a contiguous uint8 CPU tensor \(N, K / block, bytes\) "
+                                           r"of a block format .*; got Byte \[4, 2, 143\]"):
+        ops.matvec_blocks(torch.zeros(1, 512), [torch.zeros(4, 2, 143, dtype=torch.uint8)])
+    with pytest.raises(RuntimeError, match=r"w\[0\] holds 2 Q4_K blocks a row \(512 weights\) but x has K=256"):
+        ops.matvec_blocks(torch.zeros(1, 256), [random_blocks("Q4_K", 4, 512, seed=0)])
+    with pytest.raises(RuntimeError, match=r"dequantize_blocks: weights must be contiguous uint8 \(N, K / block, "
+                                           r"bytes\) of a block format"):
+        ops.dequantize_blocks(torch.zeros(4, 2, 143, dtype=torch.uint8), torch.float32)
 
 
 def test_build_folder_is_keyed_by_sources_flags_and_cpu_not_by_the_checkout(tmp_path, monkeypatch):

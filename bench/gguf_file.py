@@ -70,10 +70,12 @@ def rope_factors(config: LlamaConfig) -> np.ndarray:
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
-def write_gguf(folder: Path, path: Path, kind: str, add_vocab: Callable | None = None, name: str = "random") -> Path:
+def write_gguf(folder: Path, path: Path, kind: str, add_vocab: Callable | None = None, name: str = "random",
+               encode: Callable | None = None) -> Path:
     """The safetensors checkpoint in `folder` as `path`, as `convert_hf_to_gguf.py --outtype kind` writes it.
 
     add_vocab(writer) adds the tokenizer's metadata; without it the file has llama.cpp's `no_vocab`.
+    encode(gguf name, float32 matrix) -> (its data, GGML type), or None for `kind`'s: a matrix stored otherwise.
     """
     import gguf
     from safetensors import safe_open
@@ -81,11 +83,11 @@ def write_gguf(folder: Path, path: Path, kind: str, add_vocab: Callable | None =
     qtype = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16,
              "f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
              "q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
-             "q5_0": gguf.GGMLQuantizationType.Q5_0}[kind]
+             "q5_0": gguf.GGMLQuantizationType.Q5_0, "q5_1": gguf.GGMLQuantizationType.Q5_1}[kind]
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
                  "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                  "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-                 "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0}[kind]
+                 "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0, "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1}[kind]
     c = LlamaConfig.from_hf_config(folder / "config.json")
     w = gguf.GGUFWriter(path, "llama", use_temp_file=True)
     w.add_name(name)
@@ -118,6 +120,8 @@ def write_gguf(folder: Path, path: Path, kind: str, add_vocab: Callable | None =
             data = t.float().numpy()
             if data.ndim == 1:  # norms stay float32, as llama.cpp's converter keeps them
                 w.add_tensor(gguf_name(hf), data)
+            elif encode is not None and (stored := encode(gguf_name(hf), data)) is not None:
+                w.add_tensor(gguf_name(hf), stored[0], raw_dtype=stored[1])
             else:
                 w.add_tensor(gguf_name(hf), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()

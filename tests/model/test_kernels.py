@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.checkpoints import hf_model
+from support.gguf_checkpoints import random_blocks
 from support.kernels import amx_tiles, configured, has_int8_x, x_in_int8, x_in_int8_blocks
 
 import model.kernels
@@ -455,26 +456,6 @@ BLOCK_SHAPES = {256: [(1, 256), (7, 768), (33, 2304), (3, 8448)], 32: [(1, 32), 
 # Bytes of each format that hold q (zeroed, a block's weights are its -(a z + m)); the others hold d, dmin, scales
 Q_BYTES = {"Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192), "Q3_K": (0, 96), "Q2_K": (16, 80),
            "Q5_0": (2, 22), "Q5_1": (4, 24)}
-HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "Q5_0": (0,),
-          "Q5_1": (0, 2)}  # offsets of each block's fp16 values
-
-
-def random_blocks(name: str, n: int, k: int, seed: int, extremes: bool = False) -> torch.Tensor:
-    """n rows of k weights in `name`'s blocks: random bytes, the fp16 values random too (normal around 1e-2, or
-    with `extremes` any finite fp16: subnormals, the largest, both signs)."""
-    f = BY_NAME[name]
-    g = torch.Generator().manual_seed(seed)
-    blocks = torch.randint(0, 256, (n, k // f.block, f.bytes), dtype=torch.uint8, generator=g)
-    for offset in HALVES[name]:
-        if extremes:
-            bits = torch.randint(0, 0x7C00, (n, k // f.block), generator=g) | (torch.randint(0, 2, (n, k // f.block), generator=g) << 15)
-            values = bits.to(torch.int16).view(torch.float16)
-        else:
-            values = (torch.randn(n, k // f.block, generator=g) * 1e-2).half()
-        blocks[..., offset:offset + 2] = values.view(torch.uint8).view(n, k // f.block, 2)
-    return blocks
-
-
 def gguf_dequantized(blocks: torch.Tensor) -> torch.Tensor:
     f = FORMATS[blocks.shape[2]]
     values = gguf.quants.dequantize(blocks.numpy().reshape(blocks.shape[0], -1), gguf.GGMLQuantizationType[f.name])
@@ -496,6 +477,7 @@ def test_blocks_dequantize_as_the_gguf_library_bit_for_bit(ops, name):
     weight equal to the library's float32, bit for bit; in bf16, that float32 rounded."""
     f = BY_NAME[name]
     blocks = random_blocks(name, 37, 4 * max(f.block, 64), seed=len(name) * f.bytes, extremes=True)
+    blocks = torch.from_numpy(blocks)
     reference = gguf_dequantized(blocks)
     ours = ops.dequantize_blocks(blocks, torch.float32)
     assert ours.shape == reference.shape and torch.equal(ours.view(torch.int32), reference.view(torch.int32))
@@ -508,7 +490,7 @@ def test_blocks_dequantize_as_the_gguf_library_bit_for_bit(ops, name):
 def test_blocks_weights(ops, m, name, x_dtype):
     f = BY_NAME[name]
     for n, k in BLOCK_SHAPES[f.block]:
-        blocks = random_blocks(name, n, k, seed=n + k + m)
+        blocks = torch.from_numpy(random_blocks(name, n, k, seed=n + k + m))
         x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * torch.linspace(0.1, 3, m)[:, None]).to(x_dtype)
         rounded, either_way = x_in_int8_blocks(x)
         wd, magnitude = blocks_reference(blocks, rounded)
@@ -523,7 +505,7 @@ def test_blocks_weights(ops, m, name, x_dtype):
 def test_blocks_of_several_formats_side_by_side(ops):
     """A Q4_K_M file's q|k|v: one call over matrices of different formats, as each alone."""
     k = 512
-    ws = [random_blocks(name, n, k, seed=n) for name, n in [("Q4_K", 64), ("Q6_K", 16), ("Q5_0", 16), ("Q2_K", 8)]]
+    ws = [torch.from_numpy(random_blocks(name, n, k, seed=n)) for name, n in [("Q4_K", 64), ("Q6_K", 16), ("Q5_0", 16), ("Q2_K", 8)]]
     x = torch.randn(3, k)
     together = ops.matvec_blocks(x, ws, True)
     assert torch.equal(together, torch.cat([ops.matvec_blocks(x, [w], True) for w in ws], dim=1))
@@ -534,7 +516,7 @@ def test_blocks_that_are_not_a_format_are_refused(ops):
                                            r"of a block format .*; got Byte \[4, 2, 143\]"):
         ops.matvec_blocks(torch.zeros(1, 512), [torch.zeros(4, 2, 143, dtype=torch.uint8)])
     with pytest.raises(RuntimeError, match=r"w\[0\] holds 2 Q4_K blocks a row \(512 weights\) but x has K=256"):
-        ops.matvec_blocks(torch.zeros(1, 256), [random_blocks("Q4_K", 4, 512, seed=0)])
+        ops.matvec_blocks(torch.zeros(1, 256), [torch.from_numpy(random_blocks("Q4_K", 4, 512, seed=0))])
     with pytest.raises(RuntimeError, match=r"dequantize_blocks: weights must be contiguous uint8 \(N, K / block, "
                                            r"bytes\) of a block format"):
         ops.dequantize_blocks(torch.zeros(4, 2, 143, dtype=torch.uint8), torch.float32)

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 import transformers
 from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -24,12 +25,12 @@ from model.convert.gguf_tokenizer import llama3_special_tokens
 from model.tokenizer import PAT_STR, meta_tokenizer_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # the benchmark's GGUF writer
-from gguf_file import write_gguf
+from gguf_file import gguf_name, write_gguf  # noqa: F401  (gguf_name: for the tests)
 
 TYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
          "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
          "q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
-         "q5_0": gguf.GGMLQuantizationType.Q5_0}
+         "q5_0": gguf.GGMLQuantizationType.Q5_0, "q5_1": gguf.GGMLQuantizationType.Q5_1}
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                  "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
                  "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
@@ -61,12 +62,14 @@ def add_llama3_vocab(writer: gguf.GGUFWriter, chat_template: str = CHAT_TEMPLATE
     writer.add_chat_template(chat_template)
 
 
-def write_llama3_gguf(model: transformers.LlamaForCausalLM, path: Path, kind: str, name: str = "Tiny Llama 3") -> Path:
+def write_llama3_gguf(model: transformers.LlamaForCausalLM, path: Path, kind: str, name: str = "Tiny Llama 3",
+                      encode=None) -> Path:
     """`model` as llama.cpp's converter writes it with `--outtype kind` (f32, f16, bf16, q8_0), or with
-    every matrix in Q4_0, Q4_1 or Q5_0 (as llama-quantize's pure mode writes them)."""
+    every matrix in Q4_0, Q4_1, Q5_0 or Q5_1 (as llama-quantize's pure mode writes them); `encode` stores
+    matrices otherwise (bench/gguf_file.py)."""
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
-        return write_gguf(Path(folder), path, kind, add_vocab=add_llama3_vocab, name=name)
+        return write_gguf(Path(folder), path, kind, add_vocab=add_llama3_vocab, name=name, encode=encode)
 
 
 def as_stored(model: transformers.LlamaForCausalLM, kind: str) -> transformers.LlamaForCausalLM:
@@ -79,3 +82,26 @@ def as_stored(model: transformers.LlamaForCausalLM, kind: str) -> transformers.L
                 values = gguf.quants.quantize(p.numpy(), TYPES[kind])
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(values, TYPES[kind])))
     return stored
+
+
+HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "Q5_0": (0,),
+          "Q5_1": (0, 2), "IQ4_NL": (0,)}  # where each format's blocks hold fp16 values (d, dmin or min)
+# About how many times d a weight of each format is, on random bytes: d = typical / this gives weights of that size
+UNITS = {"Q4_K": 200, "Q5_K": 400, "Q6_K": 1000, "Q3_K": 40, "Q2_K": 10, "Q5_0": 8, "Q5_1": 15, "IQ4_NL": 60}
+
+
+def random_blocks(name: str, n: int, k: int, seed: int, extremes: bool = False, typical: float | None = None):
+    """uint8 (n, k / block, bytes): n rows of k weights in the blocks of GGML type `name`, random bytes with the
+    fp16 values random too: normal around 1e-2, or about `typical` / UNITS for weights of about that size, or
+    with `extremes` any finite fp16 (subnormals, the largest, both signs)."""
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for offset in HALVES[name]:
+        if extremes:
+            bits = rng.integers(0, 0x7C00, (n, k // block), dtype=np.uint16) | (rng.integers(0, 2, (n, k // block), dtype=np.uint16) << 15)
+            values = bits.view(np.float16)
+        else:
+            values = (rng.standard_normal((n, k // block)) * (typical / UNITS[name] if typical else 1e-2)).astype(np.float16)
+        blocks[..., offset:offset + 2] = values.view(np.uint8).reshape(n, k // block, 2)
+    return blocks

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model.convert.folder import ConversionError, model_folder, partial_folder, source_of
+from model.convert.folder import ConversionError, folder_name, model_folder, partial_folder, source_of
 from model.convert.url import URL, gguf_file_name
 from model.options import PROJECT_ROOT
 
@@ -135,7 +135,7 @@ class Weights:
                 raise Refused(f"{revision[:80]!r} is not a revision: expected a branch, tag or commit of {repo_id} "
                               "(letters, digits, '_', '.', '-' and '/', beginning with a letter or digit)")
             try:
-                folder = model_folder(self.folder, repo_id.split("/")[1])
+                folder = model_folder(self.folder, folder_name(repo_id, revision))
             except ConversionError as e:
                 raise Refused(str(e)) from None
             pull = Pull(repo_id, revision, folder, partial_folder(folder))

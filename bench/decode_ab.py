@@ -13,7 +13,10 @@ default model's own (real weights: its GGUF's Q4_1 blocks, which `blocks` keeps 
 first), greedy, one sequence. Steps go
 through Llama.decode, as generation's do: the fused decode step, or with `-op-by-op` the reference.
 `llama.cpp-<kind>` is llama.cpp (llama-cpp-python) on the same weights as a GGUF file of that kind
-(bench/gguf_file.py), a token at a time through Llama.eval, its bytes a step taken as the file's size.
+(bench/gguf_file.py), a token at a time through Llama.eval, its bytes a step taken as the file's size;
+`gguf-<kind>` is ours on that same file, as our import keeps it (q4_k_m, q5_k_m, q6_k: llama.cpp's blocks).
+
+    python bench/decode_ab.py --variants gguf-q4_k_m,llama.cpp-q4_k_m,gguf-q6_k,llama.cpp-q6_k
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from model.options import DEFAULT_MODEL_NAME, DEFAULT_WEIGHTS_DIR  # noqa: E402
 VARIANTS = {"bf16": {"widen": True}, "int8": {"quantize": "int8", "widen": True},
             "int4": {"quantize": "int4", "widen": True}, "blocks": {}}
 LLAMA_CPP = "llama.cpp-"  # a variant's name: this + a GGUF kind of bench/gguf_file.py
+GGUF = "gguf-"  # a variant's name: this + a GGUF kind: ours on that file
 OP_BY_OP = "-op-by-op"  # a variant's name + this: the same weights, decode steps by the reference (fused=False)
 
 
@@ -76,7 +80,12 @@ def main() -> int:
         if name.startswith(LLAMA_CPP):
             runs[name] = llama_cpp_run(folder, args, name.removeprefix(LLAMA_CPP))
             continue
-        ckpt = model.load_checkpoint(folder, dtype=torch.bfloat16, **VARIANTS[name.removesuffix(OP_BY_OP)])
+        if name.startswith(GGUF):
+            from gguf_file import imported_checkpoint
+            ckpt = model.load_checkpoint(imported_checkpoint(folder, args.shape, name.removeprefix(GGUF)),
+                                         dtype=torch.bfloat16)
+        else:
+            ckpt = model.load_checkpoint(folder, dtype=torch.bfloat16, **VARIANTS[name.removesuffix(OP_BY_OP)])
         ckpt.model.fused_decode = not name.endswith(OP_BY_OP)
         config = ckpt.config
         prompt = random_prompt(config.vocab_size, args.prompt_tokens)

@@ -27,7 +27,9 @@ from model.rope import permute_qk_rows
 # way users get a Q4_0 model (convert_hf_to_gguf.py writes no Q4_0). Its recipe keeps the output head (the
 # tied embedding) in Q6_K, or Q8_0 where rows are not whole 256-blocks (the 135M model's 576); "-pure"
 # is its --pure flag: every matrix Q4_0.
-LLAMA_QUANTIZE = {"q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", False), "q4_0-pure": ("LLAMA_FTYPE_MOSTLY_Q4_0", True)}
+LLAMA_QUANTIZE = {"q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", False), "q4_0-pure": ("LLAMA_FTYPE_MOSTLY_Q4_0", True),
+                  "q4_k_m": ("LLAMA_FTYPE_MOSTLY_Q4_K_M", False), "q5_k_m": ("LLAMA_FTYPE_MOSTLY_Q5_K_M", False),
+                  "q6_k": ("LLAMA_FTYPE_MOSTLY_Q6_K", False)}
 
 GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -155,3 +157,30 @@ def gguf_checkpoint(folder: Path, shape: str, kind: str) -> Path:
     if not path.is_file():
         write_gguf(folder, path.with_suffix(".partial"), kind, name=f"random {shape}").rename(path)
     return path
+
+
+def imported_checkpoint(folder: Path, shape: str, kind: str) -> Path:
+    """The GGUF of gguf_checkpoint(folder, shape, kind) as our import keeps its tensors (model/convert/
+    gguf_tensors.py: blocks as they are), beside `folder`'s config and tokenizer (the benchmark's files carry
+    llama.cpp's dummy tokenizer, which the import does not read): `bench/.cache/<shape>-<kind>-imported`."""
+    import json
+    import shutil
+
+    from model.convert.gguf import Q8_0_GROUP
+    from model.convert.gguf_reader import open_gguf
+    from model.convert.gguf_tensors import entries, write_safetensors
+
+    out = CACHE / f"{shape}-{kind}-imported"
+    if not (out / "model.safetensors").is_file():
+        path = gguf_checkpoint(folder, shape, kind)
+        partial = out.with_suffix(".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(folder, partial, ignore=shutil.ignore_patterns("*.safetensors*"))
+        config = json.loads((partial / "config.json").read_text())
+        found = entries(open_gguf(path), config, path, dequantize_others=False)
+        if any(e.dtype == "I8" for e in found):  # llama.cpp keeps some rows in Q8_0
+            config["quantization"] = {"method": "int8", "group_size": Q8_0_GROUP}
+            (partial / "config.json").write_text(json.dumps(config))
+        write_safetensors(found, partial / "model.safetensors")
+        partial.rename(out)
+    return out

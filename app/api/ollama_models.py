@@ -32,6 +32,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from model.checkpoint_files import CheckpointError, find_checkpoint, tokenizer_file
 from model.config import ConfigError, LlamaConfig
+from model.convert.folder import folder_name
 from model.summary import count, summarize
 
 from app.backend.protocol import Backend, EngineError, is_remote
@@ -53,10 +54,15 @@ PARAMETERS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", 
 
 
 def local_name(named: str, profiles: dict) -> str | None:
-    """Our model by the name a client gives: ours, or Ollama's `name:latest` for it; None if it is not here."""
+    """Our model by the name a client gives: ours, Ollama's `name:latest` for it, or the Hugging Face name it was
+    pulled by (hf.co/owner/name:Q4_K_M, folder_name's folder); None if it is not here."""
     base, _, tag = named.rpartition(":")
     if named not in profiles and tag == "latest" and base in profiles:
         return base
+    if named not in profiles and "/" in named:
+        repo_id, revision = hub_name(named)
+        if (pulled := folder_name(repo_id, revision)) in profiles:
+            return pulled
     return named if named in profiles else None
 
 

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+
+# A tag that names a quantization (Ollama's hf.co/owner/name:Q4_K_M), not a revision: which .gguf of the repo to fetch
+QUANTIZATION = re.compile(r"(I?Q[1-8](_[0-9A-Z]+)*|F16|BF16|F32)", re.IGNORECASE)
 
 
 class ConversionError(Exception):
@@ -22,6 +27,17 @@ class ConversionError(Exception):
 
 def log(message: str) -> None:
     print(f"[fetch] {message}", file=sys.stderr, flush=True)
+
+
+def is_quantization(tag: str | None) -> bool:
+    return tag is not None and bool(QUANTIZATION.fullmatch(tag))
+
+
+def folder_name(repo_id: str, revision: str | None = None) -> str:
+    """The model folder a pull of a Hugging Face repo writes: the repo's name, and a quantization tag's after it
+    (bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M -> Llama-3.2-1B-Instruct-GGUF-Q4_K_M)."""
+    name = repo_id.split("/")[-1]
+    return f"{name}-{revision.upper()}" if is_quantization(revision) else name
 
 
 def model_folder(weights_dir: str | Path, name: str) -> Path:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from support.checkpoints import hf_model, prompt_ids
 from support.fake_hub import FakeHub
+from support.gguf_checkpoints import write_llama3_gguf
 
 from model import load_checkpoint
 from model.convert.folder import SOURCE_FILE, source_of
@@ -228,11 +229,58 @@ def test_a_repo_of_another_architecture_is_refused(hub, source, weights_dir, cap
 
 
 def test_a_repo_without_safetensors_is_refused(hub, weights_dir, capsys):
-    hub.repos["acme/GGUF-only"] = type(hub.repos[REPO])({"README.md": b"hi", "x.Q8_0.gguf": b"GGUF"})
-    line = fetch_fails(["acme/GGUF-only", "--weights-dir", str(weights_dir)], capsys)
-    assert line == ("error: acme/GGUF-only: expected a transformers checkpoint (config.json and "
-                    "model.safetensors), found README.md, x.Q8_0.gguf. For a repo of .gguf files, download one "
-                    "and run python -m model.fetch FILE.gguf")
+    hub.repos["acme/Nothing"] = type(hub.repos[REPO])({"README.md": b"hi", "notes.txt": b"none"})
+    line = fetch_fails(["acme/Nothing", "--weights-dir", str(weights_dir)], capsys)
+    assert line == ("error: acme/Nothing: expected a transformers checkpoint (config.json and "
+                    "model.safetensors) or .gguf files, found README.md, notes.txt")
+
+
+# ---- a repo of .gguf files (as llama.cpp's users publish them) -----------------------------------------
+
+@pytest.fixture(scope="module")
+def gguf_repo(tmp_path_factory) -> dict[str, bytes]:
+    """The files of a repo of one model in several quantizations, and one split in parts."""
+    folder = tmp_path_factory.mktemp("gguf-repo")
+    model = hf_model(seed=3)
+    files = {f"Tiny-Llama-3-{tag}.gguf": write_llama3_gguf(model, folder / f"{tag}.gguf", tag.lower()).read_bytes()
+             for tag in ("Q8_0", "Q4_0")}
+    return files | {"Tiny-Llama-3-Q5_K_M-00001-of-00002.gguf": b"GGUF part", "README.md": b"# GGUF"}
+
+
+def test_a_gguf_repo_by_its_quantization_fetches_that_file_only(hub, gguf_repo, weights_dir, capsys):
+    """Ollama's hf.co/owner/name:Q4_0 (any case): that file alone, imported into NAME-Q4_0, the download gone."""
+    hub.repos["acme/Tiny-Llama-3-GGUF"] = type(hub.repos[REPO])(dict(gguf_repo))
+    main(["acme/Tiny-Llama-3-GGUF", "--revision", "q4_0", "--weights-dir", str(weights_dir)])
+    folder = weights_dir / "Tiny-Llama-3-GGUF-Q4_0"
+    assert capsys.readouterr().out.split() == [str(folder)]
+    assert hub.gets("Tiny-Llama-3-Q4_0.gguf") and not hub.gets("Tiny-Llama-3-Q8_0.gguf")
+    assert not hub.gets("Tiny-Llama-3-Q5_K_M-00001-of-00002.gguf")
+    assert sorted(p.name for p in weights_dir.iterdir()) == ["Other-Model", "Tiny-Llama-3-GGUF-Q4_0"]
+    assert json.loads((folder / "config.json").read_text())["quantization"]["method"] == "int4"
+    assert load_checkpoint(folder).config.dim == 64
+
+
+def test_a_gguf_repo_without_a_tag_gets_the_preferred_quantization(hub, gguf_repo, weights_dir):
+    hub.repos["acme/Tiny-Llama-3-GGUF"] = type(hub.repos[REPO])(dict(gguf_repo))
+    main(["acme/Tiny-Llama-3-GGUF", "--weights-dir", str(weights_dir)])  # no Q4_K_M, Q4_K_S, Q5_K_M, Q6_K: Q8_0
+    assert hub.gets("Tiny-Llama-3-Q8_0.gguf") and not hub.gets("Tiny-Llama-3-Q4_0.gguf")
+    assert json.loads((weights_dir / "Tiny-Llama-3-GGUF" / "config.json").read_text())["quantization"] == {
+        "method": "int8", "group_size": 32}
+
+
+def test_a_quantization_the_repo_has_not_is_named_with_those_it_has(hub, gguf_repo, weights_dir, capsys):
+    hub.repos["acme/Tiny-Llama-3-GGUF"] = type(hub.repos[REPO])(dict(gguf_repo))
+    before = snapshot(weights_dir)
+    line = fetch_fails(["acme/Tiny-Llama-3-GGUF", "--revision", "Q6_K", "--weights-dir", str(weights_dir)], capsys)
+    assert line == "error: acme/Tiny-Llama-3-GGUF: no Q6_K .gguf file; its quantizations: Q4_0, Q8_0"
+    assert snapshot(weights_dir) == before and not [r for r in hub.requests if "/resolve/" in r[1]]
+
+
+def test_a_gated_gguf_repo_without_a_token_is_refused_before_any_byte(hub, gguf_repo, weights_dir, capsys):
+    hub.repos["acme/Tiny-Llama-3-GGUF"] = type(hub.repos[REPO])(dict(gguf_repo), gated=True)
+    line = fetch_fails(["acme/Tiny-Llama-3-GGUF", "--revision", "Q4_0", "--weights-dir", str(weights_dir)], capsys)
+    assert line.startswith("error: acme/Tiny-Llama-3-GGUF is gated: accept its terms at ")
+    assert not [r for r in hub.requests if "/resolve/" in r[1]]
 
 
 def test_an_existing_folder_is_kept_unless_forced(hub, source, weights_dir, capsys):

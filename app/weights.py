@@ -12,9 +12,9 @@ under way), and so that the web process never imports huggingface_hub nor conver
 (model.convert.hub). Once a model is in place, the backend lists its models again (`find_models`), so requests can
 name it. A model already in the folder is not fetched again.
 
-`Weights.remove(name)` takes a model folder out: renamed at once to a hidden name (which the engine skips), the
-models listed again, then its files deleted. Never the default model, one loaded now, or one that is not a
-folder of the weights folder (`Refused`).
+`Weights.remove(name)` takes a model folder out: a loaded one unloaded first (as Ollama's server does), then renamed
+at once to a hidden name (which the engine skips), the models listed again, then its files deleted. Never the
+default model, one a request is using now (`InUse`), or one that is not a folder of the weights folder (`Refused`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.5  # how often a watcher is told the bytes fetched so far
 FIND_MODELS_TIMEOUT_S = 60.0
+UNLOAD_WAIT_S = 10.0  # how long a remove waits for a loaded model to leave memory (a reply using it ends first)
 
 
 class Refused(Exception):
@@ -203,6 +204,15 @@ class Weights:
     def under_way_ids(self) -> list[int]:
         return [id(pull) for pull in self.pulls.values()]
 
+    async def unloaded(self, name: str, wait_s: float) -> bool:
+        """Whether the model is out of memory, waiting up to `wait_s` for it to go."""
+        deadline = time.monotonic() + wait_s
+        while self.backend.in_memory(name):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     async def remove(self, name: str) -> None:
         """Take a model's folder out of the weights folder; Refused (InUse) says why not."""
         where = self.backend.profiles[name]
@@ -213,8 +223,11 @@ class Weights:
             raise Refused(f"{name} is the server's default model (LLAMA_CHECKPOINT): it is not removed")
         if not path.is_dir() or path.parent.resolve() != self.folder.resolve():
             raise Refused(f"{name} ({path}) is not a folder of the weights folder {self.folder}: it is not removed")
-        if self.backend.in_memory(name):
-            raise InUse(f"{name} is loaded: unload it first (keep_alive 0), then remove it")
+        if self.backend.in_memory(name):  # unloaded first, as Ollama's server does, once no request uses it
+            self.backend.keep_alive(name, 0)
+            if not await self.unloaded(name, UNLOAD_WAIT_S):
+                raise InUse(f"{name} is answering a request: it leaves memory once no request uses it; remove it "
+                            "then")
         aside = path.parent / f".{path.name}.removed-{uuid.uuid4().hex[:8]}"
         path.rename(aside)  # at once: the engine lists hidden folders no more
         try:

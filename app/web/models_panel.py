@@ -3,12 +3,12 @@ format, parameters, context and whether it is loaded; use one for this chat, mak
 and pull one from Hugging Face (or import GGUF files of this machine) with a live progress bar and a cancel.
 
 The page side is public/elements/ModelsPanel.jsx, a Chainlit custom element: it draws `props` and sends what the
-user clicks as the action "models" ({"do": "use" | "default" | "remove" | "pull" | "cancel", ...}), which
+user clicks as the action "models" ({"do": "use" | "default" | "unload" | "remove" | "pull" | "cancel", ...}), which
 `act` answers. The panel is one message of the chat; its props are sent again when something changes, and every
 WATCH_INTERVAL_S while a pull is under way. The pulls are app.weights' jobs, the same as Ollama's /api/pull: one
 started by a tool shows here too, and a pull goes on when its panel (or tab) goes away.
 
-Who may pull, remove or make a default: Settings.may_manage_models (LLAMA_MODEL_ADMINS); anyone may look and
+Who may pull, remove, unload or make a default: Settings.may_manage_models (LLAMA_MODEL_ADMINS); anyone may look and
 use a model for their chat.
 """
 
@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import chainlit as cl
 
-from model.convert.folder import source_of
+from model.convert.folder import folder_name, source_of
 from model.convert.url import URL
 from model.summary import summarize
 
@@ -37,10 +37,18 @@ WATCH_INTERVAL_S = 0.5
 MAX_ENDED = 3  # pulls' ends the panel shows at once
 HUB_PAGE = re.compile(r"(https?://)?(www\.)?(huggingface\.co|hf\.co)/", re.IGNORECASE)  # before owner/name
 FOLLOWING: set[asyncio.Task] = set()  # the tasks that keep panels' progress bars moving (held: tasks are weak)
-# Suggested on a first start, when the embedded default is the only model: (repo, download size in bytes).
-SUGGESTED = [("meta-llama/Llama-3.2-1B-Instruct", 2_471_645_608), ("meta-llama/Llama-3.2-3B-Instruct", 6_425_499_648)]
+# Suggested until pulled: (what Pull fetches, its download size in bytes, whether the Hub asks for an account and a
+# token). First Llama 3.2 Instruct in Q4_K_M from bartowski's GGUF repos (open to anyone), then Meta's own (gated:
+# an account that accepted Meta's license, and HF_TOKEN on the server).
+SUGGESTED = [("bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M", 808_000_000, False),
+             ("bartowski/Llama-3.2-3B-Instruct-GGUF:Q4_K_M", 2_020_000_000, False),
+             ("meta-llama/Llama-3.2-1B-Instruct", 2_471_645_608, True),
+             ("meta-llama/Llama-3.2-3B-Instruct", 6_425_499_648, True)]
+GATED_NOTE = "needs a Hugging Face account that accepted Meta's license, and HF_TOKEN on the server"
+OPEN_NOTE = "no account needed"
 DEFAULT_NOTE = ("You are chatting with **{name}**, a small model that comes with the app: quick, and good for "
-                "trying it, but weak at facts and reasoning. Llama 3.2 1B or 3B answer far better: pull one here.")
+                "trying it, but weak at facts and reasoning. Llama 3.2 1B or 3B answer far better: pull one here "
+                "(the first two need no account).")
 
 
 def size_text(n: float) -> str:
@@ -104,17 +112,23 @@ class ModelsPanel:
         return [pull_state(pull) for pull in self.weights.under_way()]
 
     def suggestions(self) -> list[dict]:
-        """What to pull, with its size and whether it fits the disk and this machine's memory (next to the
-        models loaded): shown while the embedded default is the only model."""
-        if len(self.backend.profiles) > 1 or self.weights.folder is None:
+        """What to pull, each with its size, whether it fits the disk, the memory it needs against this machine's,
+        and whether the Hub asks for an account: those not here yet (their folder: folder_name)."""
+        if self.weights.folder is None:
             return []
         free = shutil.disk_usage(self.weights.folder if self.weights.folder.exists() else
                                  self.weights.folder.parent).free
         memory = memory_bytes()
-        return [{"repo": repo, "size": size_text(size), "fits_disk": size < free,
-                 "memory": f"needs about {size_text(size * 1.25)} of memory"
-                           + (f" of this machine's {size_text(memory)}" if memory else "")}
-                for repo, size in SUGGESTED]
+        found = []
+        for source, size, gated in SUGGESTED:
+            repo, _, tag = source.partition(":")
+            if folder_name(repo, tag or None) in self.backend.profiles:
+                continue
+            found.append({"repo": source, "size": size_text(size), "fits_disk": size < free,
+                          "memory": f"needs about {size_text(size * 1.25)} of memory"
+                                    + (f" of this machine's {size_text(memory)}" if memory else ""),
+                          "account": GATED_NOTE if gated else OPEN_NOTE})
+        return found
 
     async def props(self, current: str | None, user: str | None, said: str = "") -> dict:
         rows, interrupted = await asyncio.to_thread(lambda: (self.rows(current), self.interrupted()))
@@ -139,8 +153,15 @@ class ModelsPanel:
                 return "Please wait until this reply is done (or stop it) to change the model."
             conversation.model = name
             return f"This chat now uses {name}: it loads with your next message."
-        if do in ("default", "remove", "pull", "cancel") and not self.settings.may_manage_models(user):
-            return "Only the users named in LLAMA_MODEL_ADMINS may pull, remove or choose the default model."
+        if do in ("default", "remove", "pull", "cancel", "unload") and not self.settings.may_manage_models(user):
+            return "Only the users named in LLAMA_MODEL_ADMINS may pull, remove, unload or choose the default model."
+        if do == "unload":
+            if name not in self.backend.profiles or not self.backend.in_memory(name):
+                return f"{name} is not loaded."
+            self.backend.keep_alive(name, 0)
+            if await self.weights.unloaded(name, 2.0):
+                return f"Unloaded {name}: it loads again when a chat uses it."
+            return f"{name} leaves memory once the replies using it end."
         if do == "default":
             if name not in self.backend.profiles or is_remote(self.backend.profiles[name]):
                 return f"There is no model {name!r} in the weights folder."

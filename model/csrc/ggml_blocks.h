@@ -13,9 +13,12 @@
 //   Q5_0:       a = d, q 5 bits, z = 16;  Q5_1: a = d, m = -min, q 5 bits
 // dequantize() computes each weight in fp32 in the order the gguf library does (it is tested bit for bit
 // against it; the build has -ffp-contract=off). dot_blocks() multiplies blocks by rows of x rounded to int8
-// per 32 values (one fp32 scale each), an integer dot product per group of 16 scaled in fp32:
+// (one fp32 scale per 256 values, as llama.cpp's Q8_K, where K is whole blocks of 256; else per 32), an integer
+// dot product per group of 16:
 //   sum_j w_j x_j = sum_groups xs (a sum_j q_j xq_j - (a z + m) sum_j xq_j)
-// so each weight is read once, as the file has it, for all rows of x.
+// so each weight is read once, as the file has it, for all rows of x. Q4_K and Q6_K (a Q4_K_M file's types) have
+// loops of their own on AVX2 (and AVX-512) CPUs that unpack in registers and keep the sums of a block in int32,
+// the scales multiplied in as integers, as llama.cpp's do; the other formats unpack a block into Unpacked.
 #pragma once
 
 #if defined(__AVX2__)
@@ -31,7 +34,7 @@ namespace ggml {
 
 constexpr int64_t kMaxBlock = 256;
 constexpr int64_t kGroup = 16;  // weights that share a scale a and a minimum m (Q4_K/Q5_K: two groups the same)
-constexpr int64_t kXBlock = 32;  // values of x that share one int8 scale
+constexpr int64_t kXBlock = 32;  // values of x that share one int8 scale where K is not whole blocks of 256
 
 // One block's weights: q (block), per group a and m, and the type's zero z.
 struct Unpacked {
@@ -104,8 +107,10 @@ inline void unpack_q6_k(const uint8_t* b, Unpacked& u) {
     u.m[g] = 0.f;
   }
   for (int h = 0; h < 2; h++)
-    for (int p = 0; p < 128; p++)
-      u.q[128 * h + p] = ((ql[64 * h + p % 64] >> (4 * (p / 64))) & 0x0F) | (((qh[32 * h + p % 32] >> (2 * (p / 32))) & 3) << 4);
+    for (int i = 0; i < 4; i++)  // weights 128h + 32i + l: nibble i / 2 of byte 64h + 32 (i % 2) + l, pair i of byte 32h + l
+      for (int l = 0; l < 32; l++)
+        u.q[128 * h + 32 * i + l] = ((ql[64 * h + 32 * (i % 2) + l] >> (4 * (i / 2))) & 0x0F) |
+                                    (((qh[32 * h + l] >> (2 * i)) & 3) << 4);
   u.z = 32;
 }
 
@@ -196,22 +201,32 @@ inline void dequantize(const Format& f, const uint8_t* row, int64_t blocks, floa
   }
 }
 
-// Rows of x rounded to int8 per kXBlock values for dot_blocks: values (M, K), each 32's scale xs = max |x| / 127
-// (M, K / 32), and per group of 16 xs times the sum of its int8 values (M, K / 16).
+// Rows of x rounded to int8 for dot_blocks: values (M, K); one scale max |x| / 127 per group of x (256 values where K
+// is whole blocks of 256, as llama.cpp's Q8_K, else 32) (M, K / group); and each 16 values' sum of their int8s (M,
+// K / 16), which the minimums and zeros multiply.
 struct XBlocks {
   const int8_t* q;
   const float* scale;
-  const float* group_sums;
+  const int16_t* sums;
   int64_t k;  // row stride of q
+  int64_t group;  // values of x per scale
+  int shift;  // log2(group)
 };
 
-// out[m] = the dot products of `blocks` blocks of one row (its weights from k0 on) with row m of x.
+#if defined(__AVX2__)
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// Any format: each block unpacked (Unpacked), each group of 16's integer dot product scaled in fp32.
 template <int M>
-void dot_blocks(const Format& f, const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, float* out) {
+void dot_any(const Format& f, const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, float* out) {
   const int64_t groups = f.block / kGroup;
   Unpacked u;
-  float bias[kMaxBlock / kGroup];  // per group, -(a z + m): what each unit of the group's sum of x adds
-  float tail[M] = {};  // bias terms of blocks of 32 (two groups)
+  alignas(32) float bias[kMaxBlock / kGroup];  // per group, -(a z + m): what each unit of the group's sum of x adds
 #if defined(__AVX2__)
   __m256 acc[M];
   FOR_EACH_ROW(m) acc[m] = _mm256_setzero_ps();
@@ -230,50 +245,190 @@ void dot_blocks(const Format& f, const uint8_t* row, int64_t blocks, const XBloc
       a_pairs[c] = _mm256_set_m128(_mm_set1_ps(u.a[2 * c + 1]), _mm_set1_ps(u.a[2 * c]));
     FOR_EACH_ROW(m) {
       const int8_t* xq = x.q + m * x.k + k;
-      const float* xs = x.scale + (m * x.k + k) / kXBlock;
-      const float* sums = x.group_sums + (m * x.k + k) / kGroup;
+      const int16_t* sums = x.sums + (m * x.k + k) / kGroup;
+      const int64_t first = m * x.k + k;
       for (int64_t c = 0; c < f.block / kXBlock; c++) {
         const __m256i qv = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + c * kXBlock));
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * kXBlock));
-        // 8 int32 sums of 4 products: lanes 0-3 the first group of 16, lanes 4-7 the second (q <= 63, so
-        // no pair of products reaches int16's limit)
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        const __m256i dots = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qv, xv);
-#else
+        // 8 int32 sums of 4 products: lanes 0-3 the first group of 16, lanes 4-7 the second (q <= 63, so no pair
+        // of products reaches int16's limit); and the two groups' bias times their sums of x
         const __m256i dots = _mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), _mm256_set1_epi16(1));
-#endif
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(a_pairs[c], _mm256_set1_ps(xs[c])), acc[m]);
-      }
-      if (groups == 16) {
-        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(bias), _mm256_loadu_ps(sums), acc[m]);
-        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(bias + 8), _mm256_loadu_ps(sums + 8), acc[m]);
-      } else {
-        for (int64_t g = 0; g < groups; g++) tail[m] += bias[g] * sums[g];
+        const __m256 xs = _mm256_set1_ps(x.scale[(first + c * kXBlock) >> x.shift]);
+        const __m256 bias_sums = _mm256_set_m128(_mm_set_ss(bias[2 * c + 1] * static_cast<float>(sums[2 * c + 1])),
+                                                 _mm_set_ss(bias[2 * c] * static_cast<float>(sums[2 * c])));
+        acc[m] = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), a_pairs[c], bias_sums), xs, acc[m]);
       }
     }
 #else
     FOR_EACH_ROW(m) {
       const int8_t* xq = x.q + m * x.k + k;
-      const float* xs = x.scale + (m * x.k + k) / kXBlock;
-      const float* sums = x.group_sums + (m * x.k + k) / kGroup;
+      const int16_t* sums = x.sums + (m * x.k + k) / kGroup;
       for (int64_t g = 0; g < groups; g++) {
         int32_t dot = 0;
         for (int64_t j = 0; j < kGroup; j++) dot += static_cast<int32_t>(u.q[g * kGroup + j]) * xq[g * kGroup + j];
-        acc[m] += xs[g / 2] * u.a[g] * static_cast<float>(dot) + bias[g] * sums[g];
+        const float xs = x.scale[(m * x.k + k + g * kGroup) >> x.shift];
+        acc[m] += xs * (u.a[g] * static_cast<float>(dot) + bias[g] * static_cast<float>(sums[g]));
       }
     }
 #endif
   }
 #if defined(__AVX2__)
-  FOR_EACH_ROW(m) {
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    v = _mm_add_ss(v, _mm_movehdup_ps(v));
-    out[m] = _mm_cvtss_f32(v) + tail[m];
-  }
+  FOR_EACH_ROW(m) out[m] = horizontal_sum(acc[m]);
 #else
-  FOR_EACH_ROW(m) out[m] = acc[m] + tail[m];
+  FOR_EACH_ROW(m) out[m] = acc[m];
 #endif
+}
+
+#if defined(__AVX2__)
+// Q4_K's 12 bytes of 6-bit scales and minimums as 8 bytes of each (scale_min_k4 on 32-bit words: bytes 0-3 hold
+// scales 0-3 and minimums' high bits... see there): scales 0-7, then minimums 0-7.
+inline void scales_mins_k4(const uint8_t* s, uint8_t* scales, uint8_t* mins) {
+  uint32_t a, b, c;
+  std::memcpy(&a, s, 4);
+  std::memcpy(&b, s + 4, 4);
+  std::memcpy(&c, s + 8, 4);
+  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  const uint32_t words[4] = {a & six, (c & four) | (((a >> 6) & two) << 4), b & six, ((c >> 4) & four) | (((b >> 6) & two) << 4)};
+  std::memcpy(scales, words, 8);
+  std::memcpy(mins, words + 2, 8);
+}
+
+// Q4_K (and, Five, Q5_K) with x in groups of 256 (one scale a block): each sub-block's integer dot products times
+// its 6-bit scale summed in int32 (madd by the scale), the minimums times the sub-blocks' sums of x likewise (madd
+// of x's sums by each minimum twice), then two fp32 multiply-adds a block and row: d xs sum - dmin xs mins.
+template <int M, bool Five>
+void dot_q4_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, float* out) {
+  constexpr int64_t kBytes = Five ? 176 : 144, kQs = Five ? 48 : 16;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // bytes 0-7, each twice
+  __m256 acc[M];
+  FOR_EACH_ROW(m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t* block = row + b * kBytes;
+    prefetch_ahead(block);
+    const float d = half(block), dmin = half(block + 2);
+    alignas(16) uint8_t sc[16], mn[16];
+    scales_mins_k4(block + 4, sc, mn);
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)), twice));
+    __m256i q[8], scale[8];  // sub-block j's 32 weights, and its scale in every int16 lane
+    const __m256i hi = Five ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16)) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQs + 32 * c));
+      q[2 * c] = _mm256_and_si256(v, nibble);
+      q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    }
+    if constexpr (Five)  // the fifth bit of sub-block j: bit j of each of the 32 bytes
+      for (int j = 0; j < 8; j++)
+        q[j] = _mm256_or_si256(q[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, j), one), 4));
+    for (int j = 0; j < 8; j++) scale[j] = _mm256_set1_epi16(sc[j]);
+    const int64_t k = k0 + b * 256;
+    FOR_EACH_ROW(m) {
+      const int8_t* xq = x.q + m * x.k + k;
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; j++) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xv), scale[j]));
+      }
+      const __m256i sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + (m * x.k + k) / kGroup));
+      const float xs = x.scale[(m * x.k + k) >> 8];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * xs), acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums16, mins)), _mm256_set1_ps(-dmin * xs), acc[m]);
+    }
+  }
+  FOR_EACH_ROW(m) out[m] = horizontal_sum(acc[m]);
+}
+
+// Q6_K with x in groups of 256: q (6 bits) from the nibbles and the 2-bit pairs in registers; each group of 16's
+// integer dot product times its int8 scale summed in int32, less 32 times the scales times x's sums (q - 32), then
+// one fp32 multiply-add a block and row: d xs sum.
+template <int M>
+void dot_q6_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, float* out) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(3);
+  __m256 acc[M];
+  FOR_EACH_ROW(m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t* block = row + b * 210;
+    prefetch_ahead(block);
+    const float d = half(block + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+    const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+    __m256i q[8], scale[8];  // weights 32i..32i+31, and the scales of their two groups of 16 (int16 lanes)
+    for (int h = 0; h < 2; h++) {
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+      auto high = [&](int shift) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, shift), pair), 4); };
+      q[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, nibble), high(0));
+      q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, nibble), high(2));
+      q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble), high(4));
+      q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble), high(6));
+    }
+    for (int i = 0; i < 8; i++) scale[i] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * i + 1]), _mm_set1_epi16(sc[2 * i]));
+    const int64_t k = k0 + b * 256;
+    FOR_EACH_ROW(m) {
+      const int8_t* xq = x.q + m * x.k + k;
+      __m256i sum = _mm256_setzero_si256();
+      for (int i = 0; i < 8; i++) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], xv), scale[i]));
+      }
+      const __m256i sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + (m * x.k + k) / kGroup));
+      sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(scales, sums16), 5));  // q - 32
+      const float xs = x.scale[(m * x.k + k) >> 8];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * xs), acc[m]);
+    }
+  }
+  FOR_EACH_ROW(m) out[m] = horizontal_sum(acc[m]);
+}
+// Q5_0 (and, One, Q5_1) with x in groups of 32 (one scale a block): the fifth bits spread to bytes (16 where set),
+// q unsigned, one block's integer dot product, then d xs sum, less 16 d xs sum(x) (Q5_0) or plus min xs sum(x).
+template <int M, bool One>
+void dot_q5(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, float* out) {
+  constexpr int64_t kBytes = One ? 24 : 22, kHigh = One ? 4 : 2;
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);  // byte i: qh's byte i / 8
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);  // byte i: bit i % 8
+  const __m256i sixteen = _mm256_set1_epi8(16), ones = _mm256_set1_epi16(1);
+  __m256 acc[M];
+  float tail[M] = {};
+  FOR_EACH_ROW(m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t* block = row + b * kBytes;
+    prefetch_ahead(block);
+    const float d = half(block), offset = One ? half(block + 2) : -16.f * d;  // weight = d q + offset
+    uint32_t qh;
+    std::memcpy(&qh, block + kHigh, 4);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kHigh + 4));
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), nibble), _mm_and_si128(qs, nibble));
+    const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), spread), bit);
+    q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(bits, bit), sixteen));
+    const int64_t k = k0 + b * 32;
+    FOR_EACH_ROW(m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + m * x.k + k));
+      const __m256i dots = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+      const int16_t* sums = x.sums + (m * x.k + k) / kGroup;
+      const float xs = x.scale[(m * x.k + k) >> x.shift];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(d * xs), acc[m]);
+      tail[m] += offset * xs * static_cast<float>(sums[0] + sums[1]);
+    }
+  }
+  FOR_EACH_ROW(m) out[m] = horizontal_sum(acc[m]) + tail[m];
+}
+#endif
+
+
+// out[m] = the dot products of `blocks` blocks of one row (its weights from k0 on) with row m of x.
+template <int M>
+void dot_blocks(const Format& f, const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, float* out) {
+#if defined(__AVX2__)
+  if (x.group == 256 && f.bytes == 144) return dot_q4_k<M, false>(row, blocks, x, k0, out);
+  if (x.group == 256 && f.bytes == 176) return dot_q4_k<M, true>(row, blocks, x, k0, out);
+  if (x.group == 256 && f.bytes == 210) return dot_q6_k<M>(row, blocks, x, k0, out);
+  if (f.bytes == 22) return dot_q5<M, false>(row, blocks, x, k0, out);
+  if (f.bytes == 24) return dot_q5<M, true>(row, blocks, x, k0, out);
+#endif
+  dot_any<M>(f, row, blocks, x, k0, out);
 }
 
 }  // namespace ggml

@@ -819,36 +819,35 @@ at::Tensor matvec_int4(const at::Tensor& x, at::TensorList ws, at::TensorList sc
   return y;
 }
 
-// x rounded to int8 per 32 values for weights in llama.cpp's blocks (ggml_blocks.h): values (M, K), scales
-// max |x| / 127 (M, K / 32), and per group of 16 its scale times the sum of its int8 values (M, K / 16).
-// The buffers are the calling thread's.
-ggml::XBlocks round_to_int8_groups(const at::Tensor& x, int64_t rows) {
-  constexpr int64_t kBlock = ggml::kXBlock, kGroup = ggml::kGroup;
+// x rounded to int8 for weights in llama.cpp's blocks (ggml_blocks.h): values (M, K), one scale max |x| / 127 per
+// group of `group` values (M, K / group), each 16 values' sum of int8s (M, K / 16). The buffers are the calling thread's.
+ggml::XBlocks round_to_int8_groups(const at::Tensor& x, int64_t rows, int64_t group) {  // group: 256 or 32
+  constexpr int64_t kGroup = ggml::kGroup;
   thread_local std::vector<int8_t> value_buffer;
-  thread_local std::vector<float> scales, sums, widened;
+  thread_local std::vector<int16_t> sum_buffer;
+  thread_local std::vector<float> scales, widened;
   const int64_t k_dim = x.size(-1);
   int8_t* values = aligned_zeros(value_buffer, rows * k_dim);
-  scales.resize(rows * k_dim / kBlock);
-  sums.resize(rows * k_dim / kGroup);
+  int16_t* sums = aligned_zeros(sum_buffer, rows * k_dim / kGroup);
+  scales.resize(rows * k_dim / group);
   for (int64_t m = 0; m < rows; m++) {
     const float* row = float_row(x, m, widened);
-    for (int64_t b = 0; b < k_dim / kBlock; b++) {
-      const float* xb = row + b * kBlock;
+    for (int64_t b = 0; b < k_dim / group; b++) {
+      const float* xb = row + b * group;
       float x_max = 0.f;
-      for (int j = 0; j < kBlock; j++) x_max = std::max(x_max, std::abs(xb[j]));
-      const float scale = x_max / 127.f, inv = x_max > 0.f ? 127.f / x_max : 0.f;
-      int8_t* q = values + m * k_dim + b * kBlock;
-      int32_t group_sum[2] = {0, 0};
-      for (int j = 0; j < kBlock; j++) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
-        q[j] = static_cast<int8_t>(v);
-        group_sum[j / kGroup] += v;
+      for (int64_t j = 0; j < group; j++) x_max = std::max(x_max, std::abs(xb[j]));
+      const float inv = x_max > 0.f ? 127.f / x_max : 0.f;
+      int8_t* q = values + m * k_dim + b * group;
+      for (int64_t j = 0; j < group; j++) q[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      for (int64_t g = 0; g < group / kGroup; g++) {
+        int32_t sum = 0;
+        for (int64_t j = 0; j < kGroup; j++) sum += q[g * kGroup + j];
+        sums[(m * k_dim + b * group) / kGroup + g] = static_cast<int16_t>(sum);
       }
-      scales[m * k_dim / kBlock + b] = scale;
-      for (int g = 0; g < 2; g++) sums[(m * k_dim + b * kBlock) / kGroup + g] = scale * static_cast<float>(group_sum[g]);
+      scales[m * k_dim / group + b] = x_max / 127.f;
     }
   }
-  return {values, scales.data(), sums.data(), k_dim};
+  return {values, scales.data(), sums, k_dim, group, group == 256 ? 8 : 5};
 }
 
 // Weights in llama.cpp's blocks (ggml_blocks.h), uint8 (N_i, K / block, bytes) each, of any of its formats,
@@ -876,7 +875,8 @@ at::Tensor matvec_blocks(const at::Tensor& x, at::TensorList ws, bool fp32_out) 
     w.push_back(t.data_ptr<uint8_t>());
     align = std::lcm(align, f->block);
   }
-  const ggml::XBlocks xq = round_to_int8_groups(x, rows);
+  // x in groups of 256 where every row is whole blocks of 256 (the K-quants' fast loops take one x scale a block)
+  const ggml::XBlocks xq = round_to_int8_groups(x, rows, k_dim % 256 == 0 ? 256 : ggml::kXBlock);
   at::Tensor y;
   with_rows(rows, [&](auto m_rows) {
     constexpr int M = decltype(m_rows)::value;

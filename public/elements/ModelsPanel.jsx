@@ -21,12 +21,14 @@ function Model({ model, admin, act }) {
       </div>
       <div className="flex gap-1">
         {!model.current && <button className={BUTTON} onClick={() => act({ do: 'use', name: model.name })}>Use</button>}
+        {admin && model.loaded &&
+          <button className={BUTTON} onClick={() => act({ do: 'unload', name: model.name })}>Unload</button>}
         {admin && !model.default &&
           <button className={BUTTON} onClick={() => act({ do: 'default', name: model.name })}>Make default</button>}
         {admin && !model.default && !confirming &&
           <button className={BUTTON} onClick={() => setConfirming(true)}>Remove</button>}
         {confirming && <>
-          <span className="text-xs">Remove {model.name} from disk?</span>
+          <span className="text-xs">Remove {model.name} from disk{model.loaded ? ' (it is unloaded first)' : ''}?</span>
           <button className={DANGER} onClick={() => { setConfirming(false); act({ do: 'remove', name: model.name }); }}>
             Remove</button>
           <button className={BUTTON} onClick={() => setConfirming(false)}>Keep</button>
@@ -73,14 +75,14 @@ export default function ModelsPanel() {
         <div className="mt-3">
           {props.suggestions.map((s) => (
             <div key={s.repo} className="models-suggestion flex items-center justify-between gap-2 py-1">
-              <span>{s.repo} <span className="text-xs text-muted-foreground">({s.size}, {s.memory}
+              <span>{s.repo} <span className="text-xs text-muted-foreground">({s.size}, {s.memory}; {s.account}
                 {s.fits_disk ? '' : '; not enough free disk'})</span></span>
               <button className={BUTTON} disabled={!s.fits_disk} onClick={() => pull(s.repo)}>Pull</button>
             </div>
           ))}
           <form className="mt-2 flex gap-2" onSubmit={(e) => { e.preventDefault(); pull(source); }}>
             <input className="models-source flex-1 rounded-md border bg-background px-2 py-1" value={source}
-              placeholder="Hugging Face id (owner/name[:revision]) or the path of a .gguf file or folder"
+              placeholder="Hugging Face id (owner/name[:revision or :Q4_K_M]) or the path of a .gguf file or folder"
               onChange={(e) => setSource(e.target.value)} />
             <button className={BUTTON} type="submit">Pull</button>
           </form>

@@ -447,8 +447,8 @@ def test_dequantize_ops_refuse_what_they_cannot_read(ops):
 
 # ---- llama.cpp's blocks (csrc/ggml_blocks.h): the K-quants, Q5_0 and Q5_1 -------------------------------
 # Against the gguf library's dequantization of the same bytes (the reference of every GGUF reader). The kernel
-# rounds x to int8 per 32 values (as for int4, x_in_int8_blocks) and scales each group's integer dot product in
-# fp32; the fp32 summation bound is taken with E over |a q| + |a z + m| (weight = a (q - z) - m, the module's
+# rounds x to int8 per 256 values where K is whole blocks of 256, else per 32 (x_in_int8_blocks), and scales each
+# group's (or block's) integer dot product in fp32; the fp32 summation bound is taken with E over |a q| + |a z + m| (weight = a (q - z) - m, the module's
 # docstring), what those products round relative to.
 # K: one block, several, a K-quant row that is not whole groups of 8 blocks (2304: 9), and rows of x read in
 # pieces of K (8448); Q5_0/Q5_1 also on the default model's 576.
@@ -492,7 +492,7 @@ def test_blocks_weights(ops, m, name, x_dtype):
     for n, k in BLOCK_SHAPES[f.block]:
         blocks = torch.from_numpy(random_blocks(name, n, k, seed=n + k + m))
         x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * torch.linspace(0.1, 3, m)[:, None]).to(x_dtype)
-        rounded, either_way = x_in_int8_blocks(x)
+        rounded, either_way = x_in_int8_blocks(x, 256 if k % 256 == 0 else 32)  # as csrc/matvec.cpp rounds it
         wd, magnitude = blocks_reference(blocks, rounded)
         ours = ops.matvec_blocks(x, [blocks])
         assert ours.shape == (m, n) and ours.dtype == x_dtype

@@ -88,9 +88,14 @@ def test_the_panel_lists_the_models_and_a_first_start_suggests_llama(main):
     assert "parameters" in tiny["details"] and tiny["context"] == 512
     assert tiny["memory"].endswith("MB in memory"), tiny
     assert "**tiny**" in props["note"] and props["admin"]
-    assert [s["repo"] for s in props["suggestions"]] == ["meta-llama/Llama-3.2-1B-Instruct",
-                                                         "meta-llama/Llama-3.2-3B-Instruct"]
-    assert all("GB" in s["size"] and "memory" in s["memory"] for s in props["suggestions"])
+    assert [(s["repo"], s["account"]) for s in props["suggestions"]] == [
+        ("bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M", "no account needed"),
+        ("bartowski/Llama-3.2-3B-Instruct-GGUF:Q4_K_M", "no account needed"),
+        ("meta-llama/Llama-3.2-1B-Instruct", "needs a Hugging Face account that accepted Meta's license, and HF_TOKEN "
+                                             "on the server"),
+        ("meta-llama/Llama-3.2-3B-Instruct", "needs a Hugging Face account that accepted Meta's license, and HF_TOKEN "
+                                             "on the server")]
+    assert all(s["size"].endswith(("MB", "GB")) and "memory" in s["memory"] for s in props["suggestions"])
     assert starters[0].message == "/models" and "tiny" in starters[0].label
     assert chat.conversation().messages == []  # the command is not a turn of the chat
 
@@ -129,7 +134,8 @@ def test_a_pull_shows_its_progress_can_be_cancelled_goes_on_and_its_model_is_use
     assert kept > 0  # what came before the cancel stays, for the next pull
     assert [i["source"] for i in ended["interrupted"]] == [PULLED]  # offered again, after a restart too
     assert done["interrupted"] == [] and moving["interrupted"] == []
-    assert done["said"] == "Tiny-Pulled is here: choose Use to chat with it." and not done["suggestions"]
+    assert done["said"] == "Tiny-Pulled is here: choose Use to chat with it."
+    assert len(done["suggestions"]) == 4  # a model pulled that is none of them leaves them all
     assert used["said"].startswith("This chat now uses Tiny-Pulled")
     assert chat.conversation().model == "Tiny-Pulled" and chat.stats()  # it answered
     assert [m["name"] for m in used["models"] if m["current"]] == ["Tiny-Pulled"]
@@ -259,7 +265,7 @@ def test_only_model_admins_pull_remove_or_choose_and_removing_asks_nothing_of_ot
         await main.BACKEND.find_models()
         conversation = chat.conversation()
         said = [await guarded.act({"do": do, "name": "spare", "source": PULLED}, conversation, "bob", busy=False)
-                for do in ("pull", "remove", "default", "cancel")]
+                for do in ("pull", "remove", "default", "cancel", "unload")]
         used = await guarded.act({"do": "use", "name": "spare"}, conversation, "bob", busy=False)
         props = await guarded.props("tiny", "bob")
         removed = await guarded.act({"do": "remove", "name": "spare"}, conversation, "ann", busy=False)
@@ -276,3 +282,30 @@ def test_only_model_admins_pull_remove_or_choose_and_removing_asks_nothing_of_ot
                          ("https://files.example/a/b/x.gguf?token=abc", "x.gguf"), (PULLED, PULLED)]:
         assert models_panel.public_source(source) == seen  # what bob sees of ann's pulls
     assert Settings(model_admins=()).may_manage_models(None) is False
+
+
+def test_a_loaded_model_is_unloaded_by_its_button_and_removed_unloading_it_first(main):
+    chat = Chat(main)
+    write_tiny_checkpoint(main.SETTINGS.weights_dir / "spare")
+
+    async def scenario():
+        await chat.start()
+        await main.BACKEND.find_models()
+        await chat.send("/models")
+        await click(chat, do="use", name="spare")
+        await chat.send("Hello")  # spare loads to answer
+        loaded = await click(chat, do="use", name="spare")
+        unloaded = await click(chat, do="unload", name="spare")
+        again = await click(chat, do="unload", name="spare")
+        await chat.send("Hello again")  # and loads again
+        before = main.BACKEND.in_memory("spare")
+        removed = await click(chat, do="remove", name="spare")
+        return loaded, unloaded, again, before, removed
+
+    loaded, unloaded, again, before, removed = run(scenario(), 120)
+    assert [m["loaded"] for m in loaded["models"] if m["name"] == "spare"] == [True]
+    assert unloaded["said"] == "Unloaded spare: it loads again when a chat uses it."
+    assert [m["loaded"] for m in unloaded["models"] if m["name"] == "spare"] == [False]
+    assert again["said"] == "spare is not loaded."
+    assert before and removed["said"] == "Removed spare." and not (main.SETTINGS.weights_dir / "spare").exists()
+    assert "spare" not in [m["name"] for m in removed["models"]]

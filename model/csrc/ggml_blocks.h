@@ -305,7 +305,7 @@ void dot_q4_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
   FOR_EACH_ROW(m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; b++) {
     const uint8_t* block = row + b * kBytes;
-    prefetch_ahead(block);
+    for (int64_t line = 0; line < kBytes; line += 64) prefetch_ahead(block + line);  // each cache line of the block
     const float d = half(block), dmin = half(block + 2);
     alignas(16) uint8_t sc[16], mn[16];
     scales_mins_k4(block + 4, sc, mn);
@@ -320,7 +320,9 @@ void dot_q4_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
     if constexpr (Five)  // the fifth bit of sub-block j: bit j of each of the 32 bytes
       for (int j = 0; j < 8; j++)
         q[j] = _mm256_or_si256(q[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, j), one), 4));
-    for (int j = 0; j < 8; j++) scale[j] = _mm256_set1_epi16(sc[j]);
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    for (int j = 0; j < 8; j++)  // int16 lane j of `scales` into every lane
+      scale[j] = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j)));
     const int64_t k = k0 + b * 256;
     FOR_EACH_ROW(m) {
       const int8_t* xq = x.q + m * x.k + k;
@@ -348,7 +350,7 @@ void dot_q6_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
   FOR_EACH_ROW(m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; b++) {
     const uint8_t* block = row + b * 210;
-    prefetch_ahead(block);
+    for (int64_t line = 0; line < 210; line += 64) prefetch_ahead(block + line);  // each cache line of the block
     const float d = half(block + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
     const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
@@ -363,7 +365,10 @@ void dot_q6_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
       q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble), high(4));
       q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble), high(6));
     }
-    for (int i = 0; i < 8; i++) scale[i] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * i + 1]), _mm_set1_epi16(sc[2 * i]));
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    for (int i = 0; i < 8; i++)  // bytes 2i (8 times) and 2i + 1 (8 times), widened
+      scale[i] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * i + 1),
+                                                                            0x0101010101010101LL * (2 * i))));
     const int64_t k = k0 + b * 256;
     FOR_EACH_ROW(m) {
       const int8_t* xq = x.q + m * x.k + k;

@@ -31,7 +31,6 @@ from .rope import Rope
 # w1|w3 side by side, so each group is one call of the decode kernel.
 LAYER_MATRICES = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                   "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
-KERNEL_CALLS = ((0, 1, 2), (3,), (4, 5), (6,))  # indices into LAYER_MATRICES: the matrices of each kernel call
 QUANTIZED_WEIGHTS = (torch.int8, torch.uint8)  # int8, and int4 two a byte: the quantized kinds the op streams
 
 
@@ -59,8 +58,8 @@ class LayerWeights:
 
     def gather(self, dtype: torch.dtype):
         """The op's arguments, scales and offsets in the dtypes the kernel reads (fp32 for int8, fp16 for
-        int4), converted here once; None where the matrices are neither all bf16, all fp32 nor all quantized, or
-        where one kernel call's matrices are of different kinds, or repacked for torch's ops (model/packed.py)."""
+        int4), converted here once; None where the matrices are neither all bf16, all fp32 nor all quantized (of any
+        kinds, side by side too), or repacked for torch's ops (model/packed.py)."""
         weights = [m.weight for m in self.linears]
         if any(is_packed(m.scale) for m in self.linears):
             return None
@@ -68,11 +67,8 @@ class LayerWeights:
             return self.norms_in(dtype), weights, [], []
         if not all(w.dtype in QUANTIZED_WEIGHTS for w in weights):
             return None
-        kinds = ["blocks" if is_blocks(w) else w.dtype for w in weights]  # llama.cpp's blocks: any of their formats
-        for first in range(0, len(weights), len(LAYER_MATRICES)):
-            for call in KERNEL_CALLS:
-                if len({kinds[first + i] for i in call}) > 1:
-                    return None
+        # llama.cpp's blocks (any of their formats) beside int8 or int4 in one call too: the op takes each kind's run
+        kinds = ["blocks" if is_blocks(w) else w.dtype for w in weights]
         no_scale = torch.empty(0)  # blocks carry their scales inside them
         scales = [no_scale if kind == "blocks" else m.scale.half() if kind == torch.uint8 else m.scale.float()
                   for m, kind in zip(self.linears, kinds)]

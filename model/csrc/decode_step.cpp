@@ -10,9 +10,9 @@
 // here the steps between the matrix products are plain loops over a few hundred numbers, and the
 // products go to the decode kernel (matvec.h), which streams the weights.
 //
-// Weights are bf16, fp32, int8 with group scales, or int4 with block scales and offsets (model/quantize.py),
-// one kind for the matrices of one kernel call (q|k|v, wo, w1|w3, w2) and any kind from call to
-// call: an int4 model keeps a matrix whose K is not whole blocks of 32 as int8.
+// Weights are bf16, fp32, int8 with group scales, int4 with block scales and offsets (model/quantize.py), or
+// llama.cpp's blocks (ggml_blocks.h), any kind beside another in one kernel call (q|k|v, wo, w1|w3, w2): an int4
+// model keeps a matrix whose K is not whole blocks of 32 as int8, a GGUF's fall-backs put Q8_0 beside Q5_0.
 //
 // The KV caches hold keys and values in T, or in q8 blocks (model/kv_cache.py: per 32 numbers of a head
 // an fp16 scale and 32 int8, GGUF's Q8_0 layout), written here a row at a time and read by attention a
@@ -683,11 +683,6 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorLi
                   "decode_layers: layer ", layer, " matrix ", m, " is ", w[m].sizes(), " of ", w[m].scalar_type(),
                   "; expected (", rows[m], ", ", cols[m] / per_byte, ") or blocks of ", cols[m], " weights a row");
     }
-    TORCH_CHECK(w[kWk].scalar_type() == w[kWq].scalar_type() && w[kWv].scalar_type() == w[kWq].scalar_type() &&
-                w[kW3].scalar_type() == w[kW1].scalar_type(),
-                "decode_layers: layer ", layer, " has wq, wk, wv of ", w[kWq].scalar_type(), ", ",
-                w[kWk].scalar_type(), ", ", w[kWv].scalar_type(), " and w1, w3 of ", w[kW1].scalar_type(), ", ",
-                w[kW3].scalar_type(), "; expected one kind for the matrices of one kernel call");
   }
   TORCH_CHECK(k_caches.size() == static_cast<size_t>(st.batch) && v_caches.size() == k_caches.size() &&
               positions.size() == k_caches.size(),

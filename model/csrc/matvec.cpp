@@ -14,6 +14,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -910,6 +911,18 @@ at::Tensor llama::matvec(const at::Tensor& x, at::TensorList ws, at::TensorList 
                          bool fp32_out) {
   TORCH_CHECK(!ws.empty(), "matvec: no weight matrices");
   const at::ScalarType kind = ws[0].scalar_type();
+  // Matrices of different kinds (a GGUF's q|k|v: Q5_0 blocks beside a Q8_0 v, as llama.cpp's fall-backs leave
+  // them): a call for each run of one kind, outputs side by side.
+  auto kind_of = [](const at::Tensor& w) { return std::make_pair(w.scalar_type(), w.dim()); };
+  size_t run = 1;
+  while (run < ws.size() && kind_of(ws[run]) == kind_of(ws[0])) run++;
+  if (run < ws.size()) {
+    auto part = [&](size_t first, size_t count) {
+      return llama::matvec(x, ws.slice(first, count), scales.empty() ? scales : scales.slice(first, count),
+                           offsets.empty() ? offsets : offsets.slice(first, count), fp32_out);
+    };
+    return at::cat({part(0, run), part(run, ws.size() - run)}, -1);
+  }
   if (kind == at::kByte && ws[0].dim() == 3) return matvec_blocks(x, ws, fp32_out);
   if (kind == at::kByte) return matvec_int4(x, ws, scales, offsets, fp32_out);
   for (const std::optional<at::Tensor>& offset : offsets)

@@ -43,7 +43,7 @@ from .cpu import cpu_tag, is_intel
 from .options import DEFAULT_CACHE_DIR
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "matvec.cpp", CSRC / "decode_step.cpp", CSRC / "dequantize.cpp"]  # matvec.cpp includes dot_*.h
+SOURCES = [CSRC / "matvec.cpp", CSRC / "decode_step.cpp", CSRC / "dequantize.cpp"]  # they include dot_*.h, ggml_blocks.h
 FLAGS = ["-O3", "-ffast-math", "-fno-associative-math", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden"]  # and -march=...
 
 
@@ -60,7 +60,8 @@ class KernelBuildError(RuntimeError):
 @dataclass(frozen=True)
 class Kernels:
     """One build of the extension: torch.ops.<name> with matvec_bf16(x, ws), matvec_f32(x, ws), matvec_int8(x, ws, scales),
-    matvec_int4(x, ws, scales, offsets) (each with fp32_out=True for y in fp32 whatever x's dtype),
+    matvec_int4(x, ws, scales, offsets), matvec_blocks(x, ws) (llama.cpp's blocks, model/blocks.py) (each with
+    fp32_out=True for y in fp32 whatever x's dtype), dequantize_blocks(w, dtype),
     decode_layers(...) (model/decode_step.py calls it), dequantize_int4(w, scale, offset, dtype) and dequantize_int8(w, scale, dtype) (prefill), path(),
     set_int8_x(on) (AVX-512 and AVX2 builds round x to int8 blocks for int4 weights, and AMX builds for int8
     batches in tiles; off: int16 rows, for tests), set_amx(on) (bf16 and int8 batches in AMX tiles where the CPU has

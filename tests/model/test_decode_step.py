@@ -283,23 +283,24 @@ def test_an_int4_model_with_an_int8_matrix_is_fused(ops, folders_by_shape, monke
             assert_reference_token_but_for_ties(fused, reference)
 
 
-def test_int4_layers_the_op_does_not_take_go_to_the_reference(tmp_path, monkeypatch):
-    """An int8 wk beside int4 wq and wv (one kernel call, two kinds), or a bf16 matrix among int4 ones:
-    decode_layers declines, and Llama.decode gives the reference's logits."""
+def test_int8_beside_int4_is_taken_and_a_bf16_matrix_among_int4_goes_to_the_reference(tmp_path, monkeypatch):
+    """An int8 wk beside int4 wq and wv (one kernel call, two kinds, as a GGUF's fall-backs leave Q8_0 beside
+    Q5_0): decode_layers takes it, each kind's run in its own product, with the reference's logits (within the
+    fp32 tolerance of the fused tests above); a bf16 matrix among int4 ones: it declines."""
     ckpt = tiny(tmp_path, monkeypatch, 4, 2, torch.float32, "int4")
     caches = prefilled(ckpt, [3])
     x = torch.zeros(1, ckpt.config.dim)
     rope = Rope(torch.zeros(1, ckpt.config.head_dim), torch.zeros(1, ckpt.config.head_dim))
-    assert decode_layers(ckpt.model, x, rope, copy.deepcopy(caches)) is not None
     wk = ckpt.model.layers[1].attention.wk
     w = dequantize_int4(wk.weight, wk.scale, wk.offset)
     q, scale = quantize_int8(w)
     wk.weight, wk.scale, wk.offset = torch.nn.Parameter(q, requires_grad=False), scale, None
-    assert decode_layers(ckpt.model, x, rope, copy.deepcopy(caches)) is None
+    assert decode_layers(ckpt.model, x, rope, copy.deepcopy(caches)) is not None
     tokens = torch.tensor([7])
     with torch.inference_mode():
-        torch.testing.assert_close(ckpt.model.decode(tokens, copy.deepcopy(caches)),
-                                   ckpt.model.decode(tokens, copy.deepcopy(caches), fused=False), rtol=0, atol=0)
+        fused = ckpt.model.decode(tokens, copy.deepcopy(caches))
+        reference = ckpt.model.decode(tokens, copy.deepcopy(caches), fused=False)
+    torch.testing.assert_close(fused, reference, atol=3e-4 * float(reference.abs().max()), rtol=0)
     wk.weight, wk.scale = torch.nn.Parameter(w.bfloat16(), requires_grad=False), None
     assert decode_layers(ckpt.model, x, rope, copy.deepcopy(caches)) is None
 

@@ -1,16 +1,19 @@
 """Open a checkpoint's weights memory-mapped and attach them to a model built on `meta`.
 
-Three formats, told apart by the folder's contents (model/checkpoint_files.py finds which):
+Four formats, told apart by the folder's contents (model/checkpoint_files.py finds which):
 - "hf":   config.json + model.safetensors (or model-0000N-of-0000M.safetensors + index)
 - "meta": params.json + consolidated.00.pth (Meta's `original/` folder)
 - "pth":  a .pth state dict in our own names + config.json beside it
+- "gguf": a GGUF file used where it lies (another app's store, model/stores.py): its metadata written once as
+  files into the cache folder's gguf/, its tensors kept as an import keeps them (model/convert/gguf_tensors.py),
+  views of the file's map but where they must be split (Q8_0, Q4_0, Q4_1) or permuted (q, k)
 
 Loading never holds two copies of the weights: the model is built on the `meta` device, the file
 is memory-mapped, and its tensors become the model's parameters (`load_state_dict(assign=True)`).
 Only tensors whose dtype must change are copied, one at a time.
 
-A "hf" checkpoint may hold quantized weights (an imported GGUF's Q8_0, Q4_0 or Q4_1, the default
-model's Q4_1), kept as they are, or widened at load where asked (`widen`; model/quantize.py describes the
+A "hf" checkpoint may hold quantized weights (an imported GGUF's, the default model's Q4_1; llama.cpp's blocks:
+model/blocks.py), kept as they are, or widened at load where asked (`widen`; model/quantize.py describes the
 layouts):
 - int8: `<module>.weight` int8 (N, K) beside `<module>.scale` (N, K // group), one scale per group
   of a row, with `"quantization": {"method": "int8", "group_size": group}` in config.json;
@@ -36,7 +39,7 @@ from .chat_format import load_chat_format
 from .checkpoint_files import CheckpointError, CheckpointFiles, find_checkpoint
 from .config import DEFAULT_MAX_CONTEXT, ConfigError, LlamaConfig
 from .cpu import has_native_bf16
-from .kernels import decode_path, kernels
+from .kernels import configured, decode_path, kernels
 from .kv_cache import Q8_BLOCK
 from .linear import OUTPUT_HEAD, QUANTIZE, quantize_model
 from .llama import Llama
@@ -115,10 +118,36 @@ def hf_to_ours(name: str) -> str:
     return name  # left for the unexpected-tensor check to report
 
 
-def read_state_dict(files: CheckpointFiles) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def open_in_place(files: CheckpointFiles, cache_dir: Path) -> tuple[CheckpointFiles, dict[str, torch.Tensor]]:
+    """A GGUF file used where it lies: its metadata's folder (model/convert/gguf.py in_place) as the checkpoint's
+    folder, and its tensors in Hugging Face names (views of the file's map where the file's layout is kept)."""
+    import warnings
+
+    from .convert.folder import ConversionError
+    from .convert.gguf import in_place
+
+    try:
+        folder, arrays = in_place(files.weights[0], cache_dir)
+    except ConversionError as e:
+        raise CheckpointError(str(e)) from None
+    tensors = {}
+    with warnings.catch_warnings():  # the map is read-only; the model never writes its weights
+        warnings.simplefilter("ignore", UserWarning)
+        for name, (array, dtype) in arrays.items():
+            tensor = torch.from_numpy(array)
+            tensors[name] = tensor.view(torch.bfloat16) if dtype == "BF16" else tensor
+    return CheckpointFiles("gguf", folder / "config.json", files.weights, folder), tensors
+
+
+def read_state_dict(files: CheckpointFiles, in_place: dict[str, torch.Tensor] | None = None
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors of the checkpoint in our names, memory-mapped, and each one's name in the file."""
     state: dict[str, torch.Tensor] = {}
     names: dict[str, str] = {}
+    if in_place is not None:  # a GGUF's (open_in_place), in Hugging Face names
+        for name, tensor in in_place.items():
+            state[hf_to_ours(name)], names[hf_to_ours(name)] = tensor, name
+        return state, names
     for file in files.weights:
         tensors = _open_safetensors(file) if file.suffix == ".safetensors" else _open_pth(file)
         for name, tensor in tensors.items():
@@ -331,7 +360,10 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
         raise ValueError(f"kv_type={kv_type!r}: expected one of {', '.join(KV_TYPES)}")
     dtype = torch_dtype(dtype)
     files = find_checkpoint(path)
-    state, names = read_state_dict(files)
+    in_place = None
+    if files.format == "gguf":  # used where it lies; its metadata as files in the cache folder
+        files, in_place = open_in_place(files, configured().cache_dir)
+    state, names = read_state_dict(files, in_place)
     in_file = take_quantized(state, files, names)
     config = read_config(files, state)
     device = torch.device(resolve_device(device))

@@ -1,4 +1,5 @@
-"""Find a checkpoint: which of the three formats a folder (or file) holds, and its files.
+"""Find a checkpoint: which of the formats a folder (or file) holds, and its files: a Hugging Face, Meta or .pth
+folder, or a GGUF file (an Ollama blob has no .gguf suffix: its first bytes tell).
 
 Reads only names and small JSON files, never the weights, and imports no torch: the web process
 lists and describes the models (model/summary.py) with it; model/checkpoint.py loads what it finds.
@@ -17,17 +18,19 @@ class CheckpointError(Exception):
 
 @dataclass
 class CheckpointFiles:
-    format: str  # "hf", "meta" or "pth"
+    format: str  # "hf", "meta", "pth" or "gguf" (a GGUF file used where it lies)
     config: Path  # config.json or params.json
     weights: list[Path]
     folder: Path
 
 
 def find_checkpoint(path: str | Path) -> CheckpointFiles:
-    """Tell which format `path` holds (a folder, or a .pth/.safetensors file with config.json beside it)."""
+    """Tell which format `path` holds (a folder, a .pth/.safetensors file with config.json beside it, or a GGUF file)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
+    if path.is_file() and is_gguf(path):  # its metadata is its config (model/convert/gguf.py in_place)
+        return CheckpointFiles("gguf", path, [path], path.parent)
     if path.is_file():
         config = path.parent / "config.json"
         if path.suffix not in (".pth", ".pt", ".safetensors"):
@@ -57,6 +60,14 @@ def find_checkpoint(path: str | Path) -> CheckpointFiles:
     raise CheckpointError(
         f"{path}: no checkpoint found. Expected config.json + model.safetensors (Hugging Face), "
         f"params.json + consolidated.00.pth (Meta), or config.json + one .pth file; found: {found}")
+
+
+def is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def _shards_from_index(index: Path) -> list[Path]:

@@ -23,7 +23,7 @@ from .config import ConfigError, LlamaConfig
 
 SAFETENSORS_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64", "I8": "int8", "I4": "int4"}
 CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-FORMATS = {"hf": "safetensors", "meta": "Meta", "pth": ".pth"}
+FORMATS = {"hf": "safetensors", "meta": "Meta", "pth": ".pth", "gguf": "GGUF"}
 MAX_HEADER = 100_000_000  # bytes: a safetensors header larger than this is not one
 
 
@@ -61,6 +61,8 @@ def summarize(path: str | Path) -> CheckpointSummary:
         dtype = max(by_dtype, key=by_dtype.get) if by_dtype else None
         return CheckpointSummary("GGUF import" if "gguf_file" in config else "safetensors", total,
                                  sum(by_dtype.values()), SAFETENSORS_DTYPES.get(dtype, dtype))
+    if files.format == "gguf":  # (its parameters are in a header of megabytes: not read to list it)
+        return CheckpointSummary("GGUF", total)
     try:
         config = (LlamaConfig.from_meta_params(files.config) if files.format == "meta"
                   else LlamaConfig.from_hf_config(files.config))

@@ -28,6 +28,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 if os.environ.get("LLAMA_TEST_DEVICE", "cpu").strip() == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The models of other apps' stores on the machine that runs the tests (an Ollama, an LM Studio) are not the tests':
+# none is looked at, but by the tests of model/stores.py, which lay out their own (and the servers they start
+# inherit this).
+os.environ["LLAMA_MODEL_STORES"] = "off"
+
 from model.options import DEFAULT_MODEL_NAME, Environment, ModelOptions  # noqa: E402
 
 # The tests' process takes the model's options from LLAMA_* as the app and the CLI do (LLAMA_KERNELS=off

@@ -32,7 +32,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from model.checkpoint_files import CheckpointError, find_checkpoint, tokenizer_file
 from model.config import ConfigError, LlamaConfig
-from model.convert.folder import folder_name
+from model.convert.folder import folder_name, source_of
 from model.summary import count, summarize
 
 from app.backend.protocol import Backend, EngineError, is_remote
@@ -59,9 +59,11 @@ def local_name(named: str, profiles: dict) -> str | None:
     base, _, tag = named.rpartition(":")
     if named not in profiles and tag == "latest" and base in profiles:
         return base
-    if named not in profiles and "/" in named:
+    if named not in profiles and "/" in named:  # (a folder of that name pulled from another repo is not this one)
         repo_id, revision = hub_name(named)
-        if (pulled := folder_name(repo_id, revision)) in profiles:
+        where = profiles.get(pulled := folder_name(repo_id, revision))
+        source = source_of(Path(where)) if where is not None and not is_remote(where) else None
+        if source is not None and source[0].lower() == repo_id.lower():
             return pulled
     return named if named in profiles else None
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from model.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_checkpoint
+from model.stores import find_store_models
 from model.context import choose_context
 from model.generation import sampling_defaults
 from model.kv_cache import KVCache
@@ -221,10 +222,19 @@ def context_of(name: str, checkpoint: Checkpoint, asked: int | None) -> int:
 
 
 def find_profiles(checkpoint: Path, weights_dir: Path | None) -> dict[str, Path]:
-    """Profile name -> checkpoint: the given checkpoint first, then every checkpoint folder in weights_dir."""
+    """Profile name -> checkpoint: the given checkpoint first, then every checkpoint folder in weights_dir, then the
+    GGUF models of other apps' stores on this machine that can be used (model/stores.py), by the names they have
+    there, unless a model of the weights folder has that name."""
     profiles = {checkpoint.name if checkpoint.is_dir() or not checkpoint.suffix else checkpoint.stem: checkpoint}
-    if weights_dir is None or not weights_dir.is_dir():
-        return profiles
+    if weights_dir is not None and weights_dir.is_dir():
+        profiles = weights_folder_profiles(profiles, checkpoint, weights_dir)
+    for model in find_store_models():
+        if model.unusable is None and model.name not in profiles:
+            profiles[model.name] = model.path
+    return profiles
+
+
+def weights_folder_profiles(profiles: dict[str, Path], checkpoint: Path, weights_dir: Path) -> dict[str, Path]:
     known = {checkpoint.resolve()}
     for folder in sorted(weights_dir.iterdir()):
         if not folder.is_dir() or folder.name.startswith(".") or folder.resolve() in known:

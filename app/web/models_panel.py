@@ -1,4 +1,6 @@
-"""The chat's models panel (the Models command, or /models): every model of the weights folder with its size,
+"""The chat's models panel (the Models command, or /models): every model of the weights folder, and those of other
+apps' stores on this machine (model/stores.py: Ollama's, LM Studio's, the Hugging Face cache; used where they lie,
+the ones that cannot be used listed with why), with its size,
 format, parameters, context and whether it is loaded; use one for this chat, make one the default, remove one,
 and pull one from Hugging Face (or import GGUF files of this machine) with a live progress bar and a cancel.
 
@@ -15,6 +17,7 @@ use a model for their chat.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import shutil
@@ -27,12 +30,14 @@ import chainlit as cl
 
 from model.convert.folder import folder_name, source_of
 from model.convert.url import URL
+from model.stores import find_store_models
 from model.summary import summarize
 
 from app.backend.protocol import Backend, is_remote
 from app.settings import Settings, save_default
 from app.weights import Pull, Refused, Weights
 
+log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.5
 MAX_ENDED = 3  # pulls' ends the panel shows at once
 HUB_PAGE = re.compile(r"(https?://)?(www\.)?(huggingface\.co|hf\.co)/", re.IGNORECASE)  # before owner/name
@@ -86,7 +91,11 @@ class ModelsPanel:
                 except Exception as e:  # a folder being written, or not a checkpoint: shown as such
                     details = f"not readable: {e}"
             held = self.backend.memory_bytes(name)
+            in_place = not is_remote(where) and Path(where).is_file() and Path(where).parent != self.weights.folder
+            if in_place:  # another app's store's GGUF (model/stores.py), read where it lies
+                details += f" · used where it lies: {where}"
             rows.append({"name": name, "details": details, "size": size, "loaded": bool(self.backend.in_memory(name)),
+                         "in_place": in_place,
                          "memory": f"{size_text(held)} in memory" if held else None,
                          "default": name == self.backend.default, "current": name == current,
                          "context": self.backend.context_limit(name) if self.backend.is_loaded(name) else None})
@@ -107,6 +116,11 @@ class ModelsPanel:
                        if p.is_file() and p.relative_to(partial).parts[0] != ".cache")
             found.append({"source": source[0] + (f":{source[1]}" if source[1] else ""), "here": size_text(here)})
         return found
+
+    def unusable(self) -> list[dict]:
+        """The models of other apps' stores on this machine that cannot be used here, each with why (reads the
+        stores: call on a thread)."""
+        return [{"name": m.name, "store": m.store, "why": m.unusable} for m in find_store_models() if m.unusable]
 
     def pulls(self) -> list[dict]:
         return [pull_state(pull) for pull in self.weights.under_way()]
@@ -131,13 +145,15 @@ class ModelsPanel:
         return found
 
     async def props(self, current: str | None, user: str | None, said: str = "") -> dict:
-        rows, interrupted = await asyncio.to_thread(lambda: (self.rows(current), self.interrupted()))
+        rows, interrupted, unusable = await asyncio.to_thread(
+            lambda: (self.rows(current), self.interrupted(), self.unusable()))
         only_default = len(rows) == 1 and rows[0]["default"]
         admin, pulls = self.settings.may_manage_models(user), self.pulls()
         if not admin:  # an admin's file or folder on this machine, or an address, is theirs: its name alone
             for pull in pulls + interrupted:
                 pull["source"] = public_source(pull["source"])
         return {"models": rows, "pulls": pulls, "interrupted": interrupted, "suggestions": self.suggestions(),
+                "unusable": unusable,
                 "admin": admin,
                 "note": DEFAULT_NOTE.format(name=self.backend.default) if only_default else "",
                 "said": said, "ended": []}
@@ -165,6 +181,9 @@ class ModelsPanel:
         if do == "default":
             if name not in self.backend.profiles or is_remote(self.backend.profiles[name]):
                 return f"There is no model {name!r} in the weights folder."
+            if Path(self.backend.profiles[name]).is_file():
+                return (f"{name} is another app's model, read where it lies: import it into the weights folder "
+                        "(Pull, with its file's path) to make it the default.")
             if self.settings.checkpoint_set:
                 return f"LLAMA_CHECKPOINT is set, so it chooses the default: {name} would not become it."
             await asyncio.to_thread(save_default, self.settings.data_dir, name)
@@ -233,6 +252,11 @@ async def show(panel: ModelsPanel, element: cl.CustomElement | None, current: st
     """The panel sent as a message saying `said` (element None), or its props sent again with what it says now
     (`say`: the latest line, whatever was said while the models were read). Neither is stored in the chat's
     history: the panel is a tool of the moment, not part of the conversation."""
+    if element is None:  # opened: the weights folder and the other apps' stores looked at again
+        try:
+            await panel.backend.find_models()
+        except Exception as e:  # noqa: BLE001  (the engine restarting: the list of a moment ago is shown)
+            log.warning("listing the models again failed: %s", e)
     props = await panel.props(current, user, said)
     if element is None:
         message = cl.Message(content="", author="models")

@@ -36,6 +36,7 @@ from .folder import (
 )
 from .gguf_reader import REQUIRED, float32_value, metadata, open_gguf
 from .gguf_tensors import Q8_0_GROUP, ROPE_FREQS, entries, safetensors_bytes, write_safetensors
+from .gguf_tensors import in_place as tensors_in_place
 from .gguf_tokenizer import is_llama3, write_tokenizer
 
 # Sampling defaults of SmolLM-style files that state none; a Llama 3 file without them gets none, and the
@@ -119,8 +120,8 @@ def generation_config(reader: GGUFReader, path: Path, config: dict) -> dict:
             **{k: float32_value(v) if isinstance(v, float) else v for k, v in sampling.items() if v is not None}}
 
 
-def write_folder(reader: GGUFReader, gguf_path: Path, folder: Path, config: dict, found: list) -> None:
-    """Every output file into `folder` (which exists and is empty)."""
+def write_metadata(reader: GGUFReader, gguf_path: Path, folder: Path, config: dict, found: list) -> None:
+    """config.json (with the weights' dtype and quantization), generation_config.json and the tokenizer's files."""
     weights = [e for e in found if e.dtype in FLOAT_DTYPES and not e.name.endswith((".scale", ".offset"))]
     config["torch_dtype"] = FLOAT_DTYPES[max(weights, key=lambda e: e.nbytes).dtype] if weights else "float32"
     if any(e.dtype == "U8" and len(e.shape) == 2 for e in found):  # int4, and any int8 beside it (same group size)
@@ -131,6 +132,11 @@ def write_folder(reader: GGUFReader, gguf_path: Path, folder: Path, config: dict
     write_json(folder / "config.json", config)
     write_json(folder / "generation_config.json", generation_config(reader, gguf_path, config))
     log(", ".join(write_tokenizer(reader, gguf_path, folder, config)))
+
+
+def write_folder(reader: GGUFReader, gguf_path: Path, folder: Path, config: dict, found: list) -> None:
+    """Every output file into `folder` (which exists and is empty)."""
+    write_metadata(reader, gguf_path, folder, config, found)
     dtypes = sorted({e.dtype for e in found})
     log(f"model.safetensors ({safetensors_bytes(found) / 1e6:.0f} MB, {'/'.join(dtypes)})")
     write_safetensors(found, folder / "model.safetensors")
@@ -228,3 +234,32 @@ def gguf_files(folder: Path) -> list[Path]:
     def hidden(path: Path) -> bool:
         return any(part.startswith(".") for part in path.relative_to(folder).parts)
     return sorted(p for p in folder.rglob("*") if p.is_file() and not hidden(p) and is_gguf(p))
+
+
+def in_place(gguf_path: Path, cache_dir: Path) -> tuple[Path, dict]:
+    """A GGUF used where it lies (another app's store: never copied): (a folder of its metadata as files,
+    cache_dir/gguf/<key>/, the folder's config.json, generation_config.json and tokenizer, made once per file and
+    kept; its tensors as arrays, most of them views of the file's map (gguf_tensors.in_place)). The key: the file's
+    path, size and time, so a file replaced gets a folder of its own."""
+    import hashlib
+    import os
+    import shutil
+
+    reader = open_gguf(gguf_path)
+    config = hf_config(reader, gguf_path)
+    found = entries(reader, config, gguf_path, dequantize_others=False)
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_dir / "gguf" / key
+    if not (folder / "config.json").is_file():
+        building = folder.with_name(f".{key}.tmp-{os.getpid()}")
+        shutil.rmtree(building, ignore_errors=True)
+        building.mkdir(parents=True)
+        try:
+            write_metadata(reader, gguf_path, building, config, found)
+            building.rename(folder)
+        except OSError:  # another process made it first
+            shutil.rmtree(building, ignore_errors=True)
+            if not (folder / "config.json").is_file():
+                raise
+    return folder, tensors_in_place(found)

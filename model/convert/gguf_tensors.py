@@ -44,6 +44,7 @@ KEPT = {  # GGUF type -> safetensors dtype of the copy
 Q8_0_GROUP = 32  # weights per Q8_0 block, each block with one f16 scale
 Q4_HEADER = {GGMLQuantizationType.Q4_0: ["scale"], GGMLQuantizationType.Q4_1: ["scale", "offset"]}  # f16 each
 ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1}
+NUMPY = {"F32": np.float32, "F16": np.float16, "I8": np.int8, "U8": np.uint8}  # (numpy has no bf16)
 ROWS_PER_CHUNK = 8192  # rows copied at a time, so a large embedding never has a second full copy
 
 GGUF_TO_HF = {
@@ -101,13 +102,18 @@ def qk_heads(name: str, config: dict) -> int | None:
 
 
 def in_row_chunks(rows: np.ndarray, heads: int | None) -> Callable[[], Iterator[np.ndarray]]:
-    """`rows` (N, ...) in pieces of ROWS_PER_CHUNK rows; a q/k projection whole, permuted (it is small)."""
+    """`rows` (N, ...) in pieces of ROWS_PER_CHUNK rows; a q/k projection whole, permuted (it is small). The
+    callable's `whole()` gives them in one piece (a view of the file's map, but for q/k)."""
+    def whole() -> np.ndarray:
+        return rows if heads is None else permute_qk_rows(rows, heads, to="half")
+
     def chunks():
         if heads is not None:
             yield permute_qk_rows(rows, heads, to="half")
             return
         for start in range(0, rows.shape[0], ROWS_PER_CHUNK):
             yield rows[start:start + ROWS_PER_CHUNK]
+    chunks.whole = whole
     return chunks
 
 
@@ -218,3 +224,22 @@ def write_safetensors(found: list[Entry], out: Path) -> None:
 
 def safetensors_bytes(found: list[Entry]) -> int:
     return sum(entry.nbytes for entry in found)
+
+
+def in_place(found: list[Entry]) -> dict[str, tuple[np.ndarray, str]]:
+    """Each entry's whole array and safetensors dtype, for loading a GGUF where it lies: a view of the file's map
+    where the entry is one piece of it (float tensors, llama.cpp's blocks), else a copy (Q8_0/Q4 split into values
+    and scales, q/k rows permuted, types widened). A block's parts come as bytes: viewed as their type; bf16 as
+    uint8 (N, 2K), for the caller to view as bf16."""
+    arrays = {}
+    for entry in found:
+        whole = getattr(entry.chunks, "whole", None)
+        array = np.ascontiguousarray(whole() if whole is not None else np.concatenate(list(entry.chunks())))
+        if entry.dtype in NUMPY and array.dtype != NUMPY[entry.dtype]:  # raw bytes of a block's part
+            array = array.view(NUMPY[entry.dtype])
+        if entry.dtype == "BF16":
+            array = array.view(np.uint8).reshape(*entry.shape[:-1], 2 * entry.shape[-1])
+        else:
+            array = array.reshape(entry.shape)
+        arrays[entry.name] = (array, entry.dtype)
+    return arrays

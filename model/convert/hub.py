@@ -85,6 +85,7 @@ def download(repo_id: str, weights_dir: str | Path = "weights", *, name: str | N
 
             try:
                 import_ggufs(partial / files[0], Path(weights_dir), out_dir.name, force)
+                note_source(out_dir, repo_id, revision)  # where it came from, as a download's folder says
             finally:  # imported, or refused (its architecture): the download is of no more use
                 shutil.rmtree(partial, ignore_errors=True)
         else:

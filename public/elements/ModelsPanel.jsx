@@ -25,7 +25,7 @@ function Model({ model, admin, act }) {
           <button className={BUTTON} onClick={() => act({ do: 'unload', name: model.name })}>Unload</button>}
         {admin && !model.default &&
           <button className={BUTTON} onClick={() => act({ do: 'default', name: model.name })}>Make default</button>}
-        {admin && !model.default && !confirming &&
+        {admin && !model.default && !model.in_place && !confirming &&
           <button className={BUTTON} onClick={() => setConfirming(true)}>Remove</button>}
         {confirming && <>
           <span className="text-xs">Remove {model.name} from disk{model.loaded ? ' (it is unloaded first)' : ''}?</span>
@@ -64,6 +64,11 @@ export default function ModelsPanel() {
     <div className="models-panel w-full max-w-2xl rounded-lg border p-3 text-sm">
       {props.note && <p className="models-note mb-2">{renderNote(props.note)}</p>}
       {props.models.map((model) => <Model key={model.name} model={model} admin={props.admin} act={act} />)}
+      {(props.unusable || []).map((u) => (
+        <div key={u.name} className="models-unusable py-1 text-xs text-muted-foreground">
+          {u.name} ({u.store}): cannot be used here: {u.why}
+        </div>
+      ))}
       {props.pulls.map((p) => <Progress key={p.source} pull={p} admin={props.admin} act={act} />)}
       {props.interrupted.map((i) => (
         <div key={i.source} className="models-interrupted flex items-center justify-between gap-2 py-1">

@@ -469,3 +469,19 @@ def test_the_api_alone_serves_ollamas_routes_too():
     assert http.post("/api/chat", json={"model": "gpt-4o", "messages": USER}).json() == {
         "error": "model 'gpt-4o' not found"}
 
+
+
+def test_a_model_pulled_by_its_hugging_face_name_is_found_by_it(tmp_path):
+    """hf.co/owner/name:Q4_K_M, as a client pulled it, names the folder that pull made (NAME-Q4_K_M), but only
+    where the folder came from that repo."""
+    from app.api.ollama_models import local_name
+    from model.convert.folder import note_source
+
+    folder = tmp_path / "Llama-3.2-1B-Instruct-GGUF-Q4_K_M"
+    note_source(folder, "bartowski/Llama-3.2-1B-Instruct-GGUF", "Q4_K_M")
+    profiles = {folder.name: str(folder), "tiny": str(tmp_path / "tiny")}  # (as the backend keeps them)
+    assert local_name("hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M", profiles) == folder.name
+    assert local_name("bartowski/Llama-3.2-1B-Instruct-GGUF:q4_k_m", profiles) == folder.name
+    assert local_name("hf.co/someone-else/Llama-3.2-1B-Instruct-GGUF:Q4_K_M", profiles) is None
+    assert local_name("hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q8_0", profiles) is None
+    assert local_name("tiny:latest", profiles) == "tiny"

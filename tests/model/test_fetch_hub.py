@@ -257,6 +257,7 @@ def test_a_gguf_repo_by_its_quantization_fetches_that_file_only(hub, gguf_repo, 
     assert not hub.gets("Tiny-Llama-3-Q5_K_M-00001-of-00002.gguf")
     assert sorted(p.name for p in weights_dir.iterdir()) == ["Other-Model", "Tiny-Llama-3-GGUF-Q4_0"]
     assert json.loads((folder / "config.json").read_text())["quantization"]["method"] == "int4"
+    assert source_of(folder) == ("acme/Tiny-Llama-3-GGUF", "q4_0")  # (Ollama's routes name it by that)
     assert load_checkpoint(folder).config.dim == 64
 
 

@@ -199,6 +199,12 @@ async def start_backend():
     for name, path in BACKEND.profiles.items():  # where each model comes from, symbolic links followed
         log.info("model %s%s: %s", name, " (default)" if name == BACKEND.default else "",
                  path if is_remote(path) else Path(path).resolve())
+    where = BACKEND.profiles.get(BACKEND.default, "")
+    if not is_remote(where) and not BACKEND.is_loaded():  # printed before Chainlit prints the page's address
+        log.warning("the default model %s is still being %s; the chat answers once it is ready (GET /health "
+                    "says 200 then)", BACKEND.default,
+                    "prepared (first start: its file fetched once, the decode kernel built for this CPU)"
+                    if SETTINGS.is_default_checkpoint and not Path(where).exists() else "loaded")
 
 
 @cl.on_app_shutdown
@@ -274,7 +280,7 @@ def describe(name: str) -> str:
                 quantized = SETTINGS.quantize != "off" and summary.dtype not in ("int8", "int4")
                 DESCRIPTIONS[name] = summary.describe() + (f" · {SETTINGS.quantize} when loaded" if quantized else "")
             except (CheckpointError, OSError) as e:
-                DESCRIPTIONS[name] = f"not readable: {e}"
+                return f"not readable: {e}"  # (not kept: a folder being made is read again next time)
     return DESCRIPTIONS[name]
 
 
@@ -801,6 +807,13 @@ async def last_event(request):
 
 
 def loading_note(model: str) -> str:
+    """What the page says while a model loads; for the embedded default on its first start (its folder not made
+    yet), what that start does."""
+    path = BACKEND.profiles.get(model, "")
+    if model == BACKEND.default and SETTINGS.is_default_checkpoint and not is_remote(path) and not Path(path).exists():
+        return (f"First start: preparing **{model}**, the small model that comes with the app (its ~100 MB file is "
+                "fetched once, then the decode kernel is built for this CPU). This takes a minute or two; your "
+                "message is answered once it is ready.")
     return f"Loading **{model}** ({describe(model)})…"
 
 

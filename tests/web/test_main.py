@@ -104,6 +104,27 @@ def test_a_profile_quantized_in_its_file_is_not_said_to_be_quantized_again(main,
     assert main.describe("tiny") == "135M parameters · 97 MB · GGUF import · int4"
 
 
+def test_the_first_start_of_the_default_model_says_what_it_does_and_an_unreadable_folder_is_read_again(
+        main, monkeypatch, tmp_path):
+    """The embedded default whose folder is not made yet: the page says it is being prepared (fetched once, the
+    kernel built), not "not readable"; a description that failed is not kept, so the next one reads the folder."""
+    import dataclasses
+    run(main.chat_profiles(None))
+    missing = tmp_path / "weights" / "SmolLM2-135M-Instruct"
+    monkeypatch.setattr(main.BACKEND, "profiles", {"SmolLM2-135M-Instruct": str(missing)})
+    monkeypatch.setattr(main.BACKEND, "default", "SmolLM2-135M-Instruct")
+    monkeypatch.setattr(main, "SETTINGS", dataclasses.replace(main.SETTINGS, checkpoint=missing,
+                                                              weights_dir=missing.parent))
+    monkeypatch.setattr(main, "DESCRIPTIONS", {})
+    note = main.loading_note("SmolLM2-135M-Instruct")
+    assert note.startswith("First start: preparing **SmolLM2-135M-Instruct**") and "not readable" not in note
+    assert "answered once it is ready" in note
+    assert main.describe("SmolLM2-135M-Instruct").startswith("not readable")
+    write_tiny_checkpoint(missing)
+    assert "parameters" in main.describe("SmolLM2-135M-Instruct")  # read again, now that it is there
+    assert main.loading_note("SmolLM2-135M-Instruct").startswith("Loading **SmolLM2-135M-Instruct** (")
+
+
 # ---- replies ------------------------------------------------------------------------------------
 
 def test_message_streams_a_reply_then_a_stats_line_and_keeps_the_history(main):

@@ -310,6 +310,7 @@ class ModelInfo(msgspec.Struct):
     defaults: ReplySettings  # every field set: what a reply gets when the caller sets nothing
     load_seconds: float = 0.0  # how long loading it took (preparing it on first start included); 0: not known
     memory_bytes: int = 0  # what its weights (and buffers) hold in memory, mapped from the file or not; 0: not known
+    device: str = "cpu"  # the kind of device its weights are on: "cpu", "cuda", "mps"
 
 
 class Started(msgspec.Struct, tag=True):

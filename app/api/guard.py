@@ -23,6 +23,7 @@ import ipaddress
 import logging
 import re
 import socket
+import uuid
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -179,10 +180,13 @@ def _host_entry(entry: str) -> str:
 FRAME_HEADERS = [(b"x-frame-options", b"DENY"), (b"content-security-policy", b"frame-ancestors 'none'")]
 
 
+API_PATHS = ("/v1/", "/api/")  # OpenAI's and Ollama's routes: each answer with an x-request-id
+
+
 class Guard:
     """ASGI middleware: a request with a foreign Host (421) or Origin (403) is answered here, and goes no
     further; a websocket handshake is refused with the same status. Every HTTP answer gets FRAME_HEADERS (a
-    response that sets its own Content-Security-Policy keeps it)."""
+    response that sets its own Content-Security-Policy keeps it), and an API answer an `x-request-id`."""
 
     def __init__(self, app: ASGIApp, allowed: Allowed):
         self.app, self.allowed = app, allowed
@@ -193,11 +197,16 @@ class Guard:
             await self.app(scope, receive, send)
             return
 
+        api = scope.get("path", "").startswith(API_PATHS)
+
         async def framed(message) -> None:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 names = {name.lower() for name, _ in headers}
-                message = {**message, "headers": headers + [h for h in FRAME_HEADERS if h[0] not in names]}
+                headers += [h for h in FRAME_HEADERS if h[0] not in names]
+                if api and b"x-request-id" not in names:  # as OpenAI's API answers: an id per request, for logs
+                    headers.append((b"x-request-id", f"req_{uuid.uuid4().hex}".encode()))
+                message = {**message, "headers": headers}
             await send(message)
 
         refused = self.allowed.refusal(Headers(scope=scope))

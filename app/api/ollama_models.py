@@ -7,8 +7,9 @@
                         server runs it), capabilities ("completion", "tools" for Llama 3 chat formats), its chat
                         template, and the sampling values a request leaves out (parameters, once it has loaded)
     GET    /api/ps      the models loaded now: size (its weights on disk), expires_at (when it is unloaded if no
-                        request uses it before: its keep-alive), context_length
-    POST   /api/pull    a Hugging Face checkpoint (owner/name, hf.co/owner/name, :revision) into the weights folder;
+                        request uses it before: its keep-alive), context_length, size_vram (its bytes on a GPU; 0 on
+                        the CPU)
+    POST   /api/pull    a Hugging Face checkpoint (owner/name, hf.co/owner/name, :revision or :Q4_K_M) into the weights folder;
                         a model here already, named as /api/tags names it, is a success at once
                         (app.weights: a download that goes on if the client goes away, and resumes); the progress
                         streamed as Ollama's: {"status", "digest", "total", "completed"}, then {"status": "success"}
@@ -174,7 +175,8 @@ def running(backend: Backend, name: str, max_context: int | None, started: float
     forever = time.time() + FOREVER_S  # (also the latest date: LLAMA_KEEP_ALIVE may say more)
     unloads = backend.unloads_at(name)
     return msgspec.structs.replace(listed, expires_at=now_text(forever if unloads is None else min(unloads, forever)),
-                                   context_length=context_length(backend, name, max_context))
+                                   context_length=context_length(backend, name, max_context),
+                                   size_vram=backend.device_memory_bytes(name))
 
 
 def model_asked(body: object, profiles: dict | None) -> tuple[str, ModelBody]:

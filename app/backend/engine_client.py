@@ -166,6 +166,10 @@ class EngineClient:
     def memory_bytes(self, name: str | None = None) -> int | None:
         return (self._info(name).memory_bytes or None) if self.is_loaded(name) else None
 
+    def device_memory_bytes(self, name: str | None = None) -> int:
+        info = self._info(name) if self.is_loaded(name) else None
+        return info.memory_bytes if info is not None and info.device != "cpu" else 0
+
     def keep_alive(self, name: str | None, seconds: float | None) -> None:
         """How long a loaded (or loading) model stays loaded once unused, from now until it is unloaded (Ollama's
         keep_alive): seconds; 0: as soon as no request runs or waits for it; negative: until the engine stops;

@@ -49,6 +49,10 @@ class Backend(Protocol):
     def memory_bytes(self, name: str | None = None) -> int | None:
         """Of a model loaded now: the bytes its weights hold; None: not loaded, or not known (a remote server's)."""
 
+    def device_memory_bytes(self, name: str | None = None) -> int:
+        """Of a model loaded now: the bytes its weights hold on a GPU (Ollama's size_vram); 0 on the CPU, not
+        loaded, or not known."""
+
     def keep_alive(self, name: str | None, seconds: float | None) -> None:
         """How long a loaded (or loading) model stays loaded once unused, until it is unloaded (Ollama's
         keep_alive): seconds; 0: unloaded as soon as no request uses it; negative: until the engine stops; None:

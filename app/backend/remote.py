@@ -162,6 +162,9 @@ class RemoteClient:
     def memory_bytes(self, name: str | None = None) -> None:
         return None
 
+    def device_memory_bytes(self, name: str | None = None) -> int:
+        return 0
+
     def keep_alive(self, name: str | None, seconds: float | None) -> None:
         """Nothing: the server keeps its models loaded as it sees fit."""
 

@@ -204,8 +204,9 @@ def model_info(name: str, checkpoint: Checkpoint, config: EngineConfig, load_sec
                         top_p=s.top_p, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
                         frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty)
     held = sum(t.nbytes for t in [*checkpoint.model.parameters(), *checkpoint.model.buffers()])
+    device = next(checkpoint.model.parameters()).device.type
     return ModelInfo(name, context_of(name, checkpoint, config.max_context), config.defaults.over(own),
-                     load_seconds, held)
+                     load_seconds, held, device)
 
 
 def context_of(name: str, checkpoint: Checkpoint, asked: int | None) -> int:

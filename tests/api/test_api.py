@@ -94,6 +94,12 @@ def test_models_are_the_services_profiles(client, server):
     # OpenAI's shape, and whether the model is loaded now (the default model stays, LLAMA_KEEP_ALIVE unset)
     [card] = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
     assert set(card) == {"id", "object", "created", "owned_by", "loaded"} and card["loaded"] is True
+    # every API answer carries an id of its own, as OpenAI's do (the SDK keeps it as `_request_id`)
+    answers = [httpx.get(f"{server.url}{path}", headers={"Authorization": f"Bearer {KEY}"})
+               for path in ("/v1/models", "/v1/models", "/api/tags", "/v1/models/no-such-model")]
+    ids = [a.headers.get("x-request-id", "") for a in answers]
+    assert all(re.fullmatch(r"req_[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == 4, ids
+    assert client.models.with_raw_response.list().headers["x-request-id"].startswith("req_")
 
 
 def test_models_say_which_are_loaded_where_the_backend_knows():

@@ -248,6 +248,7 @@ def test_keep_alive_loads_and_unloads_and_ps_tells_when(client, server):
 
     assert set(loaded()) == {"tiny"} and loaded()["tiny"].expires_at.year > 2200  # the default model stays
     assert loaded()["tiny"].context_length == MAX_CONTEXT and loaded()["tiny"].size > 1_000_000
+    assert loaded()["tiny"].size_vram == 0  # on the CPU (ollama-js types it as a number: it is always there)
     unloaded = client.generate(model="tiny", keep_alive=0)
     assert unloaded.done and unloaded.done_reason == "unload" and loaded() == {}
     load = client.chat(model="tiny", messages=[], keep_alive="10m")

@@ -28,6 +28,7 @@ DEFAULT_MAX_BATCH = 8  # replies computed together
 DEFAULT_KEEP_ALIVE_S = 300.0  # a model idle this long is unloaded (the default model stays, unless LLAMA_KEEP_ALIVE is set)
 DEFAULT_MAX_WAITING = 32  # replies waiting for a place in the batch; past it the server says it is busy
 DEFAULT_MAX_BODY_MB = 4  # an API request's body; past it, 413
+DEFAULT_MAX_PULLS = 2  # downloads or imports under way at once: each a process, its memory and the disk's and network's time
 DEFAULT_HISTORY_DB = PROJECT_ROOT / "data" / "history.db"
 DEFAULT_MAX_USER_FILES_MB = 500  # files a user's stored chats hold (app.web.attachments); past it, a message is refused
 DEFAULT_PRESETS = PROJECT_ROOT / "presets"  # system-prompt presets (app.web.presets)
@@ -49,6 +50,7 @@ class Settings(ModelOptions):
     max_batch: int = DEFAULT_MAX_BATCH
     max_waiting: int = DEFAULT_MAX_WAITING
     max_body_mb: int = DEFAULT_MAX_BODY_MB
+    max_pulls: int = DEFAULT_MAX_PULLS  # models pulled at once; more are refused (429) until one ends
     history: bool = True
     history_db: Path = DEFAULT_HISTORY_DB
     max_user_files_mb: int = DEFAULT_MAX_USER_FILES_MB
@@ -100,6 +102,7 @@ class Settings(ModelOptions):
             max_batch=env.integer("LLAMA_MAX_BATCH", low=1, default=DEFAULT_MAX_BATCH),
             max_waiting=env.integer("LLAMA_MAX_WAITING", low=0, default=DEFAULT_MAX_WAITING),
             max_body_mb=env.integer("LLAMA_MAX_BODY_MB", low=1, default=DEFAULT_MAX_BODY_MB),
+            max_pulls=env.integer("LLAMA_MAX_PULLS", low=1, default=DEFAULT_MAX_PULLS),
             history=env.switch("LLAMA_HISTORY", default=True),
             history_db=history_db,
             max_user_files_mb=env.integer("LLAMA_MAX_USER_FILES_MB", low=1, default=DEFAULT_MAX_USER_FILES_MB),

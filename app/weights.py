@@ -56,6 +56,10 @@ class InUse(Refused):
     """The model is loaded now: it may not be removed (unload it first)."""
 
 
+class TooManyPulls(Refused):
+    """As many pulls are under way as the server runs at once (LLAMA_MAX_PULLS): a 429, try again later."""
+
+
 @dataclass
 class Pull:
     """One download into the weights folder (or import of GGUF files); watched by whoever asked for it."""
@@ -101,8 +105,8 @@ class Pull:
 class Weights:
     """The weights folder of a backend that computes here (none for a remote server's: Refused)."""
 
-    def __init__(self, backend: Backend, folder: Path | None, endpoint: str | None = None):
-        self.backend, self.folder, self.endpoint = backend, folder, endpoint
+    def __init__(self, backend: Backend, folder: Path | None, endpoint: str | None = None, max_pulls: int = 2):
+        self.backend, self.folder, self.endpoint, self.max_pulls = backend, folder, endpoint, max_pulls
         self.pulls: dict[tuple[str, str | None], Pull] = {}  # those under way
 
     async def pull(self, repo_id: str, revision: str | None = None, local: bool = False) -> Pull:
@@ -114,6 +118,11 @@ class Weights:
         key = (repo_id, revision)
         if key in self.pulls:
             return self.pulls[key]
+        if len(self.pulls) >= self.max_pulls:  # (a model here already, below, is no pull: that check comes later)
+            if not (self.folder and not local and "/" in repo_id
+                    and (self.folder / folder_name(repo_id, revision)).is_dir()):
+                raise TooManyPulls(f"{len(self.pulls)} pulls are under way, as many as this server runs at once "
+                                   f"(LLAMA_MAX_PULLS={self.max_pulls}): pull {repo_id} again once one has ended")
         if local and (path := Path(repo_id).expanduser()).is_absolute() and path.exists():
             if not (path.is_dir() or path.suffix.lower() == ".gguf"):
                 raise Refused(f"{repo_id} is neither a .gguf file nor a folder of them")

@@ -37,7 +37,7 @@ from model.convert.folder import folder_name, source_of
 from model.summary import count, summarize
 
 from app.backend.protocol import Backend, EngineError, is_remote
-from app.weights import InUse, Refused, Weights
+from app.weights import InUse, Refused, TooManyPulls, Weights
 from app.api.openai import ApiError
 from app.api.body import json_body
 from app.api.ollama_shapes import (NDJSON, Details, Error, ModelBody, ModelEntry, ModelList, Progress, ShowReply, now_text,
@@ -234,6 +234,8 @@ def add_routes(route, backend: Backend, max_body_mb: int, weights: Weights, max_
         repo_id, revision = hub_name(named)
         try:
             job = await weights.pull(repo_id, revision)
+        except TooManyPulls as e:
+            raise ApiError(429, str(e), param="model") from None
         except Refused as e:
             raise ApiError(400, str(e), param="model") from None
         digest = f"{repo_id}@{revision or 'main'}"

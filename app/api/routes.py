@@ -368,7 +368,8 @@ async def answer_error(http_request: HttpRequest, error: ApiError) -> Response:
 # ---- standalone server --------------------------------------------------------------------------
 
 def create_app(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
-               weights_dir: Path | None = None, max_context: int | None = None) -> FastAPI:
+               weights_dir: Path | None = None, max_context: int | None = None,
+               weights: Weights | None = None) -> FastAPI:
     """The API alone; /health says 200 once the default model is loaded, and / what Ollama's says there (the
     chat server has its page there)."""
 
@@ -379,7 +380,7 @@ def create_app(backend: Backend, api_key: str | None = None, max_body_mb: int = 
         backend.close()
 
     app = FastAPI(title="llama-chat API", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    mount(app, backend, api_key, max_body_mb, weights_dir=weights_dir, max_context=max_context)
+    mount(app, backend, api_key, max_body_mb, weights_dir=weights_dir, max_context=max_context, weights=weights)
 
     app.router.routes.insert(0, health_route(backend))
 
@@ -412,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     if not settings.api_key and not guard.is_loopback(args.host):
         log.warning("serving on %s without LLAMA_API_KEY: anyone who can reach this port can use the model",
                     args.host)
-    app = create_app(backend, settings.api_key, settings.max_body_mb, settings.weights_dir, settings.max_context)
+    weights = Weights(backend, settings.weights_dir, Environment().text("HF_ENDPOINT"), settings.max_pulls)
+    app = create_app(backend, settings.api_key, settings.max_body_mb, settings.weights_dir, settings.max_context,
+                     weights)
     guard.install(app, allowed)
     http_server.install(app)
     log.info("%s", allowed.summary())

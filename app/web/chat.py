@@ -93,7 +93,8 @@ def start() -> None:
                                               "https" if chainlit_config.run.ssl_cert else "http")
         BACKEND = open_backend(SETTINGS)
         MODELS = models_panel.ModelsPanel(BACKEND, Weights(BACKEND, SETTINGS.weights_dir,
-                                                           Environment().text("HF_ENDPOINT")), SETTINGS)
+                                                           Environment().text("HF_ENDPOINT"), SETTINGS.max_pulls),
+                                          SETTINGS)
         FILE_STORE = None
         if SETTINGS.history:
             history.prepare(SETTINGS)

@@ -486,3 +486,30 @@ def test_a_model_pulled_by_its_hugging_face_name_is_found_by_it(tmp_path):
     assert local_name("hf.co/someone-else/Llama-3.2-1B-Instruct-GGUF:Q4_K_M", profiles) is None
     assert local_name("hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q8_0", profiles) is None
     assert local_name("tiny:latest", profiles) == "tiny"
+
+
+def test_pulls_past_the_limit_are_refused_with_a_429_until_one_ends(tmp_path, monkeypatch):
+    """LLAMA_MAX_PULLS (2 here) pulls at once: the next is refused naming the limit (Ollama's route answers it
+    with 429), a pull already under way is joined, a model here already is no pull; once one ends, the next starts."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from app.weights import TooManyPulls, Weights
+
+    monkeypatch.setattr(Weights, "_download", lambda self, pull, loop: None)  # each pull stays under way
+    (tmp_path / "Here").mkdir()
+    weights = Weights(SimpleNamespace(profiles={"tiny": str(tmp_path / "tiny")}), tmp_path, max_pulls=2)
+
+    async def scenario():
+        first, second = await weights.pull("acme/One"), await weights.pull("acme/Two")
+        assert await weights.pull("acme/One") is first  # joined, not a third
+        with pytest.raises(TooManyPulls, match=r"2 pulls are under way, as many as this server runs at once "
+                                               r"\(LLAMA_MAX_PULLS=2\): pull acme/Three again once one has ended"):
+            await weights.pull("acme/Three")
+        assert (await weights.pull("someone/Here")).finished.is_set()  # here already: no pull, not refused
+        weights._finish(first)
+        third = await weights.pull("acme/Three")
+        return {p.repo_id for p in weights.under_way()}, third
+
+    under_way, third = asyncio.run(scenario())
+    assert under_way == {"acme/Two", "acme/Three"} and third.repo_id == "acme/Three"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import secrets
 import time
 import uuid
 from collections import OrderedDict
@@ -147,6 +148,10 @@ def chat_body(asked: shapes.ResponseBody, earlier: list[dict]) -> tuple[dict, li
         body["tool_choice"] = {"type": "function", "function": {"name": asked.tool_choice.name}}
     elif asked.tool_choice is not None:
         body["tool_choice"] = asked.tool_choice
+    if asked.text is not None and asked.text.verbosity in ("low", "high"):
+        raise ApiError(400, f"'text.verbosity': {asked.text.verbosity!r} is not supported here: the model answers "
+                            "at its own length (only 'medium', the default, is).", param="text.verbosity",
+                       code="unsupported_parameter")
     if asked.text is not None and asked.text.format is not None:
         format = msgspec.to_builtins(asked.text.format)
         if isinstance(asked.text.format, shapes.JsonSchemaFormat):
@@ -388,7 +393,9 @@ async def respond(http_request: HttpRequest, asked: shapes.ResponseBody, chat: C
         turn.keep(response)
         return json_response(response)
 
-    return StreamingResponse(events(response, resumed(first, replies), close, turn), media_type="text/event-stream",
+    obfuscate = bool(asked.stream_options and asked.stream_options.include_obfuscation)
+    return StreamingResponse(events(response, resumed(first, replies), close, turn, obfuscate),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -430,9 +437,11 @@ def done(response: shapes.Response, text: str, finish: Finish | None, usage: Usa
                                               output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
 
 
-async def events(response: shapes.Response, replies: AsyncIterator, close, turn: Turn) -> AsyncIterator[str]:
+async def events(response: shapes.Response, replies: AsyncIterator, close, turn: Turn,
+                 obfuscate: bool = False) -> AsyncIterator[str]:
     """The Responses stream: created, then a message item whose text comes in deltas, then each function
-    call item, then completed (or incomplete, or failed with the error)."""
+    call item, then completed (or incomplete, or failed with the error). obfuscate: each delta with random
+    padding of a random length (OpenAI's `obfuscation`), so that event sizes do not tell the tokens' lengths."""
     number = 0
 
     def event(type: str, **fields) -> str:
@@ -455,7 +464,8 @@ async def events(response: shapes.Response, replies: AsyncIterator, close, turn:
                                 part=shapes.OutputTextPart())
                 text.append(item.text)
                 yield event("response.output_text.delta", item_id=message.id, output_index=0, content_index=0,
-                            delta=item.text, logprobs=[])
+                            delta=item.text, logprobs=[],
+                            **({"obfuscation": secrets.token_urlsafe(secrets.randbelow(24) + 1)} if obfuscate else {}))
             elif isinstance(item, Finish):
                 finish = item
             elif isinstance(item, Usage):

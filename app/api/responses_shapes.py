@@ -19,10 +19,9 @@ REFUSED = {
     "background": "background responses are not supported: ask with stream or wait for the reply",
     "conversation": "conversation objects are not supported: chain replies with previous_response_id",
     "prompt": "stored prompt templates are not supported: send instructions and input",
-    "include": "no extra output fields are available here",
+    "include": "no extra output fields are available here (logprobs: /v1/chat/completions gives them)",
     "max_tool_calls": "max_tool_calls is not supported: use parallel_tool_calls false for one call",
     "top_logprobs": "logprobs are given by /v1/chat/completions here",
-    "stream_options": "stream_options is not supported here",
 }
 HARMLESS = {"reasoning": [{}], "background": [False], "include": [[]], "top_logprobs": [0]}
 
@@ -123,7 +122,11 @@ class JsonSchemaFormat(Struct, tag_field="type", tag="json_schema", kw_only=True
 
 class TextConfig(Struct, forbid_unknown_fields=True, omit_defaults=True):
     format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
-    verbosity: Literal["medium"] | None = None  # the only value that asks for nothing
+    verbosity: Literal["low", "medium", "high"] | None = None  # "low"/"high": refused as not supported (responses.py)
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    include_obfuscation: bool | None = None  # true: each text delta event carries random padding, `obfuscation`
 
 
 class ResponseBody(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -140,6 +143,7 @@ class ResponseBody(Struct, forbid_unknown_fields=True, kw_only=True):
     top_p: TopP | None = None
     truncation: Literal["auto", "disabled"] | None = None
     stream: bool | None = None
+    stream_options: StreamOptions | None = None
     store: bool | None = None  # (default true: the response can be read back and continued)
     # not OpenAI's in this API; this server's chat route takes them too
     top_k: TopK | None = None
@@ -263,3 +267,4 @@ class Event(Struct, kw_only=True, omit_defaults=True):
     arguments: str | UnsetType = UNSET
     name: str | UnsetType = UNSET
     logprobs: list | UnsetType = UNSET
+    obfuscation: str | UnsetType = UNSET  # random padding of a delta (stream_options.include_obfuscation)

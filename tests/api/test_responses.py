@@ -74,6 +74,18 @@ def test_a_streamed_response_comes_as_the_responses_events(client):
     assert final.output_text == whole.output_text and final.usage.output_tokens == 40
     assert {e.item_id for e in events if e.type == "response.output_text.delta"} == {final.output[0].id}
     assert client.responses.retrieve(final.id).output_text == whole.output_text  # stored, as a whole one
+    # stream_options: obfuscation asked for pads each delta (random, of random lengths); off, none, as by default
+    padded = list(client.responses.create(model="tiny", input="Tell me a story.", temperature=0, max_output_tokens=12,
+                                          stream=True, stream_options={"include_obfuscation": True}))
+    pads = [e.obfuscation for e in padded if e.type == "response.output_text.delta"]
+    assert pads and all(isinstance(p, str) and p for p in pads) and len(set(pads)) == len(pads)
+    plain = list(client.responses.create(model="tiny", input="Tell me a story.", temperature=0, max_output_tokens=12,
+                                         stream=True, stream_options={"include_obfuscation": False}))
+    assert [e.delta for e in plain if e.type == "response.output_text.delta"] == \
+        [e.delta for e in padded if e.type == "response.output_text.delta"]
+    assert not any(getattr(e, "obfuscation", None) for e in plain + events)
+    assert client.responses.create(model="tiny", input="Hi", max_output_tokens=2,
+                                   text={"verbosity": "medium"}).status == "incomplete"  # the default: taken
 
 
 def test_a_stored_response_is_continued_read_back_and_deleted(client, server):
@@ -221,6 +233,11 @@ def test_a_json_schema_format_gives_a_document_of_the_schema(client):
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),  # in OpenAI's enum, not supported here
+    ({"input": "x", "text": {"verbosity": "loud"}}, "text.verbosity"),
+    ({"input": "x", "stream": True, "stream_options": {"include_obfuscation": "yes"}},
+     "stream_options.include_obfuscation"),
+    ({"input": "x", "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"input": "x", "text": {"format": {"type": "json_object", "schema": {}}}}, "text.format.schema"),

@@ -1,0 +1,82 @@
+"""Our logits against llama.cpp's on the same K-quant GGUF file: the 1B shape's random weights quantized by
+llama.cpp's own quantizer (bench/gguf_file.py), read by llama-cpp-python and by us (as our import keeps it).
+
+    python bench/gguf_parity.py [--kinds q4_k_m,q5_k_m,q6_k] [--prompt-tokens 64] [--steps 16]
+
+Per file: the largest difference of the last position's logits over the logits' spread (their standard deviation),
+fp32 activations on our side (llama.cpp computes in fp32 with x rounded to int8 per block of 256, as our decode
+kernel does; our prefill widens the blocks, so the two round differently), and the greedy continuation of both,
+token by token, with the first step where they part and whether llama.cpp's best led its second there by less than
+our difference (a near-tie). Random weights: logits of random models are close together, so ties come often.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+from common import machine, random_checkpoint, random_prompt
+from gguf_file import gguf_checkpoint, imported_checkpoint
+
+import model  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llama3.2-1b")
+    p.add_argument("--kinds", default="q4_k_m,q5_k_m,q6_k")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = p.parse_args()
+    import llama_cpp
+
+    torch.set_num_threads(args.threads)
+    folder = random_checkpoint(args.shape)
+    info = machine()
+    print(f"{args.shape}, {info['cpu']}, {args.threads} threads, decode kernel {model.kernels.decode_path()}\n")
+    print("| file | max diff of the last logits / spread | greedy tokens the same before they part | first apart at | "
+          "llama.cpp's lead there / spread |")
+    print("|---|---|---|---|---|")
+    for kind in args.kinds.split(","):
+        path = gguf_checkpoint(folder, args.shape, kind)
+        ours = model.load_checkpoint(imported_checkpoint(folder, args.shape, kind), dtype=torch.float32)
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.prompt_tokens + args.steps + 8, n_batch=512,
+                              n_threads=args.threads, n_threads_batch=args.threads, logits_all=False, verbose=False)
+        n_vocab = llm.n_vocab()
+        prompt = random_prompt(n_vocab, args.prompt_tokens)
+
+        def theirs_next(ids: list[int]) -> np.ndarray:
+            llm.eval(ids)
+            return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,)).copy()
+
+        cache = model.KVCache(ours.config, args.prompt_tokens + args.steps + 8, dtype=torch.float32)
+        with torch.inference_mode():
+            mine = ours.model(torch.tensor([prompt]), kv_cache=cache, last_only=True)[0, -1].double().numpy()
+        cache.tokens = list(prompt)
+        theirs = theirs_next(prompt)
+        spread = theirs.std()
+        first_diff = np.abs(mine - theirs).max() / spread
+        ours_tokens, theirs_tokens, apart, lead = [], [], None, None
+        for step in range(args.steps):
+            a, b = int(mine.argmax()), int(theirs.argmax())
+            ours_tokens.append(a)
+            theirs_tokens.append(b)
+            if a != b and apart is None:
+                top = np.sort(theirs)[-2:]
+                apart, lead = step, (top[1] - top[0]) / spread
+            with torch.inference_mode():
+                mine = ours.model.decode(torch.tensor([a]), [cache])[0].double().numpy()
+            cache.tokens.append(a)
+            theirs = theirs_next([b])
+        same = args.steps if apart is None else apart  # (after they part, each goes on from its own token)
+        print(f"| {kind} | {first_diff:.4f} | {same} of {args.steps} | {'-' if apart is None else apart} | "
+              f"{'-' if lead is None else f'{lead:.4f}'} |")
+        del llm
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

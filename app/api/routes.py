@@ -286,9 +286,13 @@ async def answer(http_request: HttpRequest, asked: ApiRequest, start) -> Respons
         ended = False
         try:
             if chat:
-                # a reply tool_choice makes a call has no content, not even an empty one (as OpenAI's: null)
+                # a reply that is a call has no content, not even an empty one (as OpenAI's: null): one tool_choice
+                # makes a call, or one whose first event is its end with calls (their text is held back until
+                # told apart from an answer's)
                 forced = bool(getattr(asked, "tools", None)) and getattr(asked, "tool_choice", None) not in (None, "auto", "none")
-                yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=None if forced else ""))
+                calls_first = {first.index} if not isinstance(first, Piece) and getattr(first, "tool_calls", None) else set()
+                yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant",
+                                                              content=None if forced or i in calls_first else ""))
                              for i in range(asked.n)])
             item = first
             while not isinstance(item, Usage):

@@ -559,6 +559,10 @@ def test_a_tool_call_comes_back_as_openai_tool_calls(stream):
     response = asyncio.run(ask())
     if stream:
         calls = [c for chunk in response for choice in chunk.choices for c in choice.delta.tool_calls or []]
+        # a reply that is a call from its start: no content at all, not "" (OpenAI's null; the AI SDK would show an
+        # empty text part)
+        assert response[0].choices[0].delta.role == "assistant" and response[0].choices[0].delta.content is None
+        assert all(choice.delta.content is None for chunk in response for choice in chunk.choices)
         finish = [choice.finish_reason for chunk in response for choice in chunk.choices][-1]
     else:
         calls, finish = response.choices[0].message.tool_calls, response.choices[0].finish_reason

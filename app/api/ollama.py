@@ -161,8 +161,8 @@ def read_chat(body: object, profiles: dict) -> Run:
     conversation = _conversation(chat.messages, common["model"]) if chat.messages else Conversation()
     asked = ChatRequest(**common, conversation=conversation, tools=tools, json_schema=json_schema,
                         json_object=json_object)
-    # trim: a conversation too long for the context loses its oldest messages, as Ollama's does
-    return Run(True, chat.model, asked, asked.options() | {"trim": True}, chat.stream is not False,
+    # trim: a conversation too long for the context loses its oldest messages, as Ollama's does (unless truncate false)
+    return Run(True, chat.model, asked, asked.options() | {"trim": chat.truncate is not False}, chat.stream is not False,
                _keep_alive(chat.keep_alive), not chat.messages)
 
 
@@ -188,7 +188,7 @@ def read_generate(body: object, profiles: dict) -> Run:
         conversation = Conversation(model=common["model"], system_prompt=generate.system or None)
         conversation.add("user", generate.prompt)
         asked = ChatRequest(**common, conversation=conversation, **formats)
-        options = asked.options() | {"trim": True}
+        options = asked.options() | {"trim": generate.truncate is not False}
     return Run(False, generate.model, asked, options, generate.stream is not False, _keep_alive(generate.keep_alive),
                not generate.prompt)
 

@@ -115,6 +115,7 @@ class Asked(Struct, kw_only=True):
     think: Think | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
+    truncate: bool | None = None  # left out or true: a conversation too long loses its oldest messages; false: a 400
 
 
 class CallFunction(Struct, kw_only=True):

@@ -513,3 +513,28 @@ def test_pulls_past_the_limit_are_refused_with_a_429_until_one_ends(tmp_path, mo
 
     under_way, third = asyncio.run(scenario())
     assert under_way == {"acme/Two", "acme/Three"} and third.repo_id == "acme/Three"
+
+
+def test_truncate_false_keeps_a_conversation_too_long_whole_and_refused():
+    """Ollama's `truncate` (left out or true: the oldest messages leave a conversation too long for the context;
+    false: nothing is left out, the request is refused), on /api/chat and /api/generate."""
+    import asyncio
+
+    from app.api.routes import create_app
+    from app.messages import Done, Stats
+
+    backend = ScriptedBackend([Done("scripted", "", "stop", Stats(prompt_tokens=3, new_tokens=1))])
+
+    async def ask():
+        transport = httpx.ASGITransport(app=create_app(backend))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            for path, body in [("/api/chat", {"messages": QUESTION}), ("/api/generate", {"prompt": "Hi"})]:
+                for truncate in (None, True, False):
+                    asked = {"model": "tiny", "stream": False, **body} | ({} if truncate is None else {"truncate": truncate})
+                    assert (await http.post(path, json=asked)).status_code == 200
+            bad = await http.post("/api/chat", json={"model": "tiny", "messages": QUESTION, "truncate": "yes"})
+            return bad
+
+    bad = asyncio.run(ask())
+    assert [options["trim"] for _, _, options in backend.asked] == [True, True, False] * 2
+    assert bad.status_code == 400 and "truncate" in bad.json()["error"]

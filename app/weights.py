@@ -70,6 +70,7 @@ class Pull:
     partial: Path | None  # where a download's files gather meanwhile (model.convert.folder.partial_folder)
     sizes: dict[str, int] | None = None  # the files fetched and their sizes, once the hub has told them
     error: str | None = None
+    status: int = 500  # of an error: the HTTP status it means (model.convert's ConversionError.status)
     cancelled: bool = False
     started: float = field(default_factory=time.monotonic)
     process: subprocess.Popen | None = None
@@ -182,6 +183,8 @@ class Weights:
                         pull.sizes = said["files"]
                     elif isinstance(said, dict) and isinstance(said.get("folder"), str):
                         pull.folder = Path(said["folder"])
+                    elif isinstance(said, dict) and isinstance(said.get("status"), int) and 400 <= said["status"] < 600:
+                        pull.status = said["status"]
                 status = pull.process.wait()
                 errors.seek(0)
                 told = [line.strip() for line in errors.read().decode(errors="replace").splitlines() if line.strip()]

@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
                                 endpoint=endpoint, on_files=(lambda sizes: report({"files": sizes})) if args.report
                                 else None)]
     except ConversionError as e:
+        if args.report:  # the status a server answers its client with (app.weights)
+            report({"status": e.status})
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

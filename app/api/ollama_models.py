@@ -241,8 +241,8 @@ def add_routes(route, backend: Backend, max_body_mb: int, weights: Weights, max_
         digest = f"{repo_id}@{revision or 'main'}"
         if asked.stream is False:
             await job.finished.wait()
-            if job.error:
-                raise ApiError(500, job.error, type="server_error")
+            if job.error:  # the status its error means: a repo not found 404, gated 401/403, no network 502
+                raise ApiError(job.status, job.error, type="server_error" if job.status >= 500 else "invalid_request_error")
             return json(Progress("success"))
 
         async def lines():

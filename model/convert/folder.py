@@ -22,7 +22,11 @@ QUANTIZATION = re.compile(r"(I?Q[1-8](_[0-9A-Z]+)*|F16|BF16|F32)", re.IGNORECASE
 
 class ConversionError(Exception):
     """A model that cannot be brought into weights/ (bad file, failed download, full disk); the message
-    says why and what to do."""
+    says why and what to do. `status`: the HTTP status a server that ran it for a client answers with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 def log(message: str) -> None:
@@ -69,7 +73,7 @@ def check_free_space(folder: Path, needed: int) -> None:
     free = shutil.disk_usage(folder).free
     if free < needed:
         raise ConversionError(f"{folder}: not enough disk space for the model: need {needed / 1e6:.0f} MB, "
-                              f"{free / 1e6:.0f} MB free; free some space and run again")
+                              f"{free / 1e6:.0f} MB free; free some space and run again", 507)
 
 
 def move_into_place(built: Path, out_dir: Path) -> None:

@@ -197,26 +197,26 @@ def hub_error(e: BaseException, repo_id: str, revision: str | None, endpoint: st
         response = getattr(e, "response", None)
         if get_token() is not None or (response is not None and response.status_code == 403):
             return ConversionError(f"{repo_id} is gated and your token has no access yet: accept its terms at "
-                                   f"{hub}/{repo_id} with the account of that token, then run again")
+                                   f"{hub}/{repo_id} with the account of that token, then run again", 403)
         return ConversionError(f"{repo_id} is gated: accept its terms at {hub}/{repo_id}, then set HF_TOKEN "
-                               "(or run `hf auth login`) and run again")
+                               "(or run `hf auth login`) and run again", 401)
     if isinstance(e, RepositoryNotFoundError):
         return ConversionError(f"{repo_id}: no such model on {hub}; check the id (owner/name), and for a "
-                               "private model set HF_TOKEN (or run `hf auth login`)")
+                               "private model set HF_TOKEN (or run `hf auth login`)", 404)
     if isinstance(e, RevisionNotFoundError):
-        return ConversionError(f"{repo_id}: no revision {revision!r}; use a branch, tag or commit of the repo")
+        return ConversionError(f"{repo_id}: no revision {revision!r}; use a branch, tag or commit of the repo", 404)
     if isinstance(e, HfHubHTTPError) and e.response is not None and e.response.status_code == 401:
         return ConversionError(f"{hub} refused the token for {repo_id} (HTTP 401); check HF_TOKEN "
-                               "(or run `hf auth login` again)")
+                               "(or run `hf auth login` again)", 401)
     if isinstance(e, HfHubHTTPError):
         status = e.response.status_code if e.response is not None else "an error"
-        return ConversionError(f"{hub} answered HTTP {status} for {repo_id}; try again later")
+        return ConversionError(f"{hub} answered HTTP {status} for {repo_id}; try again later", 502)
     if isinstance(e, (LocalEntryNotFoundError, OfflineModeIsEnabled, httpx2.TransportError)):
         return ConversionError(f"cannot reach {hub} ({type(e).__name__}); check the network (or HF_ENDPOINT, "
-                               "HF_HUB_OFFLINE, the proxy settings) and run the same command again")
+                               "HF_HUB_OFFLINE, the proxy settings) and run the same command again", 502)
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return ConversionError(f"{partial.parent}: no space left on device while downloading {repo_id}; "
-                               "free some space and run the same command again")
+                               "free some space and run the same command again", 507)
     if isinstance(e, OSError):
-        return ConversionError(f"{partial}: cannot write the download: {e}")
+        return ConversionError(f"{partial}: cannot write the download: {e}", 500)
     return e

@@ -160,12 +160,12 @@ def test_fields_ollama_does_not_have_are_left_out_and_named_in_the_log(server):
     """As Ollama's server: a newer client's field, OpenAI's `user`, an old option change nothing and are logged."""
     asked = {"model": "tiny", "messages": QUESTION, "stream": False, "options": {"temperature": 0, "num_predict": 12}}
     expected = post(server, "/api/chat", asked).json()["message"]["content"]
-    extra = asked | {"user": "ada", "truncate": True, "options": asked["options"] | {"rope_frequency_base": 5e5},
+    extra = asked | {"user": "ada", "shift": True, "options": asked["options"] | {"rope_frequency_base": 5e5},
                      "messages": [QUESTION[0], QUESTION[1] | {"name": "ada"}]}
     response = post(server, "/api/chat", extra)
     assert response.status_code == 200 and response.json()["message"]["content"] == expected, response.text
     line = "left out 4 field(s) this API does not have: 'messages[1].name', 'options.rope_frequency_base', " \
-           "'user', 'truncate'"
+           "'user', 'shift'"
     deadline = time.monotonic() + 10
     while line not in server.log() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -307,9 +307,9 @@ def test_a_model_is_pulled_from_the_hub_even_if_the_client_goes_away_and_deleted
         with pytest.raises(ollama.ResponseError) as error:
             client.delete(name)
         assert error.value.status_code == status
-    with pytest.raises(ollama.ResponseError) as error:
+    with pytest.raises(ollama.ResponseError) as error:  # the hub's answer, as a status that says it: not found
         client.pull("acme/No-Such-Model")
-    assert error.value.status_code == 500 and "acme/No-Such-Model" in error.value.error
+    assert error.value.status_code == 404 and "acme/No-Such-Model" in error.value.error
     with pytest.raises(ollama.ResponseError) as error:
         list(client.pull("acme/No-Such-Model", stream=True))
     assert "acme/No-Such-Model" in error.value.error

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from model.options import DEFAULT_CACHE_DIR, PROJECT_ROOT, Environment, ModelOptions, SettingsError, read_model_options
 
+from app.bounds import MAX_PENDING_BYTES
+
 DEFAULT_KV_CACHE_MB = 1024  # KV caches kept between turns, all conversations together
 DEFAULT_KV_DISK_MB = 4096  # KV caches kept on disk for after a restart (app/engine/kv_disk.py); 0: none
 DEFAULT_MAX_BATCH = 8  # replies computed together
@@ -51,6 +53,7 @@ class Settings(ModelOptions):
     max_waiting: int = DEFAULT_MAX_WAITING
     max_body_mb: int = DEFAULT_MAX_BODY_MB
     max_pulls: int = DEFAULT_MAX_PULLS  # models pulled at once; more are refused (429) until one ends
+    max_pending_mb: int = MAX_PENDING_BYTES // 2**20  # a user's uploads not sent yet, over all their tabs
     history: bool = True
     history_db: Path = DEFAULT_HISTORY_DB
     max_user_files_mb: int = DEFAULT_MAX_USER_FILES_MB
@@ -103,6 +106,7 @@ class Settings(ModelOptions):
             max_waiting=env.integer("LLAMA_MAX_WAITING", low=0, default=DEFAULT_MAX_WAITING),
             max_body_mb=env.integer("LLAMA_MAX_BODY_MB", low=1, default=DEFAULT_MAX_BODY_MB),
             max_pulls=env.integer("LLAMA_MAX_PULLS", low=1, default=DEFAULT_MAX_PULLS),
+            max_pending_mb=env.integer("LLAMA_MAX_PENDING_MB", low=1, default=MAX_PENDING_BYTES // 2**20),
             history=env.switch("LLAMA_HISTORY", default=True),
             history_db=history_db,
             max_user_files_mb=env.integer("LLAMA_MAX_USER_FILES_MB", low=1, default=DEFAULT_MAX_USER_FILES_MB),

@@ -106,6 +106,7 @@ def start() -> None:
                    if SETTINGS.auth == "password" else None)
         SIGNED_IN = sessions.still_signed_in(SIGN_IN.passwords if SIGN_IN else None)
         uploads.claim_folder()  # this server's folder for the files Chainlit sends and those uploaded
+        uploads.USER_PENDING_BYTES = SETTINGS.max_pending_mb * 2**20  # a user's uploads waiting, over all their tabs
         chainlit_config.features.spontaneous_file_upload = attachments.upload_feature()
         http_server.configure_chainlit(SETTINGS)  # slow clients cut off; X-Forwarded-For only from trusted proxies
         page.install()  # the page asks no other site for anything

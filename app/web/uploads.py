@@ -6,7 +6,8 @@ session's folder, .files/<session id>/<file id><extension>, and deletes that fol
 ends, an hour after its tab closed: ten uploads of 20 MB, never sent, took 200 MB in 2.2 s, for that hour.
 Here a middleware on that route (`Tracked`) makes an upload pending from its answer until a message takes it
 (`take`, as on_message begins, before its files are read). A session holds at most MAX_PENDING_FILES
-pending, MAX_PENDING_BYTES together: past either the route answers 429 and keeps nothing. Every
+pending, MAX_PENDING_BYTES together, and a user USER_PENDING_BYTES over all their sessions (tabs: LLAMA_MAX_PENDING_MB):
+past any the route answers 429 and keeps nothing. Every
 SWEEP_SECONDS, `sweep` deletes the uploads pending for longer than KEEP_SECONDS, and the folders of
 sessions that are gone (left by a stopped server); a chat replaced by a new one loses its pending uploads
 at once (`end_session`), a refused message its files (`discard`). A file a message took stays with its
@@ -72,9 +73,11 @@ class Upload:
     path: Path
     size: int
     at: float  # time.monotonic() when it came
+    user: str = ""  # the session's signed-in user ("": without sign-in, everyone is one user)
 
 
 PENDING: dict[str, Upload] = {}  # uploads no message took yet, by Chainlit's file id (the element's id)
+USER_PENDING_BYTES = MAX_PENDING_BYTES  # one user's pending uploads over all their sessions (LLAMA_MAX_PENDING_MB)
 STORED: dict[str, int] = {}  # bytes on disk by part: history (the database), history_files, uploads
 
 
@@ -123,7 +126,7 @@ class Tracked:
             file = session.files[json.loads(b"".join(m.get("body", b"") for m in answer[1:]))["id"]]
         except (AttributeError, KeyError, TypeError, ValueError):  # not an answer naming a file of the session
             return None
-        PENDING[file["id"]] = Upload(session_id, Path(file["path"]), file["size"], time.monotonic())
+        PENDING[file["id"]] = Upload(session_id, Path(file["path"]), file["size"], time.monotonic(), user_of(session_id))
         if problem := crowded(session_id):  # this one took the session past its bytes
             delete(file["id"], session)
             return problem
@@ -158,15 +161,32 @@ def running(pid: int) -> bool:
     return True
 
 
+def user_of(session_id: str) -> str:
+    """The signed-in user of a session; "" without sign-in (or for a session not known)."""
+    session = WebsocketSession.get_by_id(session_id)
+    user = getattr(session, "user", None)
+    return str(getattr(user, "identifier", "") or "")
+
+
 def crowded(session_id: str, coming: int = 0) -> str | None:
-    """Why a session cannot keep one more upload (coming=1: before it is read; 0: once it is in), or None."""
+    """Why a session cannot keep one more upload (coming=1: before it is read; 0: once it is in), or None: a
+    session keeps MAX_PENDING_FILES and MAX_PENDING_BYTES, and its user USER_PENDING_BYTES over all their sessions
+    (tabs), so that more tabs hold no more."""
     waiting = [upload for upload in PENDING.values() if upload.session_id == session_id]
     size = sum(upload.size for upload in waiting)
-    if len(waiting) + coming <= MAX_PENDING_FILES and size <= MAX_PENDING_BYTES:
-        return None
-    return (f"This chat has {len(waiting)} files ({size / 2**20:.1f} MB) uploaded and not sent yet; it keeps at most "
-            f"{MAX_PENDING_FILES} files, {MAX_PENDING_BYTES // 2**20} MB together. Send them with a message or "
-            f"remove some first (files not sent are deleted after {KEEP_SECONDS / 60:.0f} minutes).")
+    later = f"(files not sent are deleted after {KEEP_SECONDS / 60:.0f} minutes)"
+    if len(waiting) + coming > MAX_PENDING_FILES or size > MAX_PENDING_BYTES:
+        return (f"This chat has {len(waiting)} files ({size / 2**20:.1f} MB) uploaded and not sent yet; it keeps at "
+                f"most {MAX_PENDING_FILES} files, {MAX_PENDING_BYTES // 2**20} MB together. Send them with a message "
+                f"or remove some first {later}.")
+    user = user_of(session_id)
+    theirs = [upload for upload in PENDING.values() if upload.user == user]
+    held = sum(upload.size for upload in theirs)
+    if held > USER_PENDING_BYTES:
+        return (f"You have {len(theirs)} files ({held / 2**20:.1f} MB) uploaded and not sent yet in your open chats; "
+                f"at most {USER_PENDING_BYTES / 2**20:.0f} MB wait together (LLAMA_MAX_PENDING_MB). Send them with a "
+                f"message or remove some first {later}.")
+    return None
 
 
 def is_upload(element) -> bool:

@@ -263,3 +263,39 @@ def test_each_server_keeps_its_session_files_in_a_folder_of_its_own(tmp_path, mo
     assert uploads.FOLDER.stat().st_mode & 0o777 == 0o700 and root.stat().st_mode & 0o777 == 0o700
     uploads.claim_folder()  # again (a second app in the process): the same folder
     assert uploads.FOLDER.is_dir() and other.is_dir()
+
+
+def test_a_users_uploads_waiting_are_bounded_over_all_their_tabs(tmp_path, monkeypatch):
+    """Four tabs of one user do not hold four tabs' worth: LLAMA_MAX_PENDING_MB counts a user's uploads not sent
+    over all their sessions, refused by name; another user's tab and a file sent (taken) are not counted."""
+    user = lambda name: SimpleNamespace(identifier=name)  # noqa: E731
+    sessions = {sid: Session(sid) for sid in ("ann1", "ann2", "ann3", "bob1")}
+    for sid, session in sessions.items():
+        session.user = user(sid[:3])
+    monkeypatch.setattr(uploads, "FOLDER", tmp_path)
+    monkeypatch.setattr(uploads, "ws_sessions_id", sessions)
+    monkeypatch.setattr(uploads.WebsocketSession, "get_by_id", staticmethod(sessions.get))
+    monkeypatch.setattr(uploads, "PENDING", {})
+    monkeypatch.setattr(uploads, "STORED", {})
+    monkeypatch.setattr(uploads, "USER_PENDING_BYTES", 250)  # each tab alone keeps up to MAX_PENDING_BYTES
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=uploads.Tracked(chainlit_upload(tmp_path, sessions))),
+                               base_url="http://test")
+
+    async def upload(sid: str, size: int) -> httpx.Response:
+        return await client.post(f"/project/file?session_id={sid}", content=b"x" * size)
+
+    async def scenario():
+        first = [await upload(sid, 100) for sid in ("ann1", "ann2")]  # 200 bytes of ann's, in two tabs
+        third = await upload("ann3", 100)  # 300 > 250: refused, deleted
+        bob = await upload("bob1", 200)  # bob's own
+        uploads.take([SimpleNamespace(id=first[0].json()["id"])])  # ann sends one: it no longer waits
+        again = await upload("ann3", 100)
+        return first, third, bob, again
+
+    first, third, bob, again = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert [a.status_code for a in first] == [200, 200] and bob.status_code == 200 and again.status_code == 200
+    assert third.status_code == 429 and third.json()["detail"].startswith(
+        "You have 3 files (0.0 MB) uploaded and not sent yet in your open chats; at most 0 MB wait together "
+        "(LLAMA_MAX_PENDING_MB)")
+    assert not sessions["ann3"].files or len(sessions["ann3"].files) == 1  # the refused one is gone
+    assert sum(u.size for u in uploads.PENDING.values() if u.user == "ann") == 200

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,9 +43,8 @@ class StoreModel:
     unusable: str | None = None  # why it cannot be used here, or None
 
 
-def store_folders(env: dict[str, str] | None = None) -> list[tuple[str, Path, str]]:
+def store_folders(env: Mapping[str, str]) -> list[tuple[str, Path, str]]:
     """(store, folder, kind) of each store this machine may have: kind "ollama", or "files" (GGUFs under it)."""
-    env = os.environ if env is None else env
     home = Path(env.get("HOME") or Path.home())
     ollama = [Path(env["OLLAMA_MODELS"])] if env.get("OLLAMA_MODELS") else [
         home / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
@@ -59,10 +59,10 @@ def store_folders(env: dict[str, str] | None = None) -> list[tuple[str, Path, st
     return folders
 
 
-def find_store_models(env: dict[str, str] | None = None) -> list[StoreModel]:
+def find_store_models(env: Mapping[str, str]) -> list[StoreModel]:
     """Every GGUF model of every store, each name once (the first store's); sorted by store, then name. None where
-    LLAMA_MODEL_STORES is "off"."""
-    if ((os.environ if env is None else env).get("LLAMA_MODEL_STORES") or "").strip().lower() == "off":
+    LLAMA_MODEL_STORES is "off". `env`: the environment (model.options.Environment's), which names the folders."""
+    if (env.get("LLAMA_MODEL_STORES") or "").strip().lower() == "off":
         return []
     found: dict[str, StoreModel] = {}
     for store, folder, kind in store_folders(env):

@@ -29,7 +29,7 @@ from model.context import choose_context
 from model.generation import sampling_defaults
 from model.kv_cache import KVCache
 from model.memory import available_bytes
-from model.options import DEFAULT_MAX_NEW_TOKENS
+from model.options import DEFAULT_MAX_NEW_TOKENS, Environment
 from model.speculation import same_tokenizer
 
 from app.messages import EngineConfig, ModelInfo, ReplySettings
@@ -229,7 +229,7 @@ def find_profiles(checkpoint: Path, weights_dir: Path | None) -> dict[str, Path]
     profiles = {checkpoint.name if checkpoint.is_dir() or not checkpoint.suffix else checkpoint.stem: checkpoint}
     if weights_dir is not None and weights_dir.is_dir():
         profiles = weights_folder_profiles(profiles, checkpoint, weights_dir)
-    for model in find_store_models():
+    for model in find_store_models(Environment().environ):
         if model.unusable is None and model.name not in profiles:
             profiles[model.name] = model.path
     return profiles

@@ -48,7 +48,8 @@ from chainlit.session import WebsocketSession
 from chainlit.utils import wrap_user_function
 
 from app.api import routes as api, guard
-from app.web import attachments, export, history, http_server, login_page, models_panel, page, sessions, uploads, users
+from app.web import (attachments, export, history, http_server, login_page, models_panel, page, sessions,
+                     socket_events, uploads, users)
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote, open_backend
 from app.bounds import reply_seed
 from app.backend.conversation import Conversation, Message
@@ -126,6 +127,7 @@ def start() -> None:
         if SIGNING_IN:
             chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
     only_edits_of_this_chat()
+    socket_events.guard(sio)  # every socket event's payload checked before Chainlit's handler reads it
     api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb, stored=lambda: dict(uploads.STORED),
               weights_dir=SETTINGS.weights_dir, max_context=SETTINGS.max_context, weights=MODELS.weights)
     chainlit_app.router.routes.insert(0, api.health_route(BACKEND))  # before Chainlit's own
@@ -203,7 +205,7 @@ async def start_backend():
                  path if is_remote(path) else Path(path).resolve())
     where = BACKEND.profiles.get(BACKEND.default, "")
     if not is_remote(where) and not BACKEND.is_loaded():  # printed before Chainlit prints the page's address
-        log.warning("the default model %s is still being %s; the chat answers once it is ready (GET /health "
+        log.info("the default model %s is still being %s; the chat answers once it is ready (GET /health "
                     "says 200 then)", BACKEND.default,
                     "prepared (first start: its file fetched once, the decode kernel built for this CPU)"
                     if SETTINGS.is_default_checkpoint and not Path(where).exists() else "loaded")

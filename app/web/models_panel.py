@@ -31,6 +31,7 @@ import chainlit as cl
 from model.convert.folder import folder_name, source_of
 from model.convert.url import URL
 from model.stores import find_store_models
+from model.options import Environment
 from model.summary import summarize
 
 from app.backend.protocol import Backend, is_remote
@@ -120,7 +121,8 @@ class ModelsPanel:
     def unusable(self) -> list[dict]:
         """The models of other apps' stores on this machine that cannot be used here, each with why (reads the
         stores: call on a thread)."""
-        return [{"name": m.name, "store": m.store, "why": m.unusable} for m in find_store_models() if m.unusable]
+        return [{"name": m.name, "store": m.store, "why": m.unusable}
+                for m in find_store_models(Environment().environ) if m.unusable]
 
     def pulls(self) -> list[dict]:
         return [pull_state(pull) for pull in self.weights.under_way()]

@@ -4,8 +4,8 @@ llama.cpp's own quantizer (bench/gguf_file.py), read by llama-cpp-python and by 
     python bench/gguf_parity.py [--kinds q4_k_m,q5_k_m,q6_k] [--prompt-tokens 64] [--steps 16]
 
 Per file: the largest difference of the last position's logits over the logits' spread (their standard deviation),
-fp32 activations on our side (llama.cpp computes in fp32 with x rounded to int8 per block of 256, as our decode
-kernel does; our prefill widens the blocks, so the two round differently), and the greedy continuation of both,
+fp32 activations on our side, by our prefill (the blocks widened, x as it is) and with the prompt through our
+decode steps (x rounded to int8 per 256 as llama.cpp rounds it); and the greedy continuation of both,
 token by token, with the first step where they part and whether llama.cpp's best led its second there by less than
 our difference (a near-tie). Random weights: logits of random models are close together, so ties come often.
 """
@@ -37,14 +37,19 @@ def main() -> int:
     folder = random_checkpoint(args.shape)
     info = machine()
     print(f"{args.shape}, {info['cpu']}, {args.threads} threads, decode kernel {model.kernels.decode_path()}\n")
-    print("| file | max diff of the last logits / spread | greedy tokens the same before they part | first apart at | "
-          "llama.cpp's lead there / spread |")
-    print("|---|---|---|---|---|")
+    print("| file | max diff of the last logits / spread, prefill | the same, the prompt through decode steps | our "
+          "decode steps against our prefill | greedy tokens the same before they part | first apart at | llama.cpp's "
+          "lead there / spread |")
+    print("|---|---|---|---|---|---|---|")
     for kind in args.kinds.split(","):
         path = gguf_checkpoint(folder, args.shape, kind)
-        ours = model.load_checkpoint(imported_checkpoint(folder, args.shape, kind), dtype=torch.float32)
+        # bf16: the file llama.cpp's converter writes of the checkpoint, ours the checkpoint itself (no blocks)
+        ours = model.load_checkpoint(folder if kind == "bf16" else imported_checkpoint(folder, args.shape, kind),
+                                     dtype=torch.float32)
+        # its KV cache in f32, as ours is here (f16 by default: a rounding of its own at every position)
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.prompt_tokens + args.steps + 8, n_batch=512,
-                              n_threads=args.threads, n_threads_batch=args.threads, logits_all=False, verbose=False)
+                              n_threads=args.threads, n_threads_batch=args.threads, logits_all=False, verbose=False,
+                              type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False)
         n_vocab = llm.n_vocab()
         prompt = random_prompt(n_vocab, args.prompt_tokens)
 
@@ -53,12 +58,20 @@ def main() -> int:
             return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,)).copy()
 
         cache = model.KVCache(ours.config, args.prompt_tokens + args.steps + 8, dtype=torch.float32)
+        stepped = model.KVCache(ours.config, args.prompt_tokens + 8, dtype=torch.float32)
         with torch.inference_mode():
             mine = ours.model(torch.tensor([prompt]), kv_cache=cache, last_only=True)[0, -1].double().numpy()
+            for token in prompt:  # the prompt through decode steps: the kernel, x rounded to int8 per 256 as llama.cpp's
+                by_steps = ours.model.decode(torch.tensor([token]), [stepped])[0].double().numpy()
+                stepped.tokens.append(token)
         cache.tokens = list(prompt)
         theirs = theirs_next(prompt)
         spread = theirs.std()
         first_diff = np.abs(mine - theirs).max() / spread
+        stepped_diff = np.abs(by_steps - theirs).max() / spread
+        own_diff = np.abs(by_steps - mine).max() / spread  # our two paths: x rounded per 256, and not
+        mean_diff = np.abs(mine - theirs).mean() / spread
+        correlation = np.corrcoef(mine, theirs)[0, 1]
         ours_tokens, theirs_tokens, apart, lead = [], [], None, None
         for step in range(args.steps):
             a, b = int(mine.argmax()), int(theirs.argmax())
@@ -72,7 +85,9 @@ def main() -> int:
             cache.tokens.append(a)
             theirs = theirs_next([b])
         same = args.steps if apart is None else apart  # (after they part, each goes on from its own token)
-        print(f"| {kind} | {first_diff:.4f} | {same} of {args.steps} | {'-' if apart is None else apart} | "
+        print(f"| {kind} | {first_diff:.4f} (mean {mean_diff:.4f}, correlation {correlation:.6f}) | {stepped_diff:.4f} | "
+              f"{own_diff:.4f} | "
+              f"{same} of {args.steps} | {'-' if apart is None else apart} | "
               f"{'-' if lead is None else f'{lead:.4f}'} |")
         del llm
     return 0

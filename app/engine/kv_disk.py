@@ -98,7 +98,7 @@ class Entry:
     shape: tuple[int, int, int, int]  # n_layers, n_kv_heads, positions, head_dim
     offset: int  # where the keys start
     size: int
-    used: float  # last written or read (time.time)
+    used: int  # last written or read (ns, as `stamp` gives them, and the file's mtime says after a restart)
 
 
 @dataclass
@@ -158,7 +158,7 @@ def read_entry(path: Path) -> tuple[Entry, dict]:
         try:
             header = json.loads(f.read(length))
             entry = Entry(path, header["model"], header["user"], header["chunk"], header["ids"], header["dtype"],
-                          tuple(header["shape"]), PREAMBLE.size + length, size, path.stat().st_mtime)
+                          tuple(header["shape"]), PREAMBLE.size + length, size, path.stat().st_mtime_ns)
             fields = header["identity"]
         except (ValueError, KeyError, TypeError) as e:
             raise BadFile(f"its header is not what was written: {type(e).__name__}: {e}") from None
@@ -191,6 +191,7 @@ class KVDisk:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._index: dict[Path, Entry] = {}
+        self._last_used = 0  # the latest `stamp` given (ns)
         self._jobs: deque[_Job] = deque()  # the first one is being written
         self._writer: threading.Thread | None = None
         self._identities: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Llama -> Identity | None
@@ -324,11 +325,21 @@ class KVDisk:
             _copy_in(data, entry, cache, n)  # (its tensors over the map are gone when it returns)
         cache.tokens = entry.ids[:n]
         cache.exact = n
-        entry.used = time.time()
+        entry.used = self.stamp(entry.path)  # recently used: kept longest, also after a restart
+
+    def stamp(self, path: Path) -> int:
+        """A time (ns) later than any this cache gave before, written as the file's mtime, which orders the files
+        by use after a restart: the file system's own times come from a clock that ticks every few milliseconds,
+        so two files written within one tick had the same, and the one to keep was left to chance."""
+        with self._lock:
+            self._last_used = max(time.time_ns(), self._last_used + 1,
+                                  *(entry.used + 1 for entry in self._index.values()))
+            now = self._last_used
         try:
-            os.utime(entry.path)  # recently used: kept longest, also after a restart
+            os.utime(path, ns=(now, now))
         except OSError:
             pass
+        return now
 
     def _forget(self, entry: Entry, why: str | None) -> None:
         """Drop a file from the index; and from the disk, saying why, unless why is None (it is gone)."""
@@ -401,7 +412,7 @@ class KVDisk:
             _unlink(part)
             raise
         entry = Entry(path, job.model.digest, job.user, job.chunk, job.ids, dtype, (layers, heads, n, head_dim),
-                      PREAMBLE.size + len(header), size, time.time())
+                      PREAMBLE.size + len(header), size, self.stamp(path))
         with self._lock:
             for other in list(self._index.values()):  # those it holds all of, and more
                 if (other.model, other.user, other.chunk) == (entry.model, entry.user, entry.chunk) \

@@ -314,3 +314,20 @@ def test_a_q8_cache_is_written_and_read_back_exactly_and_a_file_of_the_other_typ
     again = KVDisk(tmp_path / "kv", 2**30)
     assert again.take(q8, "", ids, len(ids), q8_cache)[0].k.dtype == torch.uint8
     assert again.take(plain, "", ids, len(ids), new_cache(plain))[0].k.dtype == torch.float32
+
+
+def test_files_used_one_after_the_other_are_told_apart_after_a_restart_whatever_the_clock(tmp_path, monkeypatch):
+    """The order of use survives a restart in the files' mtimes, each later than the one before even where the
+    clock gives the same time twice (a file system's times tick every few milliseconds: two files written within
+    one tick tied, and which one a smaller bound kept at the next start was left to chance)."""
+    import time as time_module
+
+    from app.engine.kv_disk import KVDisk
+
+    disk = KVDisk(tmp_path / "kv", 2**20)
+    files = [tmp_path / f"f{i}" for i in range(4)]
+    for f in files:
+        f.write_bytes(b"x")
+    monkeypatch.setattr(time_module, "time_ns", lambda: 1_700_000_000_000_000_000)  # a clock that does not move
+    stamps = [disk.stamp(f) for f in files]
+    assert stamps == sorted(set(stamps)) and [f.stat().st_mtime_ns for f in files] == stamps

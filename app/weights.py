@@ -81,9 +81,10 @@ class Pull:
         return sum(self.sizes.values()) if self.sizes is not None else None
 
     def completed(self) -> int:
-        """Bytes of the files here so far (in the download folder, or in place once it is done)."""
-        where = self.folder if self.finished.is_set() and self.error is None else self.partial
-        here = sum(p.stat().st_size for p in where.rglob("*") if p.is_file()) if where and where.is_dir() else 0
+        """Bytes of the files here so far: in the download folder while it is there, else in place (moved there at
+        its end, before the pull is marked done: never back to 0)."""
+        where = self.partial if self.partial is not None and self.partial.is_dir() else self.folder
+        here = bytes_here(where) if where is not None and where.is_dir() else 0
         return min(here, self.total or here)
 
     def cancel(self) -> None:
@@ -101,6 +102,12 @@ class Pull:
             except TimeoutError:
                 pass
         yield self
+
+
+def bytes_here(folder: Path) -> int:
+    """The bytes of every file under a download's folder (huggingface_hub's unfinished files in .cache/ too: a pull
+    goes on from them)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 class Weights:

@@ -15,7 +15,10 @@ The work is done in model/convert/ (hub.py, gguf.py).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -24,6 +27,18 @@ from .convert.gguf import import_ggufs
 from .convert.hub import download, is_repo_id
 from .convert.url import fetch_gguf_url, is_url
 from .options import Environment
+
+
+def end_with_parent() -> None:
+    """SIGTERM to this process when its parent ends (Linux's PR_SET_PDEATHSIG; elsewhere nothing), and an end now if
+    the parent has ended already (this process was adopted before the request took effect)."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:
+        sys.exit(130)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,6 +54,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def report(what: dict) -> None:
         print(json.dumps(what), flush=True)
+
+    if args.report:  # run by a server (app.weights): it ends when that server's process ends, however it ends
+        end_with_parent()
 
     source, weights_dir = Path(args.source).expanduser(), Path(args.weights_dir)
     try:

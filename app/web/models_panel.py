@@ -36,10 +36,11 @@ from model.summary import summarize
 
 from app.backend.protocol import Backend, is_remote
 from app.settings import Settings, save_default
-from app.weights import Pull, Refused, Weights
+from app.weights import Pull, Refused, Weights, bytes_here
 
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.5
+ESTIMATE_AFTER_S, ESTIMATE_AFTER_BYTES = 3.0, 1_000_000  # a pull's speed and time left are shown from then on
 MAX_ENDED = 3  # pulls' ends the panel shows at once
 HUB_PAGE = re.compile(r"(https?://)?(www\.)?(huggingface\.co|hf\.co)/", re.IGNORECASE)  # before owner/name
 FOLLOWING: set[asyncio.Task] = set()  # the tasks that keep panels' progress bars moving (held: tasks are weak)
@@ -113,9 +114,8 @@ class ModelsPanel:
             source = source_of(partial)
             if source is None or source in under_way:
                 continue
-            here = sum(p.stat().st_size for p in partial.rglob("*")
-                       if p.is_file() and p.relative_to(partial).parts[0] != ".cache")
-            found.append({"source": source[0] + (f":{source[1]}" if source[1] else ""), "here": size_text(here)})
+            found.append({"source": source[0] + (f":{source[1]}" if source[1] else ""),
+                          "here": size_text(bytes_here(partial))})  # (what a pull goes on from, as it says)
         return found
 
     def unusable(self) -> list[dict]:
@@ -136,10 +136,11 @@ class ModelsPanel:
                                  self.weights.folder.parent).free
         memory = memory_bytes()
         found = []
+        pulling = {(pull.repo_id, pull.revision) for pull in self.weights.under_way()}
         for source, size, gated in SUGGESTED:
             repo, _, tag = source.partition(":")
-            if folder_name(repo, tag or None) in self.backend.profiles:
-                continue
+            if folder_name(repo, tag or None) in self.backend.profiles or (repo, tag or None) in pulling:
+                continue  # here, or on its way (its progress bar shows)
             found.append({"repo": source, "size": size_text(size), "fits_disk": size < free,
                           "memory": f"needs about {size_text(size * 1.25)} of memory"
                                     + (f" of this machine's {size_text(memory)}" if memory else ""),
@@ -228,14 +229,40 @@ def pull_state(pull: Pull) -> dict:
     done, total = pull.completed(), pull.total
     took = max(time.monotonic() - pull.started, 1e-3)
     speed = done / took
+    settled = took >= ESTIMATE_AFTER_S and done >= ESTIMATE_AFTER_BYTES  # a speed worth an estimate
     fetching = None
     if pull.sizes and pull.partial is not None:
         have = {p.name: p.stat().st_size for p in pull.partial.glob("*") if p.is_file()}
         fetching = next((name for name, size in pull.sizes.items() if have.get(name.split("/")[-1]) != size), None)
+    if total and done >= total:
+        left = "finishing: the files are checked and moved into place"
+    elif total and settled and speed > 0:
+        left = f"{time_text((total - done) / speed)} left"
+    else:
+        left = None
     return {"source": pull.repo_id, "done": done, "total": total, "done_text": size_text(done),
-            "total_text": size_text(total) if total else None, "speed": f"{size_text(speed)}/s" if done else None,
-            "left": f"{(total - done) / speed:.0f} s left" if total and done and speed > 0 else None,
-            "file": fetching, "error": pull.error}
+            "total_text": size_text(total) if total else None,
+            "speed": f"{size_text(speed)}/s" if settled else None, "left": left, "file": fetching,
+            "error": page_words(pull.error) if pull.error else None}
+
+
+# The fetch's messages are written for its terminal (python -m model.fetch); in the page, the panel's Pull does it.
+TERMINAL_WORDS = (("run the same command again", "pull it again"), ("and run again", "and pull it again"))
+
+
+def page_words(message: str) -> str:
+    for terminal, page in TERMINAL_WORDS:
+        message = message.replace(terminal, page)
+    return message
+
+
+def time_text(seconds: float) -> str:
+    """12 s, 4 min, 1 h 20 min."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds // 3600:.0f} h {seconds % 3600 / 60:.0f} min"
 
 
 def public_source(source: str) -> str:
@@ -289,7 +316,7 @@ async def follow(panel: ModelsPanel, element: cl.CustomElement, pull: Pull, curr
         except TimeoutError:
             pass
     name = pull.folder.name if pull.folder else pull.repo_id
-    say(element, f"Not pulled: {pull.error}" if pull.error and not pull.cancelled else pull.error
+    say(element, f"Not pulled: {page_words(pull.error)}" if pull.error and not pull.cancelled else pull.error
         or f"{name} is here: choose Use to chat with it.", ended=True)
     await show(panel, element, current(), user)
 

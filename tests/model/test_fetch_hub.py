@@ -298,3 +298,37 @@ def test_neither_a_path_nor_an_id(weights_dir, capsys):
     line = fetch_fails(["no/such/place.gguf", "--weights-dir", str(weights_dir)], capsys)
     assert line == ("error: no/such/place.gguf: no such file or folder, and not a Hugging Face model id "
                     "(owner/name, e.g. meta-llama/Llama-3.2-1B-Instruct)")
+
+
+def test_a_fetch_run_by_a_server_ends_when_that_server_is_killed(tmp_path):
+    """`--report` (a server runs it: app.weights): killed -9, the server leaves no fetch running to its end."""
+    import signal
+    import socket
+    import time
+
+    hanging = socket.socket()  # accepts, never answers: the download waits
+    hanging.bind(("127.0.0.1", 0))
+    hanging.listen()
+    url = f"http://127.0.0.1:{hanging.getsockname()[1]}/model.gguf"
+    server = subprocess.Popen([sys.executable, "-c", f"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-m", "model.fetch", {url!r}, "--weights-dir", {str(tmp_path)!r}, "--report"])
+print(child.pid, flush=True)
+time.sleep(600)
+"""], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        fetch = int(server.stdout.readline())
+        hanging.settimeout(60)
+        connection, _ = hanging.accept()  # the fetch has connected: under way, waiting for an answer (kept open)
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{fetch}") and \
+                open(f"/proc/{fetch}/stat").read().split()[2] != "Z":
+            time.sleep(0.1)
+        gone = not os.path.exists(f"/proc/{fetch}") or open(f"/proc/{fetch}/stat").read().split()[2] == "Z"
+        assert gone, "the fetch went on after its server was killed"
+        connection.close()
+    finally:
+        server.kill()
+        hanging.close()

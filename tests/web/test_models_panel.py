@@ -133,6 +133,7 @@ def test_a_pull_shows_its_progress_can_be_cancelled_goes_on_and_its_model_is_use
     assert ended["said"].startswith(f"cancelled: pulling {PULLED} again goes on from the")
     assert kept > 0  # what came before the cancel stays, for the next pull
     assert [i["source"] for i in ended["interrupted"]] == [PULLED]  # offered again, after a restart too
+    assert ended["interrupted"][0]["here"] == models_panel.size_text(kept)  # what the cancel said goes on from
     assert done["interrupted"] == [] and moving["interrupted"] == []
     assert done["said"] == "Tiny-Pulled is here: choose Use to chat with it."
     assert len(done["suggestions"]) == 4  # a model pulled that is none of them leaves them all
@@ -309,3 +310,43 @@ def test_a_loaded_model_is_unloaded_by_its_button_and_removed_unloading_it_first
     assert again["said"] == "spare is not loaded."
     assert before and removed["said"] == "Removed spare." and not (main.SETTINGS.weights_dir / "spare").exists()
     assert "spare" not in [m["name"] for m in removed["models"]]
+
+
+def test_a_pulls_progress_gives_a_time_left_once_its_speed_means_something_and_says_when_it_is_finishing(tmp_path):
+    from app.weights import Pull
+
+    partial = tmp_path / ".Model.download"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"x" * 800)
+    pull = Pull("acme/Model", None, tmp_path / "Model", partial, sizes={"model.safetensors": 72_700_000})
+    first = models_panel.pull_state(pull)  # a moment in, 800 bytes: no speed, no time left yet (not "88476 s left")
+    assert first["speed"] is None and first["left"] is None and first["done_text"] == "800 bytes"
+    pull.started -= 10
+    (partial / "model.safetensors").write_bytes(b"x" * 36_350_000)
+    half = models_panel.pull_state(pull)
+    assert half["speed"] == "3.6 MB/s" and half["left"] == "10 s left"
+    (partial / "model.safetensors").write_bytes(b"x" * 72_700_000)
+    assert models_panel.pull_state(pull)["left"] == "finishing: the files are checked and moved into place"
+    partial.rename(tmp_path / "Model")  # moved into place, not yet marked done: its bytes are still counted
+    assert pull.completed() == 72_700_000
+    assert [models_panel.time_text(s) for s in (12, 300, 4800, 9000)] == ["12 s", "5 min", "80 min", "2 h 30 min"]
+
+
+def test_a_suggestion_being_pulled_is_not_offered_again(tmp_path):
+    from types import SimpleNamespace
+
+    from app.weights import Pull
+
+    under_way = [Pull("bartowski/Llama-3.2-1B-Instruct-GGUF", "Q4_K_M", None, None)]
+    weights = SimpleNamespace(folder=tmp_path, under_way=lambda: under_way)
+    panel = models_panel.ModelsPanel(SimpleNamespace(profiles={"tiny": str(tmp_path / "tiny")}), weights, Settings())
+    offered = [s["repo"] for s in panel.suggestions()]
+    assert "bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M" not in offered and len(offered) == 3
+
+
+def test_a_failures_terminal_words_are_the_pages():
+    said = models_panel.page_words("cannot reach https://huggingface.co (ConnectError); check the network (or "
+                                   "HF_ENDPOINT, HF_HUB_OFFLINE, the proxy settings) and run the same command again")
+    assert said.endswith("the proxy settings) and pull it again") and "command" not in said
+    assert models_panel.page_words("acme/x is gated: accept its terms, then set HF_TOKEN and run again").endswith(
+        "and pull it again")

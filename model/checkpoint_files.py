@@ -63,6 +63,7 @@ def find_checkpoint(path: str | Path) -> CheckpointFiles:
 
 
 def is_gguf(path: Path) -> bool:
+    """Whether the file starts with GGUF's magic bytes."""
     try:
         with open(path, "rb") as f:
             return f.read(4) == b"GGUF"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType, GGUFReader
 
+from ..checkpoint_files import is_gguf
 from ..quantize import INT4_GROUP
 from .folder import (
     ConversionError,
@@ -225,12 +226,6 @@ def is_ollama_blob(path: Path) -> bool:
 
 def gguf_files(folder: Path) -> list[Path]:
     """Files under `folder` that start with GGUF's magic bytes (Ollama's blobs have no .gguf suffix)."""
-    def is_gguf(path: Path) -> bool:
-        try:
-            with open(path, "rb") as f:
-                return f.read(4) == b"GGUF"
-        except OSError:
-            return False
     def hidden(path: Path) -> bool:
         return any(part.startswith(".") for part in path.relative_to(folder).parts)
     return sorted(p for p in folder.rglob("*") if p.is_file() and not hidden(p) and is_gguf(p))

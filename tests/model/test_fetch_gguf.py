@@ -24,7 +24,8 @@ import torch
 import transformers
 from safetensors import safe_open
 from support.checkpoints import hf_model, prompt_ids
-from support.gguf_checkpoints import CHAT_TEMPLATE, as_stored, gguf_name, random_blocks, write_llama3_gguf
+from support.gguf_checkpoints import (CHAT_TEMPLATE, as_stored, gguf_name, random_blocks, write_llama3_gguf,
+                                      write_other_architecture)
 from support.kernels import x_in_int8
 
 import model.checkpoint
@@ -483,14 +484,7 @@ def test_tokenizer_is_metas_llama3_and_the_template_is_the_files(imported):
 @pytest.fixture(scope="module")
 def other_architecture(tmp_path_factory) -> Path:
     """A GGUF of a model that is not a Llama."""
-    path = tmp_path_factory.mktemp("other") / "phi.gguf"
-    writer = gguf.GGUFWriter(path, "phi3")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_other_architecture(tmp_path_factory.mktemp("other") / "phi.gguf")
 
 
 def test_a_folder_of_ggufs_as_ollama_keeps_them(imported, other_architecture, tmp_path, capsys):

@@ -10,12 +10,10 @@ import os
 import shutil
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
 from support.checkpoints import hf_model, prompt_ids
-from support.gguf_checkpoints import write_llama3_gguf
+from support.gguf_checkpoints import write_llama3_gguf, write_other_architecture
 
 from app.engine.models import find_profiles
 from model import load_checkpoint
@@ -26,16 +24,6 @@ from model.stores import find_store_models, gguf_architecture
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
     return write_llama3_gguf(hf_model(seed=3), tmp_path_factory.mktemp("gguf") / "Tiny-Llama-3-Q8_0.gguf", "q8_0")
-
-
-def other_architecture(path: Path) -> Path:
-    writer = gguf.GGUFWriter(path, "qwen2")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def ollama_model(models: Path, name: str, tag: str, blob_source: Path, host="registry.ollama.ai/library") -> Path:
@@ -60,7 +48,7 @@ def home(tmp_path, tiny_gguf) -> dict[str, str]:
     ollama = home / ".ollama" / "models"
     ollama_model(ollama, "llama3.2", "3b", tiny_gguf)
     ollama_model(ollama, "bartowski/Llama-3.2-1B-Instruct-GGUF", "Q4_K_M", tiny_gguf, host="hf.co")
-    ollama_model(ollama, "qwen2.5", "7b", other_architecture(tmp_path / "qwen.gguf"))
+    ollama_model(ollama, "qwen2.5", "7b", write_other_architecture(tmp_path / "qwen.gguf", "qwen2"))
     (ollama / "manifests" / "registry.ollama.ai" / "library" / "broken").mkdir(parents=True)
     (ollama / "manifests" / "registry.ollama.ai" / "library" / "broken" / "latest").write_text("not json")
     lm_studio = home / ".lmstudio" / "models" / "lmstudio-community" / "Tiny-GGUF"

@@ -84,6 +84,17 @@ def as_stored(model: transformers.LlamaForCausalLM, kind: str) -> transformers.L
     return stored
 
 
+def write_other_architecture(path: Path, architecture: str = "phi3") -> Path:
+    """A GGUF of a model that is not a Llama: its architecture and one tensor."""
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "Q5_0": (0,),
           "Q5_1": (0, 2), "IQ4_NL": (0,)}  # where each format's blocks hold fp16 values (d, dmin or min)
 # About how many times d a weight of each format is, on random bytes: d = typical / this gives weights of that size

@@ -31,6 +31,8 @@ OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 OLLAMA_LIBRARY = "registry.ollama.ai/library/"
 LLAMA_ARCHITECTURES = ("llama",)  # general.architecture values whose llama.* keys the importer reads
 SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")  # llama-gguf-split's parts
+DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+MAX_MANIFEST_BYTES = 1 << 20  # an Ollama manifest is a few hundred bytes
 MAX_FILES = 2000  # GGUF files looked at per store (a folder of a whole disk is not walked to its end)
 
 
@@ -79,13 +81,15 @@ def ollama_models(folder: Path) -> list[StoreModel]:
     manifests = folder / "manifests"
     for manifest in sorted(p for p in manifests.rglob("*") if p.is_file())[:MAX_FILES] if manifests.is_dir() else []:
         try:
+            if manifest.stat().st_size > MAX_MANIFEST_BYTES:
+                continue
             layers = json.loads(manifest.read_text(encoding="utf-8")).get("layers") or []
             digest = next(layer["digest"] for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_LAYER)
         except (OSError, ValueError, AttributeError, KeyError, StopIteration, TypeError):
             continue  # not a model's manifest (or a broken one): not a model
         parts = manifest.relative_to(manifests).parts  # host, namespace, model, tag
-        if len(parts) != 4 or not isinstance(digest, str) or not digest.startswith("sha256:"):
-            continue
+        if len(parts) != 4 or not isinstance(digest, str) or not DIGEST.fullmatch(digest):
+            continue  # (a digest is the blob's name: never a path)
         name = "/".join(parts[:3]) + ":" + parts[3]
         name = name.removeprefix(OLLAMA_LIBRARY)
         blob = folder / "blobs" / digest.replace(":", "-")

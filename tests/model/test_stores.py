@@ -51,6 +51,8 @@ def home(tmp_path, tiny_gguf) -> dict[str, str]:
     ollama_model(ollama, "qwen2.5", "7b", write_other_architecture(tmp_path / "qwen.gguf", "qwen2"))
     (ollama / "manifests" / "registry.ollama.ai" / "library" / "broken").mkdir(parents=True)
     (ollama / "manifests" / "registry.ollama.ai" / "library" / "broken" / "latest").write_text("not json")
+    (ollama / "manifests" / "registry.ollama.ai" / "library" / "broken" / "escape").write_text(json.dumps({"layers": [
+        {"mediaType": "application/vnd.ollama.image.model", "digest": "sha256:../../../../qwen.gguf"}]}))
     lm_studio = home / ".lmstudio" / "models" / "lmstudio-community" / "Tiny-GGUF"
     lm_studio.mkdir(parents=True)
     os.link(tiny_gguf, lm_studio / "Tiny-Llama-3-Q8_0.gguf")

@@ -38,8 +38,10 @@ def client(tiny):
 
 def test_a_reply_streams_text_then_done(client):
     async def scenario():
+        # ignore_eos: a sampled stop token (random weights, temperature 1) would end it before its 150 tokens
         return [(time.monotonic(), e) async for e in client.stream(chat("Hi"), ReplySettings(max_new_tokens=150,
-                                                                                              temperature=1.0))]
+                                                                                              temperature=1.0,
+                                                                                              ignore_eos=True))]
 
     events = run(scenario())
     texts = [(t, e) for t, e in events if isinstance(e, Text)]

@@ -60,7 +60,8 @@ class Settings(ModelOptions):
     auth: str = "none"  # "none": one local user, no login form; "password": a login form
     password: str | None = None
     users_file: Path | None = None
-    api_key: str | None = None  # needed with sign-in on: the API and /metrics then take it
+    api_key: str | None = None  # one key for the API and /metrics, its holders one user (app.api.keys)
+    api_keys_file: Path | None = None  # a key per user (app.api.keys); sign-in needs this or api_key
     backend_url: str | None = None  # an OpenAI-compatible server that generates instead of this process
     backend_key: str | None = None
     backend_model: str | None = None
@@ -79,8 +80,9 @@ class Settings(ModelOptions):
         return self.history_db.parent
 
     def may_manage_models(self, user: str | None) -> bool:
-        """LLAMA_MODEL_ADMINS: the users (by sign-in name) who may pull and remove models in the chat; unset,
-        everyone where there is no sign-in, and nobody where there is."""
+        """LLAMA_MODEL_ADMINS: the users (sign-in names, key users' names: app.api.keys) who may pull, remove,
+        unload and import models, in the chat and through the API; unset, everyone where there is no sign-in,
+        and nobody where there is."""
         if self.model_admins is not None:
             return user in self.model_admins
         return self.auth != "password"
@@ -114,6 +116,7 @@ class Settings(ModelOptions):
             password=password,
             users_file=users_file,
             api_key=_strip(env.text("LLAMA_API_KEY")),
+            api_keys_file=env.path("LLAMA_API_KEYS"),
             backend_url=env.url("LLAMA_BACKEND_URL"),
             backend_key=_strip(env.text("LLAMA_BACKEND_KEY")),
             backend_model=_strip(env.text("LLAMA_BACKEND_MODEL")),
@@ -151,8 +154,8 @@ def save_default(data_dir: Path, name: str) -> None:
 
 
 def _check_sign_in(settings: Settings, auth: str | None) -> None:
-    """LLAMA_PASSWORD or LLAMA_USERS turns sign-in on, and sign-in needs LLAMA_API_KEY (else the API and
-    /metrics would stay open to anyone who reaches the port)."""
+    """LLAMA_PASSWORD or LLAMA_USERS turns sign-in on, and sign-in needs LLAMA_API_KEY or LLAMA_API_KEYS (else the
+    API and /metrics would stay open to anyone who reaches the port)."""
     given = " and ".join(name for name, value in [("LLAMA_PASSWORD", settings.password),
                                                   ("LLAMA_USERS", settings.users_file)] if value)
     if auth == "none" and given:
@@ -160,10 +163,11 @@ def _check_sign_in(settings: Settings, auth: str | None) -> None:
                             f"sign-in, or unset {given} to have one local user and no sign-in")
     if auth == "password" and not given:
         raise SettingsError("LLAMA_AUTH=password: expected LLAMA_PASSWORD or LLAMA_USERS to be set too")
-    if given and not settings.api_key:
+    if given and not settings.api_key and not settings.api_keys_file:
         raise SettingsError(f"sign-in is on ({given} set): the API and /metrics then need a key too, else anyone "
-                            "who reaches the port could use them; set LLAMA_API_KEY to a long random string (e.g. "
-                            "from: python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+                            "who reaches the port could use them; set LLAMA_API_KEYS to a file of keys per user "
+                            "(python -m app.api.keys add NAME --file FILE), or LLAMA_API_KEY to one long random "
+                            "string (e.g. from: python -c 'import secrets; print(secrets.token_urlsafe(32))')")
 
 
 def users_file(environ: Mapping[str, str] | None = None) -> Path | None:

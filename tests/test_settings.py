@@ -62,7 +62,7 @@ def test_every_setting_is_documented():
             for name in re.findall(r'"(LLAMA_[A-Z_0-9]+)"', (root / reader).read_text())}
     table = set(re.findall(r"^\| `(LLAMA_[A-Z_0-9]+)`", (root / "chainlit.md").read_text(), re.MULTILINE))
     example = set(re.findall(r"^(LLAMA_[A-Z_0-9]+)=", (root / ".env.example").read_text(), re.MULTILINE))
-    assert len(read) == 51 and read == table == example
+    assert len(read) == 52 and read == table == example
 
 
 def test_kv_cache_budget_setting():

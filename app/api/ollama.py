@@ -28,11 +28,12 @@ change nothing here either. typical_p, tfs_z and mirostat are refused by name un
 images, context, template, suffix and think (this server's models do not think apart). A field Ollama does not
 have is left out, as Ollama does, and named in the log (app.api.ollama_shapes.read_ollama).
 
-Every request goes through the same API key check (LLAMA_API_KEY, as `Authorization: Bearer`: the ollama
-clients send OLLAMA_API_KEY so) and the same guard as /v1 (app.api.guard), and its body through the same
+Every request goes through the same API key check (LLAMA_API_KEY or LLAMA_API_KEYS, as `Authorization: Bearer`:
+the ollama clients send OLLAMA_API_KEY so; app.api.keys) and the same guard as /v1 (app.api.guard), and its body through the same
 reader (app.api.body.json_body, app.bounds.json_problem), which takes a body of any declared type from a
 request without an Origin, as Ollama does (its own examples send `curl -d`, form-urlencoded). Errors are
-Ollama's `{"error": "..."}` with their status: 400 for a bad field (named), 401, 404 "model 'x' not found",
+Ollama's `{"error": "..."}` with their status: 400 for a bad field (named), 401, 403 (pull, delete or unload by
+a user not in LLAMA_MODEL_ADMINS), 404 "model 'x' not found",
 413, 415, 500, 503 (busy: retry).
 """
 
@@ -59,6 +60,7 @@ from app.messages import Done, Failed, ReplySettings, Text, TokenLogprob
 from app.settings import parse_duration
 from model.tools import read_tools
 
+from app.api.keys import check_may_manage
 from app.api.openai import ApiError
 from app.api.parse import ApiRequest, ChatRequest, CompletionRequest, check_calls, json_within
 from app.api import ollama_models
@@ -294,7 +296,7 @@ async def answer(http_request: HttpRequest, backend: Backend, run: Run) -> Respo
     """Run the request and answer it: one JSON object, or (stream) one a line as the text comes."""
     started = time.perf_counter()
     if run.load_only:
-        return await load_or_unload(backend, run)
+        return await load_or_unload(http_request, backend, run)
     load_ns = await load(backend, run.model)
     try:
         request = run.start(backend, http_request.state.user)
@@ -396,10 +398,12 @@ async def load(backend: Backend, model: str) -> int:
     return int((time.perf_counter() - started) * 1e9)
 
 
-async def load_or_unload(backend: Backend, run: Run) -> Response:
+async def load_or_unload(http_request: HttpRequest, backend: Backend, run: Run) -> Response:
     """A request with nothing to answer: load the model (done_reason "load"), or with keep_alive 0 unload it
-    once no request uses it (waiting UNLOAD_WAIT_S for that at most; "unload")."""
+    once no request uses it (waiting UNLOAD_WAIT_S for that at most; "unload": LLAMA_MODEL_ADMINS' users only, as
+    it takes the model from everyone's requests)."""
     if run.keep_alive == 0:
+        check_may_manage(http_request, "unload models")
         backend.keep_alive(run.model, 0)
         deadline = time.monotonic() + UNLOAD_WAIT_S
         while backend.in_memory(run.model) and time.monotonic() < deadline:

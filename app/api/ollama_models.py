@@ -13,7 +13,10 @@
                         a model here already, named as /api/tags names it, is a success at once
                         (app.weights: a download that goes on if the client goes away, and resumes); the progress
                         streamed as Ollama's: {"status", "digest", "total", "completed"}, then {"status": "success"}
-    DELETE /api/delete  a model folder out of the weights folder (not the default model, nor one loaded)
+    DELETE /api/delete  a model folder out of the weights folder (not the default model; a loaded one is unloaded first)
+
+Pull and delete are for the users LLAMA_MODEL_ADMINS names (app.api.keys: a key's user; 403 for the others),
+except a pull of a model here already, which is a success for anyone.
 
 The digest is not of the weights' bytes (hashing gigabytes at each listing would take minutes): it is a SHA-256
 of the checkpoint's file names, sizes and times, so it changes when the files do. A remote server's models
@@ -38,6 +41,7 @@ from model.summary import count, summarize
 
 from app.backend.protocol import Backend, EngineError, is_remote
 from app.weights import InUse, Refused, TooManyPulls, Weights
+from app.api.keys import check_may_manage
 from app.api.openai import ApiError
 from app.api.body import json_body
 from app.api.ollama_shapes import (NDJSON, Details, Error, ModelBody, ModelEntry, ModelList, Progress, ShowReply, now_text,
@@ -213,6 +217,7 @@ def add_routes(route, backend: Backend, max_body_mb: int, weights: Weights, max_
 
     @route("/api/delete", ["DELETE"])
     async def delete(http_request: HttpRequest) -> Response:
+        check_may_manage(http_request, "delete models")
         name, _ = model_asked(await json_body(http_request, max_body_mb, any_type=True), backend.profiles)
         try:
             await weights.remove(name)
@@ -225,12 +230,13 @@ def add_routes(route, backend: Backend, max_body_mb: int, weights: Weights, max_
     @route("/api/pull", ["POST"])
     async def pull(http_request: HttpRequest) -> Response:
         named, asked = model_asked(await json_body(http_request, max_body_mb, any_type=True), None)
-        if named and local_name(named, backend.profiles) is not None:
+        if named and local_name(named, backend.profiles) is not None:  # (anyone may ask that of a model here)
             # a model here already, by its own name (clients that "ensure" a model pull it first): as Ollama's
             if asked.stream is False:
                 return json(Progress("success"))
             return StreamingResponse(iter([msgspec.json.encode(Progress(s)) + b"\n" for s in ("pulling manifest", "success")]),
                                      media_type=NDJSON, headers={"Cache-Control": "no-cache"})
+        check_may_manage(http_request, "pull models")
         repo_id, revision = hub_name(named)
         try:
             job = await weights.pull(repo_id, revision)

@@ -15,9 +15,10 @@ messages, files, tools, tool choice and JSON schemas are read by one set of rule
 the request the engine gets is the chat route's. An error of that reading names the Responses field
 (`input[2].content[0]`, `text.format`).
 
-Stored responses (store, by default true) are kept in memory, per user (the API key's holder), at most
-STORED_PER_USER of them and STORED_BYTES_PER_USER of their conversations, the oldest going first, and
-are gone when the server restarts: previous_response_id names one of the same user's, else it is a 404.
+Stored responses (store, by default true) are kept in memory, per user (the API key's user: app.api.keys), at
+most STORED_PER_USER of them and STORED_BYTES_PER_USER of their conversations, the oldest going first, and
+STORED_BYTES for all users together (the user longest unused losing theirs first). They are held as their JSON,
+so those bounds are the memory they take. They are gone when the server restarts: previous_response_id names one of the same user's, else it is a 404.
 A continued response is asked with the earlier one's whole conversation (its input and output, not its
 instructions, as OpenAI does), which the engine's prefix cache finds already computed.
 """
@@ -25,7 +26,6 @@ instructions, as OpenAI does), which the engine's prefix cache finds already com
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import secrets
 import time
@@ -50,43 +50,82 @@ from app.backend.protocol import Backend, InvalidRequest, ServerBusy
 from app.files.read import READERS
 
 STORED_PER_USER = 1_000
-STORED_BYTES_PER_USER = 64 * 2**20  # their conversations as JSON (files in them as base64)
+STORED_BYTES_PER_USER = 64 * 2**20  # their conversations as JSON (files in them as base64), as held in memory
 STORED_USERS = 256  # the users with stored responses kept; the one longest unused goes first
+STORED_BYTES = 256 * 2**20  # all users' together: past it, the stored responses of the user longest unused go
 
 
 # ---- stored responses ---------------------------------------------------------------------------
 
-@dataclass
+@dataclass(frozen=True)
 class Stored:
-    response: shapes.Response
-    messages: list[dict]  # the chat messages of its whole conversation, its output last (no instructions)
-    items: list[dict]  # its input items, as asked
-    size: int
+    """A stored response as the JSON of its parts: what it holds in memory is what it counts (`size`, within the
+    bytes objects' few dozen bytes each). Kept as Python objects, the same conversation took about 5x its JSON."""
+    id: str
+    response_json: bytes  # the Response object, as GET /v1/responses/{id} answers it
+    messages_json: bytes  # the chat messages of its whole conversation, its output last (no instructions)
+    items_json: bytes  # its input items, as asked
+
+    @classmethod
+    def of(cls, response: shapes.Response, messages: list[dict], items: list[dict]) -> Stored:
+        return cls(response.id, _exact(response), _exact(messages), _exact(items))
+
+    @property
+    def messages(self) -> list[dict]:
+        return msgspec.json.decode(self.messages_json)
+
+    @property
+    def items(self) -> list[dict]:
+        return msgspec.json.decode(self.items_json)
+
+    @property
+    def size(self) -> int:
+        return len(self.response_json) + len(self.messages_json) + len(self.items_json)
+
+
+def _exact(value) -> bytes:
+    """value's JSON in a bytes object of its length: msgspec's own keeps the room its buffer grew to (~1.4x)."""
+    return bytes(memoryview(msgspec.json.encode(value)))
 
 
 class Store:
-    """Stored responses by user, in memory, bounded (STORED_PER_USER, STORED_BYTES_PER_USER, STORED_USERS)."""
+    """Stored responses by user, in memory, bounded (STORED_PER_USER, STORED_BYTES_PER_USER, STORED_USERS) and
+    all users' together by STORED_BYTES (those of the user longest unused go first)."""
 
     def __init__(self, per_user: int = STORED_PER_USER, bytes_per_user: int = STORED_BYTES_PER_USER,
-                 users: int = STORED_USERS):
-        self.per_user, self.bytes_per_user, self.users = per_user, bytes_per_user, users
+                 users: int = STORED_USERS, total_bytes: int = STORED_BYTES):
+        self.per_user, self.bytes_per_user, self.users, self.total_bytes = per_user, bytes_per_user, users, total_bytes
         self._by_user: OrderedDict[str, OrderedDict[str, Stored]] = OrderedDict()
+        self._bytes: dict[str, int] = {}  # each user's stored bytes
 
     def get(self, user: str, response_id: str) -> Stored | None:
         return self._by_user.get(user, {}).get(response_id)
 
     def put(self, user: str, stored: Stored) -> None:
-        """Keep `stored`, the user's oldest going while they are over the bounds (it too, where it alone is)."""
+        """Keep `stored`, the user's oldest going while they are over the bounds (it too, where it alone is), then
+        the users longest unused while all are over STORED_BYTES."""
         kept = self._by_user.setdefault(user, OrderedDict())
         self._by_user.move_to_end(user)
-        kept[stored.response.id] = stored
-        while len(kept) > self.per_user or sum(s.size for s in kept.values()) > self.bytes_per_user:
-            kept.popitem(last=False)
-        while len(self._by_user) > self.users:
-            self._by_user.popitem(last=False)
+        self._forget(user, stored.id)
+        kept[stored.id] = stored
+        self._bytes[user] = self._bytes.get(user, 0) + stored.size
+        while kept and (len(kept) > self.per_user or self._bytes[user] > self.bytes_per_user):
+            self._forget(user, next(iter(kept)))
+        while len(self._by_user) > self.users or (len(self._by_user) > 1 and self.bytes > self.total_bytes):
+            self._bytes.pop(self._by_user.popitem(last=False)[0], None)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._bytes.values())
 
     def delete(self, user: str, response_id: str) -> bool:
-        return self._by_user.get(user, {}).pop(response_id, None) is not None
+        return self._forget(user, response_id)
+
+    def _forget(self, user: str, response_id: str) -> bool:
+        gone = self._by_user.get(user, {}).pop(response_id, None)
+        if gone is not None:
+            self._bytes[user] -= gone.size
+        return gone is not None
 
 
 def not_found(response_id: str, param: str | None = None) -> ApiError:
@@ -259,7 +298,7 @@ def add_routes(router: APIRouter, backend: Backend, max_body_mb: int, store: Sto
         stored = store.get(http_request.state.user, response_id)
         if stored is None:
             raise not_found(response_id)
-        return json_response(stored.response)
+        return HttpResponse(stored.response_json, media_type="application/json")
 
     @router.get("/v1/responses/{response_id}/input_items")
     async def input_items(http_request: HttpRequest, response_id: str) -> HttpResponse:
@@ -328,8 +367,7 @@ class Turn:
             {"role": "assistant", "content": text}  # (an empty reply is continued as one: content "")
         messages = [*self.messages, answer]
         items = [as_item(item) for item in self.items]
-        size = len(json.dumps(messages)) + len(json.dumps(items))
-        self.store.put(self.user, Stored(response, messages, items, size))
+        self.store.put(self.user, Stored.of(response, messages, items))
 
 
 def as_item(item: dict) -> dict:

@@ -32,7 +32,8 @@ Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 4
 (named in `param`), a prompt too long for the context (code context_length_exceeded) or a JSON schema refused
 (code invalid_json_schema; a tool's parameters: invalid_function_parameters) or not followed to the reply's end
 (code json_schema_failed; a stream ends with that error event), 401 for a missing or wrong key when
-LLAMA_API_KEY is set, 404 for an unknown model, 413 for a body larger than LLAMA_MAX_BODY_MB (files in it as
+LLAMA_API_KEY or LLAMA_API_KEYS is set (app.api.keys: a key names its user), 403 for a model pulled, deleted or
+unloaded by a user not in LLAMA_MODEL_ADMINS, 404 for an unknown model, 413 for a body larger than LLAMA_MAX_BODY_MB (files in it as
 base64 included: 4 MB holds a 3 MB file, 28 MB a 20 MB one), 415
 for a body that is not application/json, 429 (with Retry-After) when the
 server's queue is full, 503 (with Retry-After) when the model process stopped or is restarting. A
@@ -48,12 +49,10 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import hashlib
-import hmac
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI
@@ -70,6 +69,7 @@ from app.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from app.api.metrics import Metrics
 from app.api import ollama, responses
 from app.api.body import json_body, json_response
+from app.api.keys import ApiKeys
 from app.api.parse import ApiRequest, ChatRequest, has_files, parse_chat, parse_completion
 from app.api.pieces import Finish, Piece, cancel_on_disconnect, pieces
 from app.api.openai import (
@@ -95,38 +95,37 @@ from app.api.openai import (
 from app.settings import DEFAULT_MAX_BODY_MB
 from app.weights import Weights
 from model.options import Environment
-from app.web.users import LOCAL_USER, utf8
+from app.web.users import LOCAL_USER
 
 log = logging.getLogger(__name__)
 
 
-def key_user(api_key: str) -> str:
-    """Whose requests the ones with this key are: one identity for whoever holds it, which no sign-in name
-    can take without knowing the key (a digest of it)."""
-    return "api key " + hashlib.sha256(utf8(api_key)).hexdigest()[:16]
-
-
 # ---- routes -------------------------------------------------------------------------------------
 
-def create_router(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
+def create_router(backend: Backend, keys: ApiKeys | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
                   stored=dict, weights_dir: Path | None = None, max_context: int | None = None,
-                  weights: Weights | None = None) -> APIRouter:
+                  weights: Weights | None = None, may_manage: Callable[[str], bool] = lambda user: True) -> APIRouter:
     """The /v1 routes over a backend (`app.backend.protocol.Backend`), and Ollama's /api routes (app.api.ollama:
-    models are pulled into and removed from weights_dir; max_context: the context a model not loaded yet will
-    have); stored() gives the bytes on disk by part."""
+    models are pulled into and removed from weights_dir, by the users `may_manage` allows; max_context: the context
+    a model not loaded yet will have); stored() gives the bytes on disk by part."""
     started = int(time.time())
+    keys = keys or ApiKeys()
 
     def check_key(http_request: HttpRequest) -> None:
-        """Every route's dependency: with LLAMA_API_KEY set, the key must come with the request. Notes whose
-        request it is in request.state.user (the scope of the engine's KV cache reuse)."""
-        http_request.state.user = key_user(api_key) if api_key else LOCAL_USER
-        if not api_key:
-            return
-        scheme, _, token = http_request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise ApiError(401, "No API key given: send it as 'Authorization: Bearer <key>'.", code="invalid_api_key")
-        if not hmac.compare_digest(token.strip().encode("latin-1"), utf8(api_key)):  # the header's bytes, as sent
-            raise ApiError(401, "Incorrect API key.", code="invalid_api_key")
+        """Every route's dependency: with keys given (app.api.keys), a request must carry one of them. Notes whose
+        request it is in request.state.user (its stored responses, the scope of the engine's KV cache reuse) and
+        whether that user manages models in request.state.may_manage_models."""
+        http_request.state.user = LOCAL_USER
+        if keys.required:
+            scheme, _, token = http_request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise ApiError(401, "No API key given: send it as 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+            user = keys.user(token.strip())
+            if user is None:
+                raise ApiError(401, "Incorrect API key.", code="invalid_api_key")
+            http_request.state.user = user
+        http_request.state.may_manage_models = may_manage(http_request.state.user)
 
     router = APIRouter(dependencies=[Depends(check_key)])  # an ApiError anywhere is answered by answer_error
 
@@ -344,14 +343,14 @@ def sse(shape: Struct) -> str:
     return f"data: {msgspec.json.encode(shape).decode()}\n\n"
 
 
-def mount(app: FastAPI, backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
+def mount(app: FastAPI, backend: Backend, keys: ApiKeys | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
           stored=dict, weights_dir: Path | None = None, max_context: int | None = None,
-          weights: Weights | None = None) -> None:
+          weights: Weights | None = None, may_manage: Callable[[str], bool] = lambda user: True) -> None:
     """Add the API's routes to an app, in front of its own: Chainlit's catch-all GET route would
     otherwise answer /v1/models (and /api/tags) with its web page. stored: the bytes on disk by part, for
     /metrics."""
-    app.router.routes[0:0] = create_router(backend, api_key, max_body_mb, stored, weights_dir, max_context,
-                                                weights).routes
+    app.router.routes[0:0] = create_router(backend, keys, max_body_mb, stored, weights_dir, max_context,
+                                           weights, may_manage).routes
     app.add_exception_handler(ApiError, answer_error)
 
 
@@ -371,9 +370,9 @@ async def answer_error(http_request: HttpRequest, error: ApiError) -> Response:
 
 # ---- standalone server --------------------------------------------------------------------------
 
-def create_app(backend: Backend, api_key: str | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
+def create_app(backend: Backend, keys: ApiKeys | None = None, max_body_mb: int = DEFAULT_MAX_BODY_MB,
                weights_dir: Path | None = None, max_context: int | None = None,
-               weights: Weights | None = None) -> FastAPI:
+               weights: Weights | None = None, may_manage: Callable[[str], bool] = lambda user: True) -> FastAPI:
     """The API alone; /health says 200 once the default model is loaded, and / what Ollama's says there (the
     chat server has its page there)."""
 
@@ -384,7 +383,8 @@ def create_app(backend: Backend, api_key: str | None = None, max_body_mb: int = 
         backend.close()
 
     app = FastAPI(title="llama-chat API", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    mount(app, backend, api_key, max_body_mb, weights_dir=weights_dir, max_context=max_context, weights=weights)
+    mount(app, backend, keys, max_body_mb, weights_dir=weights_dir, max_context=max_context, weights=weights,
+          may_manage=may_manage)
 
     app.router.routes.insert(0, health_route(backend))
 
@@ -410,16 +410,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings.from_env()
         allowed = guard.Allowed.from_settings(settings, args.host, args.port)
+        keys = ApiKeys.from_settings(settings)
         backend = open_backend(settings)
     except SettingsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not settings.api_key and not guard.is_loopback(args.host):
-        log.warning("serving on %s without LLAMA_API_KEY: anyone who can reach this port can use the model",
+    if not keys.required and not guard.is_loopback(args.host):
+        log.warning("serving on %s without LLAMA_API_KEY or LLAMA_API_KEYS: anyone who can reach this port can "
+                    "use the model",
                     args.host)
     weights = Weights(backend, settings.weights_dir, Environment().text("HF_ENDPOINT"), settings.max_pulls)
-    app = create_app(backend, settings.api_key, settings.max_body_mb, settings.weights_dir, settings.max_context,
-                     weights)
+    app = create_app(backend, keys, settings.max_body_mb, settings.weights_dir, settings.max_context, weights,
+                     settings.may_manage_models)
     guard.install(app, allowed)
     http_server.install(app)
     log.info("%s", allowed.summary())

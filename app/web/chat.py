@@ -48,6 +48,7 @@ from chainlit.session import WebsocketSession
 from chainlit.utils import wrap_user_function
 
 from app.api import routes as api, guard
+from app.api.keys import ApiKeys
 from app.web import (attachments, export, history, http_server, login_page, models_panel, page, sessions,
                      socket_events, uploads, users)
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote, open_backend
@@ -74,6 +75,7 @@ SIGN_IN: users.SignIn | None
 SIGNED_IN: sessions.Valid
 FILE_STORE: FileStore | None  # the files of stored chats (history on)
 MODELS: models_panel.ModelsPanel  # the weights folder's models, and the pulls into it (shared with Ollama's API)
+API_KEYS: ApiKeys  # who an API request is (LLAMA_API_KEY, LLAMA_API_KEYS)
 
 # How long a page may leave socket.io's pings unanswered before its socket is dropped, and with it (on_chat_end)
 # the reply it was being sent. A page answers them from its main thread: engine.io's default of 20 s lost the
@@ -86,7 +88,7 @@ def start() -> None:
     """Read the settings, open the backend (the engine process starts loading the default model), and put
     the guard, sign-in and the API in front of Chainlit's routes. `app/main.py` calls it once, before
     the server serves; a setting that cannot be used stops the start (exit status 2)."""
-    global SETTINGS, PRESETS, ALLOWED, BACKEND, SIGNING_IN, SIGN_IN, SIGNED_IN, FILE_STORE, MODELS
+    global SETTINGS, PRESETS, ALLOWED, BACKEND, SIGNING_IN, SIGN_IN, SIGNED_IN, FILE_STORE, MODELS, API_KEYS
     try:
         SETTINGS = Settings.from_env()
         PRESETS = read_presets(SETTINGS.presets)
@@ -105,6 +107,7 @@ def start() -> None:
             os.environ["CHAINLIT_AUTH_SECRET"] = history.auth_secret(SETTINGS.history_db.parent)
         SIGN_IN = (users.SignIn.from_settings(SETTINGS, key=os.environ["CHAINLIT_AUTH_SECRET"].encode())
                    if SETTINGS.auth == "password" else None)
+        API_KEYS = ApiKeys.from_settings(SETTINGS)  # a keys file that cannot be used stops the app here
         SIGNED_IN = sessions.still_signed_in(SIGN_IN.passwords if SIGN_IN else None)
         uploads.claim_folder()  # this server's folder for the files Chainlit sends and those uploaded
         uploads.USER_PENDING_BYTES = SETTINGS.max_pending_mb * 2**20  # a user's uploads waiting, over all their tabs
@@ -128,8 +131,9 @@ def start() -> None:
             chainlit_app.add_middleware(sessions.Sessions, valid=SIGNED_IN)  # sessions end with their password
     only_edits_of_this_chat()
     socket_events.guard(sio)  # every socket event's payload checked before Chainlit's handler reads it
-    api.mount(chainlit_app, BACKEND, SETTINGS.api_key, SETTINGS.max_body_mb, stored=lambda: dict(uploads.STORED),
-              weights_dir=SETTINGS.weights_dir, max_context=SETTINGS.max_context, weights=MODELS.weights)
+    api.mount(chainlit_app, BACKEND, API_KEYS, SETTINGS.max_body_mb, stored=lambda: dict(uploads.STORED),
+              weights_dir=SETTINGS.weights_dir, max_context=SETTINGS.max_context, weights=MODELS.weights,
+              may_manage=SETTINGS.may_manage_models)
     chainlit_app.router.routes.insert(0, api.health_route(BACKEND))  # before Chainlit's own
     chainlit_app.router.routes.insert(0, sessions.action_route())  # an action that is not one: a 400, not a 500
     if FILE_STORE is not None:

@@ -113,14 +113,14 @@ def read_users(path: Path) -> dict[str, str]:
     return users
 
 
-def read_text(path: Path) -> str:
-    """The file's text; SettingsError names the file and what was wrong."""
+def read_text(path: Path, variable: str = "LLAMA_USERS") -> str:
+    """The file's text; SettingsError names the variable, the file and what was wrong."""
     try:
         return path.read_text(encoding="utf-8")
     except OSError as e:
-        raise SettingsError(f"LLAMA_USERS={path}: cannot read the file: {e.strerror}") from None
+        raise SettingsError(f"{variable}={path}: cannot read the file: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise SettingsError(f"LLAMA_USERS={path}: expected UTF-8 text, found byte {e.object[e.start]:#04x} at "
+        raise SettingsError(f"{variable}={path}: expected UTF-8 text, found byte {e.object[e.start]:#04x} at "
                             f"offset {e.start}") from None
 
 
@@ -140,13 +140,13 @@ class UsersFile:
 
     def __init__(self, path: Path):
         self.path = path
-        self.version = _version(path)
+        self.version = file_version(path)
         self.users: dict[str, str] | None = read_users(path)  # at start, a file that cannot be used stops the app
 
     def read(self) -> dict[str, str] | None:
         """{name: hash}, or None while the file cannot be used: then nobody signs in or stays signed in (a
         broken file must not let a removed user back in, nor give their name to LLAMA_PASSWORD)."""
-        version = _version(self.path)
+        version = file_version(self.path)
         if version != self.version:
             self.version = version
             try:
@@ -158,7 +158,8 @@ class UsersFile:
         return self.users
 
 
-def _version(path: Path) -> tuple[int, ...] | None:
+def file_version(path: Path) -> tuple[int, ...] | None:
+    """What changes when the file does (None: it cannot be read now)."""
     try:
         status = path.stat()
     except OSError:
@@ -365,6 +366,14 @@ def convert(path: Path) -> list[str]:
     return converted
 
 
+def storable_name(name: str) -> str:
+    """A name as a `name:secret` line can hold it (the users file's, the keys file's); SettingsError if not."""
+    if not name.strip() or name != name.strip() or name.startswith("#") or any(c in name for c in ":\r\n"):
+        raise SettingsError(f"the name {name!r} cannot be stored: expected no ':' or line break, no leading '#' "
+                            "and no spaces around it")
+    return name
+
+
 def read_password(name: str) -> str:
     """Asked twice on a terminal; else the first line of standard input (for scripts)."""
     if not sys.stdin.isatty():
@@ -389,10 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         if path is None:
             raise SettingsError("expected --file FILE, or LLAMA_USERS naming the users file")
         if args.command == "add":
-            name = args.name.strip()
-            if not name or name != args.name or name.startswith("#") or any(c in name for c in ":\r\n"):
-                raise SettingsError(f"the name {args.name!r} cannot be stored: expected no ':' or line break, no "
-                                    "leading '#' and no spaces around it")
+            name = storable_name(args.name)
             password = read_password(name)
             if not password:
                 raise SettingsError("the password is empty; nothing was written")

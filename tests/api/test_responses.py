@@ -144,20 +144,51 @@ def test_input_items_are_paged_as_openai_pages_them():
         assert error.value.param == param and error.value.status == 400
 
 
+def reply(i: int) -> Response:
+    return Response(id=f"resp_{i}", created_at=0, status="completed", model="tiny")
+
+
 def test_a_key_holders_responses_are_not_anothers():
-    store, reply = Store(per_user=2), Response(id="resp_1", created_at=0, status="completed", model="tiny")
-    store.put("alice", Stored(reply, [], [], 10))
+    store = Store(per_user=2)
+    store.put("alice", Stored.of(reply(1), [], []))
     assert store.get("bob", "resp_1") is None and not store.delete("bob", "resp_1")
     assert store.get("alice", "resp_1") is not None
     for i in range(2, 4):  # bounded: the oldest goes
-        store.put("alice", Stored(Response(id=f"resp_{i}", created_at=0, status="completed", model="tiny"), [], [], 10))
+        store.put("alice", Stored.of(reply(i), [], []))
     assert store.get("alice", "resp_1") is None and store.get("alice", "resp_3") is not None
-    big = Store(bytes_per_user=100)
-    big.put("alice", Stored(reply, [], [], 60))
-    big.put("alice", Stored(Response(id="resp_2", created_at=0, status="completed", model="tiny"), [], [], 60))
+    size = Stored.of(reply(1), [{"role": "user", "content": "x" * 40}], []).size
+    big = Store(bytes_per_user=size + 50)
+    big.put("alice", Stored.of(reply(1), [{"role": "user", "content": "x" * 40}], []))
+    big.put("alice", Stored.of(reply(2), [{"role": "user", "content": "y" * 40}], []))
     assert big.get("alice", "resp_1") is None and big.get("alice", "resp_2") is not None
-    big.put("alice", Stored(Response(id="resp_3", created_at=0, status="completed", model="tiny"), [], [], 101))
-    assert big.get("alice", "resp_3") is None  # over the bound alone: not kept either
+    big.put("alice", Stored.of(reply(3), [{"role": "user", "content": "z" * 100}], []))
+    assert big.get("alice", "resp_3") is None and big.bytes == 0  # over the bound alone: not kept either
+    everyone = Store(total_bytes=2 * size + 10)  # all users together: the one longest unused loses theirs
+    for i, user in enumerate(("ann", "bea", "cy", "ann")):
+        everyone.put(user, Stored.of(reply(i), [{"role": "user", "content": "x" * 40}], []))
+    assert [everyone.get(user, f"resp_{i}") is not None for i, user in enumerate(("ann", "bea", "cy", "ann"))] == [
+        False, False, True, True]
+    assert everyone.bytes == 2 * size
+
+
+def test_the_store_counts_the_memory_its_responses_take():
+    """What a stored response counts is the memory it takes, measured (tracemalloc): a conversation of many
+    short messages, where Python objects took ~5x their JSON's length, and one long message."""
+    import tracemalloc
+
+    many = [{"role": "user" if i % 2 else "assistant", "content": f"turn {i}: yes."} for i in range(4_000)]
+    one = [{"role": "user", "content": "word " * 100_000}]
+    for messages in (many, one):
+        store = Store()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            store.put("alice", Stored.of(reply(1), messages, messages[:1]))
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert store.bytes <= held <= store.bytes * 1.05 + 4_096, (held, store.bytes)
+        assert store.get("alice", "resp_1").messages == messages  # and it is all there
 
 
 def test_a_conversation_past_what_a_user_may_store_is_refused_before_it_runs(monkeypatch):

@@ -18,6 +18,7 @@ from support import cross_user
 from support.handlers import Chat
 from support.servers import ChainlitServer, server_env
 
+from app.api import keys
 from app.settings import Settings
 from app.web import history, login_page
 from app.web.file_store import FileStore
@@ -192,14 +193,18 @@ def test_every_route_and_socket_event_is_in_the_cross_user_tables(tmp_path):
     assert listed <= routes, listed - routes  # and the tables name no route that is not there
 
 
+KEYS: dict[str, str] = {}  # the two users' API keys (LLAMA_API_KEYS), made with the server
+
+
 @pytest.fixture(scope="module")
 def two_users_server(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("ownership")
     users = folder / "users"
     users.write_text(f"ada:{HASHER.hash('lovelace')}\ngrace:{HASHER.hash('hopper')}\n")
+    KEYS.update({name: keys.add(folder / "keys", name) for name in ("ada", "grace")})  # the same two, by API key
     env = server_env(checkpoint=tiny, weights_dir=tiny.parent, temperature=0, dtype="fp32", threads=1,
                      max_new_tokens=8, history_db=folder / "history.db", auth="password", users=users,
-                     api_key="a-key")
+                     api_key="a-key", api_keys=folder / "keys", model_admins="grace")
     env.pop("CHAINLIT_AUTH_SECRET", None)
     server = ChainlitServer(env, log=folder / "chainlit.log")
     try:
@@ -243,6 +248,34 @@ def test_another_users_ids_reach_nothing_on_any_route_or_event(two_users_server)
                 if re.search(r" - (ERROR|CRITICAL) - ", line) and not REFUSALS.search(line)]
     assert not problems, problems
     assert len([line for line in log.splitlines() if "not found for user" in line]) >= 3  # one line each
+
+
+def test_another_users_key_reaches_none_of_their_stored_responses_nor_the_models(two_users_server):
+    """The API's side of the same: Grace's stored response, tried with Ada's key (and the shared LLAMA_API_KEY)
+    on every route that takes a response id, is a 404 each time, and Ada, not in LLAMA_MODEL_ADMINS, neither
+    deletes nor pulls nor unloads a model (403); Grace still has her response, and her model."""
+    server, _ = two_users_server
+
+    def as_(name):
+        return {"Authorization": f"Bearer {KEYS.get(name, name)}"}
+
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        kept = http.post("/v1/responses", json={"input": "Remember 7391."}, headers=as_("grace")).json()["id"]
+        for intruder in ("ada", "a-key"):
+            tries = [http.get(f"/v1/responses/{kept}", headers=as_(intruder)),
+                     http.get(f"/v1/responses/{kept}/input_items", headers=as_(intruder)),
+                     http.post("/v1/responses", json={"input": "And?", "previous_response_id": kept}, headers=as_(intruder)),
+                     http.delete(f"/v1/responses/{kept}", headers=as_(intruder))]
+            assert [t.status_code for t in tries] == [404] * 4, [t.text for t in tries]
+            model = http.get("/api/tags", headers=as_(intruder)).json()["models"][0]["name"]
+            managing = [http.request("DELETE", "/api/delete", json={"model": model}, headers=as_(intruder)),
+                        http.post("/api/pull", json={"model": "acme/Other", "stream": False}, headers=as_(intruder)),
+                        http.post("/api/generate", json={"model": model, "keep_alive": 0}, headers=as_(intruder))]
+            assert [t.status_code for t in managing] == [403] * 3, [t.text for t in managing]
+            assert all("LLAMA_MODEL_ADMINS" in t.json()["error"] for t in managing)
+        assert http.get(f"/v1/responses/{kept}", headers=as_("grace")).status_code == 200
+        assert model in [m["name"] for m in http.get("/api/tags", headers=as_("grace")).json()["models"]]
+        assert http.get("/v1/models", headers=as_("nobody")).status_code == 401
 
 
 def test_with_a_shared_password_the_sign_in_page_and_the_log_say_what_it_opens(tiny, tmp_path):

@@ -16,6 +16,7 @@ import msgspec
 from fastapi.responses import Response
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from app.messages import TokenLogprob
 from app.bounds import (
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
@@ -260,6 +261,12 @@ class ChatLogprobs(Struct):
 
     content: list[ChatTokenLogprob] | None = None
     refusal: str | None = None
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
+    """The engine's logprobs in the chat shape (the Responses API's output_text parts take its content too)."""
+    return ChatLogprobs([ChatTokenLogprob(t.token, t.logprob, t.bytes, [TopLogprob(top.token, top.logprob, top.bytes)
+                                                                        for top in t.top]) for t in entries])
 
 
 class TextLogprobs(Struct):

@@ -4,7 +4,8 @@
                                              outputs, files), instructions, tools (function tools), tool_choice,
                                              parallel_tool_calls, text.format (json_object, json_schema),
                                              max_output_tokens, sampling fields, truncation, stream (the
-                                             Responses events), previous_response_id, store
+                                             Responses events), previous_response_id, store, include
+                                             (message.output_text.logprobs) and top_logprobs
     GET    /v1/responses/{id}                a stored response
     GET    /v1/responses/{id}/input_items    what it was asked (the items of its input, oldest first)
     DELETE /v1/responses/{id}
@@ -45,7 +46,8 @@ from app.api.openai import ApiError
 from app.api.parse import ChatRequest, has_files, parse_chat, read_body
 from app.api.body import json_body, json_response
 from app.api.pieces import Finish, Piece, cancel_on_disconnect, pieces
-from app.api.openai import Usage
+from app.api.openai import Usage, chat_logprobs
+from app.messages import TokenLogprob
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy
 from app.files.read import READERS
 
@@ -201,6 +203,8 @@ def chat_body(asked: shapes.ResponseBody, earlier: list[dict]) -> tuple[dict, li
              if (value := getattr(asked, name)) is not None}
     if asked.max_output_tokens is not None:
         body["max_completion_tokens"] = asked.max_output_tokens
+    if shapes.LOGPROBS in (asked.include or []) or asked.top_logprobs:  # (top_logprobs alone asks for them too)
+        body |= {"logprobs": True, "top_logprobs": asked.top_logprobs or 0}
     return body, [dict(m) for m in messages], where
 
 
@@ -415,10 +419,11 @@ async def respond(http_request: HttpRequest, asked: shapes.ResponseBody, chat: C
         return e.response()
     if not asked.stream:
         try:
-            text, finish, usage = [], None, None
+            text, logprobs, finish, usage = [], [], None, None
             async for item in resumed(first, replies):
                 if isinstance(item, Piece):
                     text.append(item.text)
+                    logprobs += item.logprobs
                 elif isinstance(item, Finish):
                     finish = item
                 else:
@@ -427,7 +432,7 @@ async def respond(http_request: HttpRequest, asked: shapes.ResponseBody, chat: C
             return e.response()
         finally:
             await close()
-        done(response, "".join(text), finish, usage)
+        done(response, "".join(text), finish, usage, logprobs)
         turn.keep(response)
         return json_response(response)
 
@@ -454,11 +459,12 @@ async def resumed(first, rest: AsyncIterator) -> AsyncIterator:
         yield item
 
 
-def done(response: shapes.Response, text: str, finish: Finish | None, usage: Usage | None) -> None:
-    """The response, complete: its output items, status and usage."""
+def done(response: shapes.Response, text: str, finish: Finish | None, usage: Usage | None,
+         logprobs: list[TokenLogprob] = ()) -> None:
+    """The response, complete: its output items (the text's logprobs where they were asked), status and usage."""
     if text or not (finish and finish.tool_calls):
-        response.output.append(shapes.OutputMessage(id=f"msg_{uuid.uuid4().hex}",
-                                                    content=[shapes.OutputTextPart(text=text)]))
+        response.output.append(shapes.OutputMessage(id=f"msg_{uuid.uuid4().hex}", content=[
+            shapes.OutputTextPart(text=text, logprobs=chat_logprobs(logprobs).content)]))
     cut = finish is not None and finish.reason == "length"
     for call in finish.tool_calls if finish else []:
         function = call.get("function") or {}
@@ -489,7 +495,7 @@ async def events(response: shapes.Response, replies: AsyncIterator, close, turn:
         return f"event: {type}\ndata: {msgspec.json.encode(shape).decode()}\n\n"
 
     message = shapes.OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress")
-    text, finish, usage, started = [], None, None, False
+    text, logprobs, finish, usage, started = [], [], None, None, False
     try:
         yield event("response.created", response=response)
         yield event("response.in_progress", response=response)
@@ -501,8 +507,9 @@ async def events(response: shapes.Response, replies: AsyncIterator, close, turn:
                     yield event("response.content_part.added", item_id=message.id, output_index=0, content_index=0,
                                 part=shapes.OutputTextPart())
                 text.append(item.text)
+                logprobs += item.logprobs
                 yield event("response.output_text.delta", item_id=message.id, output_index=0, content_index=0,
-                            delta=item.text, logprobs=[],
+                            delta=item.text, logprobs=chat_logprobs(item.logprobs).content,
                             **({"obfuscation": secrets.token_urlsafe(secrets.randbelow(24) + 1)} if obfuscate else {}))
             elif isinstance(item, Finish):
                 finish = item
@@ -515,13 +522,13 @@ async def events(response: shapes.Response, replies: AsyncIterator, close, turn:
         return
     finally:
         await close()
-    done(response, "".join(text), finish, usage)
+    done(response, "".join(text), finish, usage, logprobs)
     if started:
         whole = response.output[0]
         whole.id = message.id
         part = whole.content[0]
         yield event("response.output_text.done", item_id=message.id, output_index=0, content_index=0, text=part.text,
-                    logprobs=[])
+                    logprobs=part.logprobs)
         yield event("response.content_part.done", item_id=message.id, output_index=0, content_index=0, part=part)
         yield event("response.output_item.done", output_index=0, item=whole)
     for index, item in enumerate(response.output):

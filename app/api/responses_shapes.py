@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from app.bounds import MAX_MESSAGES, MAX_TOOLS, Metadata, MinP, Name, Penalty, Seed, Tokens, TopK, TopP
+from app.bounds import MAX_MESSAGES, MAX_TOOLS, Metadata, MinP, Name, Penalty, Seed, Tokens, TopK, TopLogprobs, TopP
 from app.api.openai import RepetitionPenalty, Temperature
 
 # What the Responses API has and this server does not do: a 400 that says so, unless the value asks for nothing.
@@ -19,11 +19,15 @@ REFUSED = {
     "background": "background responses are not supported: ask with stream or wait for the reply",
     "conversation": "conversation objects are not supported: chain replies with previous_response_id",
     "prompt": "stored prompt templates are not supported: send instructions and input",
-    "include": "no extra output fields are available here (logprobs: /v1/chat/completions gives them)",
     "max_tool_calls": "max_tool_calls is not supported: use parallel_tool_calls false for one call",
-    "top_logprobs": "logprobs are given by /v1/chat/completions here",
 }
-HARMLESS = {"reasoning": [{}], "background": [False], "include": [[]], "top_logprobs": [0]}
+HARMLESS = {"reasoning": [{}], "background": [False]}
+LOGPROBS = "message.output_text.logprobs"  # the one `include` value that adds to this server's output
+# The other values OpenAI's `include` takes ask for fields of items this server never writes (searches, code runs,
+# images, reasoning): asking for them changes nothing.
+Include = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+                  "web_search_call.results", "web_search_call.action.sources", "code_interpreter_call.outputs",
+                  "computer_call_output.output.image_url", "message.input_image.image_url"]
 
 
 # ---- the body -----------------------------------------------------------------------------------
@@ -145,6 +149,8 @@ class ResponseBody(Struct, forbid_unknown_fields=True, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     store: bool | None = None  # (default true: the response can be read back and continued)
+    include: Annotated[list[Include], Meta(max_length=16)] | None = None
+    top_logprobs: TopLogprobs | None = None  # with include's LOGPROBS: the most likely tokens at each place
     # not OpenAI's in this API; this server's chat route takes them too
     top_k: TopK | None = None
     min_p: MinP | None = None

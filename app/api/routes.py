@@ -80,7 +80,7 @@ from app.api.openai import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatLogprobs,
-    ChatTokenLogprob,
+    chat_logprobs,
     ChunkChoice,
     Delta,
     ModelCard,
@@ -89,7 +89,6 @@ from app.api.openai import (
     TextChoice,
     TextCompletion,
     TextLogprobs,
-    TopLogprob,
     Usage,
 )
 from app.settings import DEFAULT_MAX_BODY_MB
@@ -316,11 +315,6 @@ async def answer(http_request: HttpRequest, asked: ApiRequest, start) -> Respons
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
-    return ChatLogprobs([ChatTokenLogprob(t.token, t.logprob, t.bytes, [TopLogprob(top.token, top.logprob, top.bytes)
-                                                                        for top in t.top]) for t in entries])
 
 
 def completion_logprobs(entries: list[TokenLogprob], offset: int) -> TextLogprobs:

@@ -3,7 +3,8 @@
 import msgspec
 import pytest
 
-from app.api.routes import chat_logprobs, completion_logprobs
+from app.api.openai import chat_logprobs
+from app.api.routes import completion_logprobs
 from app.messages import TokenLogprob
 from app.api.openai import (
     Call,

@@ -88,6 +88,28 @@ def test_a_streamed_response_comes_as_the_responses_events(client):
                                    text={"verbosity": "medium"}).status == "incomplete"  # the default: taken
 
 
+def test_logprobs_asked_by_include_are_the_chat_routes(client):
+    """include: ["message.output_text.logprobs"] (with top_logprobs) gives each output token's logprob and its
+    top alternatives, as the chat route gives them, on the whole response, each streamed delta and the stored
+    one; include's other values ask for items this server never writes and change nothing."""
+    asked = dict(model="tiny", input="Tell me a story.", temperature=0, max_output_tokens=6)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Tell me a story."}],
+                                          temperature=0, max_tokens=6, logprobs=True, top_logprobs=2)
+    expected = [(t.token, round(t.logprob, 4), [top.token for top in t.top_logprobs]) for t in chat.choices[0].logprobs.content]
+    whole = client.responses.create(**asked, include=["message.output_text.logprobs"], top_logprobs=2)
+    got = whole.output[0].content[0].logprobs
+    assert [(t.token, round(t.logprob, 4), [top.token for top in t.top_logprobs]) for t in got] == expected
+    assert "".join(t.token for t in got) == whole.output_text and all(t.bytes for t in got)
+    events = list(client.responses.create(**asked, include=["message.output_text.logprobs"], top_logprobs=2, stream=True))
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t, p) for t, p, _ in expected]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert len(done.logprobs) == len(expected)
+    assert len(client.responses.retrieve(whole.id).output[0].content[0].logprobs) == len(expected)
+    plain = client.responses.create(**asked, include=["reasoning.encrypted_content", "file_search_call.results"])
+    assert plain.output_text == whole.output_text and plain.output[0].content[0].logprobs == []
+
+
 def test_a_stored_response_is_continued_read_back_and_deleted(client, server):
     first = client.responses.create(model="tiny", instructions=INSTRUCTIONS, input="Name a color.", temperature=0,
                                     max_output_tokens=8)
@@ -263,7 +285,8 @@ def test_a_json_schema_format_gives_a_document_of_the_schema(client):
     ({"input": "x", "frobnicate": 1}, "frobnicate"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": "x", "background": True}, "background"),
-    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "include": ["message.output_text.logprob"]}, "include[0]"),  # not one of OpenAI's values
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
     ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),  # in OpenAI's enum, not supported here
     ({"input": "x", "text": {"verbosity": "loud"}}, "text.verbosity"),
     ({"input": "x", "stream": True, "stream_options": {"include_obfuscation": "yes"}},

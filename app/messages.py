@@ -273,15 +273,14 @@ class Done(msgspec.Struct, tag=True):
 
     @property
     def summary(self) -> str:
-        """One line for people: tokens, time to first token, speed, why it ended."""
+        """One line for people: tokens, time to first token, speed, why it ended (how many tokens each step of
+        speculative decoding gave is the engine log's, not words for the page)."""
         s = self.stats
         parts = [f"{s.new_tokens} tokens"]
         if s.new_tokens:
             parts.append(f"first token {s.time_to_first_token:.2f} s")
         if s.tokens_per_second:
             parts.append(f"{s.tokens_per_second:.1f} tokens/s")
-        if s.guesses:
-            parts.append(f"{s.tokens_per_step:.1f} tokens a step")
         parts.append(FINISH_REASONS.get(self.finish_reason, self.finish_reason))
         return " · ".join(parts)
 

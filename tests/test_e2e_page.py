@@ -185,3 +185,31 @@ def test_stop_leaves_the_stopped_answer_and_its_line_only(chromium, server):
     finally:
         page.context.close()
     assert "Traceback" not in server.log()
+
+
+def test_a_reloaded_chat_keeps_regenerate_and_export_and_new_chat_says_it_stays(chromium, server):
+    """A chat opened again (a reload, or from the sidebar) has Regenerate and Export under its last answer, as
+    before the reload, and Regenerate works there; New chat's dialog says the chat stays in the sidebar (not
+    Chainlit's "This will clear your current chat history")."""
+    page = open_page(chromium, server)
+    try:
+        first = ask(page, "Name a fruit.")
+        page.wait_for_url(re.compile(r"/thread/"))
+        page.reload()
+        page.locator(ANSWERS, has_text=first.strip()[:20]).wait_for()
+        buttons = page.locator(STATS).last.locator("..").locator("button")
+        buttons.filter(has_text="Export").wait_for(timeout=15_000)
+        buttons.filter(has_text="Regenerate").click()
+        page.wait_for_function(f"() => document.querySelectorAll('{STATS}').length === 1", timeout=120_000)
+        page.wait_for_selector("#stop-button", state="detached")
+        page.locator(STATS).last.locator("..").locator("button", has_text="Regenerate").wait_for()
+        assert page.locator(ANSWERS).count() == 1 and page.locator(ANSWERS).last.inner_text().strip()
+        assert "Only the last answer" not in page.inner_text("body")
+        shot(page, "05-regenerated-after-reload")
+        page.locator("#new-chat-button").click()
+        dialog = page.get_by_role("dialog")
+        dialog.wait_for()
+        assert "stays in the sidebar" in dialog.inner_text() and "clear your current" not in dialog.inner_text()
+    finally:
+        page.context.close()
+    assert "Traceback" not in server.log()

@@ -49,7 +49,7 @@ from chainlit.utils import wrap_user_function
 
 from app.api import routes as api, guard
 from app.api.keys import ApiKeys
-from app.web import (attachments, export, history, http_server, login_page, models_panel, page, sessions,
+from app.web import (attachments, export, history, http_server, login_page, models_panel, page, page_words, sessions,
                      socket_events, uploads, users)
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote, open_backend
 from app.bounds import reply_seed
@@ -140,8 +140,7 @@ def start() -> None:
         chainlit_app.router.routes.insert(0, FILE_STORE.route())
     if SETTINGS.history:  # a message's feedback and files: the user's own only
         chainlit_app.router.routes[0:0] = history.owned_routes()
-    if SIGN_IN:  # the sign-in page says what a shared password opens
-        chainlit_app.router.routes.insert(0, login_page.translations_route(SETTINGS))
+    chainlit_app.router.routes.insert(0, page_words.translations_route(SETTINGS))  # (in front of Chainlit's)
     # Chat history and sign-in, as the settings ask
     if SETTINGS.history:
         @cl.data_layer
@@ -240,6 +239,7 @@ async def resume_chat(thread: dict):
     cl.user_session.set("conversation", conversation)
     for key, value in SESSION_STATE.items():  # what Chainlit restored of these is the stored chat's text of them
         cl.user_session.set(key, value)
+    await give_back_actions(conversation, thread.get("steps") or [])
     await cl.context.emitter.set_commands(COMMANDS)
     log.info("resumed chat %s with %d messages", thread.get("id"), len(conversation.messages))
     try:
@@ -252,6 +252,24 @@ async def resume_chat(thread: dict):
                                                    system_prompt, BACKEND.context_limit(conversation.model))).send()
     cl.user_session.set("reply_settings", read_settings(panel)[0])
     cl.user_session.set("preset", panel["preset"])
+
+
+async def give_back_actions(conversation: Conversation, steps: list[dict]) -> None:
+    """Regenerate and Export under a resumed chat's last answer, as it had them (actions are not stored): on the
+    statistics line that follows the answer, which Regenerate removes with it."""
+    last = conversation.messages[-1] if conversation.messages else None
+    if last is None or last.role != "assistant" or not last.id:
+        return
+    ids = [step.get("id") for step in steps]
+    after = steps[ids.index(last.id) + 1:] if last.id in ids else []
+    line = next((step for step in after if step.get("name") == "stats"), None)
+    if line is None or any(step.get("type") == "user_message" for step in after[:after.index(line)]):
+        return
+    actions = answer_actions(last.id)
+    for action in actions:
+        await action.send(for_id=line["id"])
+    cl.user_session.set("actions", actions)
+    cl.user_session.set("stats_line", line["id"])
 
 
 @cl.set_chat_profiles
@@ -760,10 +778,7 @@ async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> 
     conversation.left_out = max(conversation.left_out, context.left_out)  # later prompts start there: cache reused
     for action in cl.user_session.get("actions") or []:  # only the last answer has them
         await action.remove()
-    actions = [cl.Action(name="regenerate", payload={"answer": answer.id}, label="Regenerate", icon="refresh-cw",
-                         tooltip="Write this answer again (another sample)"),
-               cl.Action(name="export", payload={}, label="Export", icon="download",
-                         tooltip="Download this chat as Markdown and JSON")]
+    actions = answer_actions(answer.id)
     cl.user_session.set("actions", actions)
     line = done.summary
     if done.finish_reason == "cancelled" and cl.user_session.get("page_gone"):  # the tab closed, nobody pressed Stop
@@ -784,6 +799,14 @@ async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> 
     elif context.room and done.context_used >= NEAR_FULL * context.room and not cl.user_session.get("told_near_full"):
         cl.user_session.set("told_near_full", True)
         await below(cl.Message(content=NEAR_FULL_NOTE.format(used=context_in_use(done.context_used, context.limit))))
+
+
+def answer_actions(answer_id: str) -> list[cl.Action]:
+    """The buttons under the last answer."""
+    return [cl.Action(name="regenerate", payload={"answer": answer_id}, label="Regenerate", icon="refresh-cw",
+                      tooltip="Write this answer again (another sample)"),
+            cl.Action(name="export", payload={}, label="Export", icon="download",
+                      tooltip="Download this chat as Markdown and JSON")]
 
 
 async def below(message: cl.Message) -> None:

@@ -48,7 +48,7 @@ def test_greedy_replies_are_those_of_plain_decoding(engines, fixed_step_times, t
         assert a.stats.guesses == 0 and a.stats.tokens_per_step in (0.0, 1.0)
     if penalty == 1.0:  # (with SmolLM2's own 1.1 the replies copy their prompts much less)
         assert max(d.stats.tokens_per_step for d in auto) > 2.0  # the spelling fix repeats its paragraph
-        assert any("tokens a step" in d.summary for d in auto)
+        assert not any("step" in d.summary for d in auto)  # (the page's line under a reply says no jargon)
 
 
 def test_sampled_replies_with_logprobs_and_stop_strings_are_those_of_plain_decoding(engines):

@@ -5,6 +5,7 @@ ids on every route and socket event (tests/support/cross_user.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from support.servers import ChainlitServer, server_env
 
 from app.api import keys
 from app.settings import Settings
-from app.web import history, login_page
+from app.web import history, page_words
 from app.web.file_store import FileStore
 from app.web.ownership import NOBODY, acting_as, actor, request_actor
 from app.web.users import HASHER
@@ -184,7 +185,7 @@ def test_every_route_and_socket_event_is_in_the_cross_user_tables(tmp_path):
 
     settings = Settings.from_env({"LLAMA_HISTORY_DB": str(tmp_path / "history.db"), "LLAMA_PASSWORD": "pw",
                                   "LLAMA_API_KEY": "key"})
-    ours = [FileStore(tmp_path).route(), *history.owned_routes(), login_page.translations_route(settings)]
+    ours = [FileStore(tmp_path).route(), *history.owned_routes(), page_words.translations_route(settings)]
     routes = {(method, route.path) for route in [*router.routes, *ours] if isinstance(route, APIRoute)
               for method in route.methods}
     routes |= {("HEAD", "/"), ("GET", "/health")}  # (plain routes of Chainlit's)
@@ -288,6 +289,13 @@ def test_with_a_shared_password_the_sign_in_page_and_the_log_say_what_it_opens(t
         title = httpx.get(f"{server.url}/project/translations", params={"language": "en-US"},
                           timeout=30).json()["translation"]["auth"]["login"]["title"]
         assert "any name" in title and "read" in title
+        words = httpx.get(f"{server.url}/project/translations", params={"language": "en-GB"}, timeout=30).json()
+        sidebar, dialog = words["translation"]["threadHistory"], words["translation"]["navigation"]["newChat"]["dialog"]
+        assert sidebar["sidebar"]["empty"] == "No chats yet" and sidebar["thread"]["actions"]["rename"]["title"] == "Rename chat"
+        assert dialog["description"] == page_words.NEW_CHAT_KEPT  # (history is on: the chat stays in the sidebar)
+        french = httpx.get(f"{server.url}/project/translations", params={"language": "fr-FR"}, timeout=30).json()
+        assert french["translation"]["navigation"]["newChat"]["dialog"]["description"] == page_words.NEW_CHAT_KEPT
+        assert "Thread" not in json.dumps(words["translation"]["threadHistory"])
         assert httpx.get(f"{server.url}/project/translations", params={"language": "../../x"},
                          timeout=30).status_code == 422
         assert "LLAMA_PASSWORD is set: whoever has it can sign in under any name" in server.log()

@@ -177,7 +177,7 @@ def test_chat_follow_up_stop_and_settings(page, server):
     page.click("#confirm")
     page.wait_for_selector("#chat-settings", state="detached")
     answer, stats, _ = ask(page, "Write a 2000 word story about a dragon.")
-    assert answer and stats.startswith("16 tokens") and "length limit" in stats, stats
+    assert answer and stats.startswith(f"{DEFAULT_MODEL.name} · 16 tokens") and "length limit" in stats, stats
     shot(page, "06-after-settings")
 
     # Editing the first message answers it again; everything after it is gone.

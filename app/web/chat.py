@@ -174,6 +174,7 @@ STOPPED_WAIT_S = 10.0  # how long a stopped reply may take to hand back its last
 STOPPED_LINE = "*stopped by user*"
 SESSION_STATE = {"request": None, "actions": [], "regenerated": 0, "stats_line": None}  # a resumed chat starts with these
 EXPORT_COMMAND, MODELS_COMMAND = "Export", "Models"
+MODEL_GONE_NOTE = "**{gone}**, the model of this chat, is no longer here (it was removed): the chat goes on with **{default}**."
 COMMANDS = [{"id": EXPORT_COMMAND, "icon": "download", "description": "Download this chat as Markdown and JSON",
              "button": False, "persistent": False},
             {"id": MODELS_COMMAND, "icon": "box", "description": "See, pull, remove and choose models",
@@ -240,6 +241,8 @@ async def resume_chat(thread: dict):
     for key, value in SESSION_STATE.items():  # what Chainlit restored of these is the stored chat's text of them
         cl.user_session.set(key, value)
     await give_back_actions(conversation, thread.get("steps") or [])
+    if profile:
+        await model_still_here(conversation, was=profile)
     await cl.context.emitter.set_commands(COMMANDS)
     log.info("resumed chat %s with %d messages", thread.get("id"), len(conversation.messages))
     try:
@@ -677,6 +680,7 @@ async def reply(conversation: Conversation, settings: ReplySettings | None = Non
 
     asked = conversation.messages[-1]
     cl.user_session.set("page_gone", False)  # (a socket that reconnects keeps its session)
+    await model_still_here(conversation)
 
     def not_answered() -> None:
         if replacing is not None and on_first_text is not None:  # nothing of the new answer came
@@ -780,7 +784,7 @@ async def finish(conversation: Conversation, answer: cl.Message, done: Done) -> 
         await action.remove()
     actions = answer_actions(answer.id)
     cl.user_session.set("actions", actions)
-    line = done.summary
+    line = f"{conversation.model} · {done.summary}"  # which model wrote it, under every answer
     if done.finish_reason == "cancelled" and cl.user_session.get("page_gone"):  # the tab closed, nobody pressed Stop
         line = line.replace(FINISH_REASONS["cancelled"], "cut off: the page was closed")
     if context.limit:  # (not known for a reply stopped before its prompt was built)
@@ -807,6 +811,16 @@ def answer_actions(answer_id: str) -> list[cl.Action]:
                       tooltip="Write this answer again (another sample)"),
             cl.Action(name="export", payload={}, label="Export", icon="download",
                       tooltip="Download this chat as Markdown and JSON")]
+
+
+async def model_still_here(conversation: Conversation, was: str | None = None) -> None:
+    """A chat whose model was removed (`was`: a resumed chat's, before it fell back) goes on with the default
+    model, and says so: never a reply from another model without a word."""
+    gone = was if was is not None and was not in BACKEND.profiles else conversation.model
+    if gone in BACKEND.profiles or gone == BACKEND.default:
+        return
+    conversation.model = BACKEND.default
+    await cl.Message(content=MODEL_GONE_NOTE.format(gone=gone, default=BACKEND.default)).send()
 
 
 async def below(message: cl.Message) -> None:

@@ -175,6 +175,14 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
                                    {"id": thread_id, "at": utc_now()})
             await super().delete_thread(thread_id)
 
+    async def get_all_user_threads(self, user_id=None, thread_id=None):
+        """(Chainlit's list and its thread lookup.) The list leaves out chats with no message of the user's
+        stored: one used only for the Models or Export commands is no chat to go back to."""
+        threads = await super().get_all_user_threads(user_id=user_id, thread_id=thread_id)
+        if thread_id is not None or not threads:
+            return threads
+        return [t for t in threads if any(step.get("type") == "user_message" for step in t.get("steps") or [])]
+
     async def list_threads(self, pagination, filters):
         """The user's own chats, whatever user the filter names."""
         user = await self.get_user(actor()) if actor() != NOBODY else None
@@ -188,6 +196,9 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
         """(update_step comes here too.) A message goes only into the user's chat, and never over a
         message of another chat that has its id."""
         thread_id, step_id = step_dict.get("threadId"), step_dict.get("id")
+        if step_dict.get("type") == "user_message" and command_of(step_dict.get("command"),
+                                                                  step_dict.get("output") or "") is not None:
+            return  # a command (Models, Export) is no message of the chat: reopened, it would be an empty bubble
         refused_ids = session_value("refused_ids") or set()
         if step_dict.get("type") == "user_message" and (session_value("answering") not in (None, step_id)
                                                         or step_id in refused_ids):

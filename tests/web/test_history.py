@@ -108,16 +108,26 @@ def test_the_data_layer_stores_and_lists_chats_without_sql_errors(tmp_path, capl
             answer.content = "Hi there, edited"
             await layer.update_step(answer.to_dict())
             await layer.upsert_feedback(Feedback(forId=answer.id, value=1, threadId=thread_id, comment="good"))
+            # a chat used only for the Models command (chosen in the Tools menu, or typed): nothing of it stored,
+            # not listed; and the command in a chat is no message of it
+            tools = init_http_context(user=user).session.thread_id
+            await layer.update_thread(tools, name="", user_id=user.id)
+            for command in (cl.Message(content="", type="user_message", command="Models"),
+                            cl.Message(content=" /models ", type="user_message")):
+                for thread in (tools, thread_id):
+                    await layer.create_step(command.to_dict() | {"threadId": thread, "id": str(uuid.uuid4())})
             listed = await layer.list_threads(Pagination(first=10), ThreadFilter(userId=user.id))
+            tools_chat = await layer.get_thread(tools)
             thread = await layer.get_thread(thread_id)
             author = await layer.get_thread_author(thread_id)
             await layer.delete_thread(thread_id)
-            return listed, thread, author, await layer.get_thread(thread_id), long_name
+            return listed, thread, author, await layer.get_thread(thread_id), long_name, tools_chat
         finally:
             await layer.close()
 
     with caplog.at_level(logging.INFO):
-        listed, thread, author, deleted, long_name = asyncio.run(scenario())
+        listed, thread, author, deleted, long_name, tools_chat = asyncio.run(scenario())
+    assert tools_chat is not None and tools_chat["steps"] == []  # (still its owner's to open, if asked)
     assert len(long_name) == history.CHAT_NAME_CHARS and long_name.startswith("A chat A chat") and long_name[-1] == "…"
     assert [t["name"] for t in listed.data] == ["A chat"] and author == "local"
     steps = {s["type"]: s for s in thread["steps"]}
@@ -406,7 +416,7 @@ def test_the_chat_is_stored_with_its_reply(first_chat):
     assert [output for type, output, _ in steps if type == "user_message"] == [FIRST]
     [reply] = stored_replies(db, thread_id)
     assert reply
-    assert any(type == "assistant_message" and output.startswith(f"*{MAX_NEW_TOKENS} tokens")
+    assert any(type == "assistant_message" and f" · {MAX_NEW_TOKENS} tokens · " in output
                for type, output, _ in steps)  # the stats line is stored too, but is no reply
     secret = folder / history.SECRET_FILE
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600

@@ -209,7 +209,7 @@ def test_stop_ends_the_reply_at_once_keeps_it_and_frees_the_model(main):
     partial = chat.replies()[0]
     assert partial and chat.conversation().messages[1].content == partial
     assert "stopped by user" in chat.stats()[0]
-    tokens = int(chat.stats()[0].split()[0])
+    tokens = int(chat.stats()[0].split(" · ")[1].split()[0])  # ("tiny · 123 tokens · ...")
     assert tokens < 4000
     assert len(chat.replies()) == 2 and "stopped by user" not in chat.stats()[1]
     assert chat.conversation().messages[-2].content == "Short one"
@@ -467,7 +467,7 @@ def test_settings_apply_to_the_next_reply(main):
     panel = main.read_settings({"repetition_penalty": 1.3, "min_p": 0.1})[0]
     assert (panel.repetition_penalty, panel.min_p) == (1.3, 0.1)
     assert chat.conversation().system_prompt == "Be a pirate."
-    assert chat.stats()[0].startswith("16 tokens") and "length limit" in chat.stats()[0]
+    assert chat.stats()[0].startswith("tiny · 16 tokens") and "length limit" in chat.stats()[0]  # (its model first)
 
 
 def test_choosing_a_preset_fills_the_system_prompt_and_typing_overrides_it(main):
@@ -597,6 +597,24 @@ def test_a_model_that_fails_to_load_is_reported_and_other_chats_go_on(main):
     assert len(working.replies()) == 1 and not working.errors()
 
 
+def test_a_chat_whose_model_was_removed_goes_on_with_the_default_and_says_so(main):
+    """Every answer's line names its model; where the chat's model is gone (removed in the models panel, or by
+    /api/delete), the next reply comes from the default model with a note saying so, never silently."""
+    chat = Chat(main)
+
+    async def scenario():
+        await chat.start()
+        await chat.send("Hi")
+        chat.conversation().model = "Removed-Model"  # (what a removal leaves: a name the backend has no more)
+        await chat.send("And now?")
+
+    run(scenario())
+    notes = [s["output"] for s in chat.sent() if "no longer here" in s["output"]]
+    assert notes == [main.MODEL_GONE_NOTE.format(gone="Removed-Model", default="tiny")]
+    assert [line.split(" · ")[0] for line in chat.stats()] == ["tiny", "tiny"]
+    assert chat.conversation().model == "tiny" and not chat.errors()
+
+
 def test_two_chats_are_answered_at_once(main):
     first, second = Chat(main), Chat(main)
 
@@ -679,7 +697,7 @@ def test_a_model_unloaded_when_idle_says_so_in_the_picker_and_its_next_message_l
     assert re.fullmatch(r"Loading \*\*tiny\*\* \(\d+M parameters · \d+ MB · safetensors · fp32\)…", note["output"])
     assert note["id"] in chat.removed()  # gone once the answer began
     assert answer["metadata"]["kind"] == "reply" and answer["output"] and not chat.errors()
-    assert chat.stats()[-1].startswith("4 tokens")
+    assert chat.stats()[-1].startswith("tiny · 4 tokens")
 
 
 def test_chat_end_cancels_a_reply_nobody_reads(main):

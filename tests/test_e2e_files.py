@@ -160,6 +160,10 @@ def test_files_are_attached_asked_about_and_their_sources_opened(page, server, f
     chips.filter(has_text="report.pdf").click()  # the PDF, beside the chat
     page.wait_for_function("() => document.querySelector('#side-view-title')?.innerText === 'report.pdf'")
     page.locator("#side-view-content canvas").first.wait_for()
+    page.wait_for_timeout(500)  # (drawn)
+    pane, drawn = (page.locator(selector).first.bounding_box() for selector in ("#side-view-content",
+                                                                                "#side-view-content canvas"))
+    assert 0 < drawn["width"] <= pane["width"], (drawn, pane)  # the whole page's width is in sight
     shot(page, "02-pdf-beside")
     sources.filter(has_text="report.pdf, page 7").first.click()
     page.wait_for_function("() => document.querySelector('#side-view-title')?.innerText === 'report.pdf, page 7'"

@@ -213,3 +213,23 @@ def test_a_reloaded_chat_keeps_regenerate_and_export_and_new_chat_says_it_stays(
     finally:
         page.context.close()
     assert "Traceback" not in server.log()
+
+
+def test_models_chosen_in_the_tools_menu_opens_the_panel_at_once(chromium, server):
+    """Tools > Models opens the models panel without an empty message to send (public/page.js); words typed
+    before choosing it wait for Enter."""
+    page = open_page(chromium, server)
+    try:
+        page.locator("#command-button").click()
+        page.get_by_role("option", name=re.compile("^Models")).click()
+        page.wait_for_selector(".models-panel", timeout=20_000)
+        assert page.locator("#command-Models").count() == 0 and page.input_value("#chat-input") == ""
+        panels = page.locator(".models-panel").count()
+        page.fill("#chat-input", "What is a model?")
+        page.locator("#command-button").click()
+        page.get_by_role("option", name=re.compile("^Models")).click()
+        page.wait_for_timeout(1_000)
+        assert page.locator(".models-panel").count() == panels and page.input_value("#chat-input") == "What is a model?"
+        shot(page, "06-models-from-tools")
+    finally:
+        page.context.close()

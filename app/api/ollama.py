@@ -32,8 +32,8 @@ Every request goes through the same API key check (LLAMA_API_KEY or LLAMA_API_KE
 the ollama clients send OLLAMA_API_KEY so; app.api.keys) and the same guard as /v1 (app.api.guard), and its body through the same
 reader (app.api.body.json_body, app.bounds.json_problem), which takes a body of any declared type from a
 request without an Origin, as Ollama does (its own examples send `curl -d`, form-urlencoded). Errors are
-Ollama's `{"error": "..."}` with their status: 400 for a bad field (named), 401, 403 (pull, delete or unload by
-a user not in LLAMA_MODEL_ADMINS), 404 "model 'x' not found",
+Ollama's `{"error": "..."}` with their status: 400 for a bad field (named), 401, 403 (pull, delete or keep_alive
+by a user not in LLAMA_MODEL_ADMINS: keep_alive says how long a model stays loaded for everyone, 0 unloads it), 404 "model 'x' not found",
 413, 415, 500, 503 (busy: retry).
 """
 
@@ -295,8 +295,10 @@ def openai_call(call, call_id: str) -> dict:
 async def answer(http_request: HttpRequest, backend: Backend, run: Run) -> Response:
     """Run the request and answer it: one JSON object, or (stream) one a line as the text comes."""
     started = time.perf_counter()
+    if run.keep_alive is not None:  # how long the model stays loaded, for everyone: a model admin's to say
+        check_may_manage(http_request, "set how long a model stays loaded (keep_alive)")
     if run.load_only:
-        return await load_or_unload(http_request, backend, run)
+        return await load_or_unload(backend, run)
     load_ns = await load(backend, run.model)
     try:
         request = run.start(backend, http_request.state.user)
@@ -398,12 +400,10 @@ async def load(backend: Backend, model: str) -> int:
     return int((time.perf_counter() - started) * 1e9)
 
 
-async def load_or_unload(http_request: HttpRequest, backend: Backend, run: Run) -> Response:
+async def load_or_unload(backend: Backend, run: Run) -> Response:
     """A request with nothing to answer: load the model (done_reason "load"), or with keep_alive 0 unload it
-    once no request uses it (waiting UNLOAD_WAIT_S for that at most; "unload": LLAMA_MODEL_ADMINS' users only, as
-    it takes the model from everyone's requests)."""
+    once no request uses it (waiting UNLOAD_WAIT_S for that at most; "unload")."""
     if run.keep_alive == 0:
-        check_may_manage(http_request, "unload models")
         backend.keep_alive(run.model, 0)
         deadline = time.monotonic() + UNLOAD_WAIT_S
         while backend.in_memory(run.model) and time.monotonic() < deadline:

@@ -64,7 +64,8 @@ class Models(ScriptedBackend):
 def test_each_key_is_its_user_and_only_model_admins_manage_models(tmp_path, monkeypatch):
     """Two keys of the file (alice, a model admin, and bob) and the single key (the user api-key): a stored
     response is its user's alone (another's id is a 404), and bob's and api-key's pull, delete and unload are 403s
-    naming the rule, where alice's are done; asking for a model here already is anyone's."""
+    naming the rule (and so is a keep_alive, which says how long a model stays loaded for everyone), where alice's
+    are done; asking for a model here already, and using one, is anyone's."""
     from app.api.routes import create_app
     from app.weights import Weights
 
@@ -98,7 +99,12 @@ def test_each_key_is_its_user_and_only_model_admins_manage_models(tmp_path, monk
                 said[user] = [await http.request("DELETE", "/api/delete", json={"model": "Other"}, headers=as_(user)),
                               await http.post("/api/pull", json={"model": "acme/New", "stream": False}, headers=as_(user)),
                               await http.post("/api/generate", json={"model": "tiny", "keep_alive": 0}, headers=as_(user)),
-                              await http.post("/api/pull", json={"model": "tiny", "stream": False}, headers=as_(user))]
+                              await http.post("/api/chat", json={"model": "tiny", "keep_alive": "-1", "stream": False,
+                                                                 "messages": [{"role": "user", "content": "Hi"}]},
+                                              headers=as_(user)),
+                              await http.post("/api/pull", json={"model": "tiny", "stream": False}, headers=as_(user)),
+                              await http.post("/api/chat", json={"model": "tiny", "stream": False, "messages": [
+                                  {"role": "user", "content": "Hi"}]}, headers=as_(user))]
             said["users"] = [options["user"] for _, _, options in backend.asked]
             said["alice"] = [await http.request("DELETE", "/api/delete", json={"model": "Other"}, headers=as_("alice")),
                              await http.post("/api/pull", json={"model": "acme/New", "stream": False}, headers=as_("alice")),
@@ -109,15 +115,18 @@ def test_each_key_is_its_user_and_only_model_admins_manage_models(tmp_path, monk
     assert said["read"] == {"alice": 200, "bob": 404, KEY_USER: 404}
     assert said["continued"] == {"alice": 200, "bob": 404, KEY_USER: 404}
     assert said["deleted by others"] == {"bob": 404, KEY_USER: 404}
-    assert said["users"] == ["alice", "alice"]  # the engine is told whose request it is (its KV cache reuse)
+    assert [user for user in said["users"]] == ["alice", "alice", "bob", KEY_USER]  # (whose request: KV cache reuse)
     for user in ("bob", KEY_USER):
-        delete, pull, unload, here = said[user]
-        for refused in (delete, pull, unload):
+        delete, pull, unload, pinned, here, used = said[user]
+        for refused in (delete, pull, unload, pinned):
             assert refused.status_code == 403, refused.text
             assert "Only the users named in LLAMA_MODEL_ADMINS" in refused.json()["error"] and repr(user) in refused.json()["error"]
         assert here.status_code == 200 and here.json() == {"status": "success"}
+        assert used.status_code == 200 and used.json()["message"]["content"] == "Noted."  # using a model is anyone's
     assert [r.status_code for r in said["alice"]] == [200, 200, 200], [r.text for r in said["alice"]]
-    assert not (weights_dir / "Other").exists() and backend.kept == [("tiny", 0)]
+    assert not (weights_dir / "Other").exists()
+    assert [kept for kept in backend.kept if kept[1] is not None] == [("tiny", 0)]  # alice's unload, none of the others'
+
 
 
 def test_without_model_admins_keys_manage_models_only_where_nobody_signs_in():

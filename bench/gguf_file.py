@@ -133,13 +133,14 @@ def write_gguf(folder: Path, path: Path, kind: str, add_vocab: Callable | None =
     return path
 
 
-def llama_quantize(source: Path, path: Path, kind: str) -> Path:
-    """`source` (a bf16 GGUF) quantized by llama.cpp's llama_model_quantize, as `llama-quantize` does."""
+def llama_quantize(source: Path, path: Path, kind: str, requantize: bool = False) -> Path:
+    """`source` (a bf16 GGUF; with `requantize`, a quantized one) quantized by llama.cpp's llama_model_quantize,
+    as `llama-quantize` does (`--allow-requantize`)."""
     import llama_cpp
 
     ftype, pure = LLAMA_QUANTIZE[kind]
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.pure = getattr(llama_cpp, ftype), pure
+    params.ftype, params.pure, params.allow_requantize = getattr(llama_cpp, ftype), pure, requantize
     if llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), params) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {source} to {kind}")
     return path

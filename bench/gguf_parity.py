@@ -2,6 +2,11 @@
 llama.cpp's own quantizer (bench/gguf_file.py), read by llama-cpp-python and by us (as our import keeps it).
 
     python bench/gguf_parity.py [--kinds q4_k_m,q5_k_m,q6_k] [--prompt-tokens 64] [--steps 16]
+    python bench/gguf_parity.py --shape default [--kinds q4_1,q4_k_m,q5_k_m,q6_k]
+
+`--shape default`: real weights, the default model's (SmolLM2-135M-Instruct, its Q4_1 GGUF as it ships), quantized
+again by llama.cpp to each kind (`--allow-requantize`; q4_1: the file as it ships), read by us in place (the GGUF as
+a checkpoint), the prompt a chat question tokenized by llama.cpp: real logits are not the near-ties of random ones.
 
 Per file: the largest difference of the last position's logits over the logits' spread (their standard deviation),
 fp32 activations on our side, by our prefill (the blocks widened, x as it is) and with the prompt through our
@@ -14,13 +19,31 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
-from common import machine, random_checkpoint, random_prompt
-from gguf_file import gguf_checkpoint, imported_checkpoint
+from common import CACHE, OPTIONS, machine, random_checkpoint, random_prompt
+from gguf_file import gguf_checkpoint, imported_checkpoint, llama_quantize
 
 import model  # noqa: E402
+
+
+CHAT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France, and why is it famous?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def default_model_file(kind: str) -> Path:
+    """The default model's GGUF (its real weights, Q4_1 as it ships) or llama.cpp's requantization of it to `kind`."""
+    from model.convert.prepare_default import default_gguf
+
+    source = default_gguf(OPTIONS.cache_dir)
+    if kind == "q4_1":
+        return source
+    path = CACHE / f"smollm2-135m-real-{kind}.gguf"
+    if not path.is_file():
+        llama_quantize(source, path.with_suffix(".partial"), kind, requantize=True).rename(path)
+    return path
 
 
 def main() -> int:
@@ -34,7 +57,7 @@ def main() -> int:
     import llama_cpp
 
     torch.set_num_threads(args.threads)
-    folder = random_checkpoint(args.shape)
+    folder = None if args.shape == "default" else random_checkpoint(args.shape)
     info = machine()
     print(f"{args.shape}, {info['cpu']}, {args.threads} threads, decode kernel {model.kernels.decode_path()}\n")
     print("| file | max diff of the last logits / spread, prefill | the same, the prompt through decode steps | our "
@@ -42,16 +65,21 @@ def main() -> int:
           "lead there / spread |")
     print("|---|---|---|---|---|---|---|")
     for kind in args.kinds.split(","):
-        path = gguf_checkpoint(folder, args.shape, kind)
-        # bf16: the file llama.cpp's converter writes of the checkpoint, ours the checkpoint itself (no blocks)
-        ours = model.load_checkpoint(folder if kind == "bf16" else imported_checkpoint(folder, args.shape, kind),
-                                     dtype=torch.float32)
+        if folder is None:  # the default model's real weights: the GGUF read in place
+            path = default_model_file(kind)
+            ours = model.load_checkpoint(path, dtype=torch.float32)
+        else:
+            path = gguf_checkpoint(folder, args.shape, kind)
+            # bf16: the file llama.cpp's converter writes of the checkpoint, ours the checkpoint itself (no blocks)
+            ours = model.load_checkpoint(folder if kind == "bf16" else imported_checkpoint(folder, args.shape, kind),
+                                         dtype=torch.float32)
         # its KV cache in f32, as ours is here (f16 by default: a rounding of its own at every position)
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.prompt_tokens + args.steps + 8, n_batch=512,
                               n_threads=args.threads, n_threads_batch=args.threads, logits_all=False, verbose=False,
                               type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False)
         n_vocab = llm.n_vocab()
-        prompt = random_prompt(n_vocab, args.prompt_tokens)
+        prompt = random_prompt(n_vocab, args.prompt_tokens) if folder is not None else llm.tokenize(
+            CHAT.encode(), add_bos=False, special=True)
 
         def theirs_next(ids: list[int]) -> np.ndarray:
             llm.eval(ids)

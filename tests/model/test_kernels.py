@@ -482,6 +482,14 @@ def test_blocks_dequantize_as_the_gguf_library_bit_for_bit(ops, name):
     ours = ops.dequantize_blocks(blocks, torch.float32)
     assert ours.shape == reference.shape and torch.equal(ours.view(torch.int32), reference.view(torch.int32))
     assert torch.equal(ops.dequantize_blocks(blocks, torch.bfloat16), reference.bfloat16())
+    broken = blocks.clone()  # a block whose fp16 scale is NaN or infinite (a damaged file): rounded as torch rounds
+    d = {"Q6_K": 208, "Q3_K": 108, "Q2_K": 80}.get(name, 0)  # where the block's fp16 d lies
+    broken[0, 0, d:d + 2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # NaN
+    broken[1, 0, d:d + 2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # +inf
+    wide, narrow = ops.dequantize_blocks(broken, torch.float32), ops.dequantize_blocks(broken, torch.bfloat16)
+    numbers = ~wide.isnan()  # (a NaN stays a NaN: its bits are c10's 0x7FC0, where torch's own conversion keeps more)
+    assert wide.isnan().any() and wide.isinf().any() and torch.equal(narrow.isnan(), wide.isnan())
+    assert torch.equal(narrow[numbers].view(torch.int16), wide[numbers].bfloat16().view(torch.int16))
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8])

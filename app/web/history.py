@@ -176,12 +176,15 @@ class SQLiteDataLayer(SQLAlchemyDataLayer):
             await super().delete_thread(thread_id)
 
     async def get_all_user_threads(self, user_id=None, thread_id=None):
-        """(Chainlit's list and its thread lookup.) The list leaves out chats with no message of the user's
-        stored: one used only for the Models or Export commands is no chat to go back to."""
+        """(Chainlit's list and its thread lookup.) The list leaves out a chat used only for the Models or Export
+        commands, no chat to go back to: no message of the user's stored, and named after a command (Chainlit names
+        a chat after its first message: "" for a command chosen in the Tools menu). A new chat whose first message is
+        still being written is listed by its name."""
         threads = await super().get_all_user_threads(user_id=user_id, thread_id=thread_id)
         if thread_id is not None or not threads:
             return threads
-        return [t for t in threads if any(step.get("type") == "user_message" for step in t.get("steps") or [])]
+        return [t for t in threads if any(step.get("type") == "user_message" for step in t.get("steps") or [])
+                or ((t.get("name") or "").strip() and command_of(None, t.get("name") or "") is None)]
 
     async def list_threads(self, pagination, filters):
         """The user's own chats, whatever user the filter names."""

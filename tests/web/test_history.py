@@ -112,9 +112,13 @@ def test_the_data_layer_stores_and_lists_chats_without_sql_errors(tmp_path, capl
             # not listed; and the command in a chat is no message of it
             tools = init_http_context(user=user).session.thread_id
             await layer.update_thread(tools, name="", user_id=user.id)
+            typed = init_http_context(user=user).session.thread_id  # "/models" typed as its first message
+            await layer.update_thread(typed, name="/models", user_id=user.id)
+            writing = init_http_context(user=user).session.thread_id  # a first message not written yet: listed
+            await layer.update_thread(writing, name="Hello there", user_id=user.id)
             for command in (cl.Message(content="", type="user_message", command="Models"),
                             cl.Message(content=" /models ", type="user_message")):
-                for thread in (tools, thread_id):
+                for thread in (tools, typed, thread_id):
                     await layer.create_step(command.to_dict() | {"threadId": thread, "id": str(uuid.uuid4())})
             listed = await layer.list_threads(Pagination(first=10), ThreadFilter(userId=user.id))
             tools_chat = await layer.get_thread(tools)
@@ -129,7 +133,7 @@ def test_the_data_layer_stores_and_lists_chats_without_sql_errors(tmp_path, capl
         listed, thread, author, deleted, long_name, tools_chat = asyncio.run(scenario())
     assert tools_chat is not None and tools_chat["steps"] == []  # (still its owner's to open, if asked)
     assert len(long_name) == history.CHAT_NAME_CHARS and long_name.startswith("A chat A chat") and long_name[-1] == "…"
-    assert [t["name"] for t in listed.data] == ["A chat"] and author == "local"
+    assert sorted(t["name"] for t in listed.data) == ["A chat", "Hello there"] and author == "local"
     steps = {s["type"]: s for s in thread["steps"]}
     assert {type: s["output"] for type, s in steps.items()} == {
         "user_message": "Hello", "run": "", "assistant_message": "Hi there, edited"}

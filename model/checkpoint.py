@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .blocks import block_format, dequantize_blocks, is_blocks
+from .blocks import block_format, dequantize_blocks, is_blocks, is_q4_k, q4_k_as_int4
 from .chat_format import load_chat_format
 from .checkpoint_files import CheckpointError, CheckpointFiles, find_checkpoint
 from .config import DEFAULT_MAX_CONTEXT, ConfigError, LlamaConfig
@@ -342,7 +342,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     the static step is compiled (its small ops fused) before its graphs are captured.
     pack: int8 and int4 matrices (not the embedding) repacked for torch's weight-only matmul ops, which then
     multiply them (model/packed.py: int8 from the file requantized to one scale per row; quantized here, int8 gets
-    one scale per row at once). "auto": on a GPU, where they
+    one scale per row at once; a GGUF's Q4_K blocks become int4, model/blocks.py). "auto": on a GPU, where they
     replace widening on every product; True: on the CPU too (its ops do the same maths: tests); False: never.
     graphs: decode in steps of fixed shapes over `slots` static KV slots, each step a replayed CUDA graph
     (model/static_decode.py), captured here so the first reply does not pay for it. None: on CUDA devices.
@@ -389,11 +389,14 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
             if widen and name in in_file:  # from here on as a float32 file's weight
                 q = in_file.pop(name)
                 tensor = dequantize(tensor, q.scale, q.offset)
-            elif is_blocks(tensor) and (widen or device.type != "cpu"):  # only the CPU's kernel reads blocks
-                tensor = dequantize_blocks(tensor)
+            elif is_blocks(tensor) and (widen or device.type != "cpu") and not (pack and is_q4_k(tensor)):
+                tensor = dequantize_blocks(tensor)  # only the CPU's kernel reads blocks; torch's int4 op, Q4_K's
             if name in in_file:  # quantized in the file: its values, scales and offsets are kept as they are
                 tensor = tensor.to(device)
                 quantized[name] = _file_buffers(in_file[name], tensor.dtype, device)
+            elif is_blocks(tensor) and pack and is_q4_k(tensor):  # as int4, for torch's op (repack_model below)
+                tensor, scale, offset = (t.to(device) for t in q4_k_as_int4(tensor))
+                quantized[name] = Quantized(scale, offset)
             elif is_blocks(tensor):  # llama.cpp's blocks, as the file has them
                 pass
             elif quantize == "int8" and name.startswith("layers.") and tensor.dim() == 2:

@@ -36,6 +36,8 @@ from model import ChatFormat, Tokenizer, generate, load_checkpoint
 from model.checkpoint import CheckpointError, blocks_decode_fast
 from model.kernels import kernels
 from model.block_formats import BY_NAME as FORMATS_BY_NAME
+from model.blocks import is_blocks
+from model.packed import is_packed
 from model.config import RopeFreqFactors
 from model.decode_step import LayerWeights
 from model.kv_cache import KVCache
@@ -308,6 +310,23 @@ def test_blocks_decode_through_the_kernel_as_prefill_does(block_files):
             steps = torch.stack(steps)
             assert ((steps - prefill).abs().mean(dim=-1, keepdim=True) <= 0.03 * spread).all()
             assert clear.sum() >= 4 and torch.equal(steps.argmax(-1)[clear], prefill.argmax(-1)[clear])
+
+def test_q4_k_becomes_torchs_int4_where_weights_are_packed(block_files):
+    """pack=True (a GPU's default; the CPU's op does the same maths): Q4_K matrices are repacked once, at load,
+    for torch's int4 op (model/packed.py: their sub-blocks of 32 are its groups), the other blocks stay blocks
+    here (a GPU widens them). With fp32 scales and activations the logits are the blocks' to fp32's rounding: a
+    sub-block, nibble or minimum out of place moves them by the spread."""
+    _, folder, _, _ = block_files
+    ids = prompt_ids(n=24)
+    plain = load_checkpoint(folder, dtype=torch.float32)
+    packed = load_checkpoint(folder, dtype=torch.float32, pack=True)
+    first = packed.model.layers[0]
+    assert is_packed(first.attention.wq.scale) and is_packed(first.feed_forward.w3.scale)
+    assert is_blocks(first.attention.wv.weight) and not is_packed(first.attention.wv.scale)  # Q6_K
+    with torch.no_grad():
+        expected, ours = plain.model(ids), packed.model(ids)
+    assert (ours - expected).abs().max().item() <= 1e-4 * expected.std().item()
+
 
 # ---- what is written -------------------------------------------------------------------------------
 

@@ -4,13 +4,16 @@ On the CPU the ops' `_for_cpu` forms do the same maths as the GPU's, so everythi
 `LLAMA_TEST_DEVICE=cuda` runs the tests that take the `device` fixture through the CUDA ops.
 """
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
 from support import tinygemm
 from support.checkpoints import prompt_ids
+from support.gguf_checkpoints import random_blocks
 
 import model.linear
+from model.blocks import q4_k_as_int4
 from model import load_checkpoint
 from model.kv_cache import KVCache
 from model.linear import Linear, fuse, out_features, widen
@@ -36,9 +39,13 @@ def weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 def stored_linear(w: torch.Tensor, kind: str, device) -> Linear:
-    """A Linear holding w as int8, int4 (Q4_1: offsets) or Q4_0 (int4 without offsets), on `device`."""
+    """A Linear holding w as int8, int4 (Q4_1: offsets) or Q4_0 (int4 without offsets), on `device`; or Q4_K
+    (a GGUF's blocks of random bytes of w's shape and size, as int4 for torch's op: model/blocks.py)."""
     layer = Linear(w.shape[1], w.shape[0])
-    if kind == "int8":
+    if kind == "q4_k":
+        blocks = random_blocks("Q4_K", *w.shape, seed=w.shape[1], typical=float(w.abs().mean()))
+        q, layer.scale, layer.offset = q4_k_as_int4(torch.from_numpy(blocks))
+    elif kind == "int8":
         q, layer.scale = quantize_int8(w)
     else:
         q, layer.scale, offset = quantize_int4(w)
@@ -65,8 +72,8 @@ def test_int4_repacked_on_the_cpu_multiplies_exactly_the_weights_it_stores(kind,
         torch.testing.assert_close(layer(x), x @ exact.T, rtol=0, atol=1e-6 * (x.abs() @ exact.abs().T).max().item())
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q4_0"])
-@pytest.mark.parametrize("k", [96, 512, 576])  # tinygemm's inner k-tiles 2, 8 and 4 on a GPU
+@pytest.mark.parametrize("k,kind", [(k, kind) for k in (96, 512, 576) for kind in ("q4_1", "q4_0")] + [(512, "q4_k")],
+                         ids=lambda v: str(v))  # tinygemm's inner k-tiles 2, 8 and 4 on a GPU; a GGUF's Q4_K
 def test_int4_packed_in_bf16_computes_what_the_devices_kernel_is_written_to(device, kind, k):
     """With bf16 scales and zeros (a GPU's only kind) and bf16 x, y against an emulation of the kernel of the
     device (tests/support/tinygemm.py: on CUDA each weight rounded to bf16 before the product, on the CPU not):
@@ -265,6 +272,18 @@ def test_a_tied_quantized_embedding_keeps_its_blocks_and_the_head_gets_its_own_r
         assert torch.equal(table(ids), before_rows)
         after = net(ids)
     assert (after - before).abs().max() < 2e-2 * before.abs().max()
+
+
+@pytest.mark.parametrize("extremes", [False, True])
+def test_q4_k_blocks_as_int4_stand_for_the_gguf_librarys_values_bit_for_bit(extremes):
+    """A GGUF's Q4_K matrix as int4 for torch's op (model/blocks.py q4_k_as_int4): scale d sc and offset -dmin m
+    per sub-block of 32, each weight the gguf library's exactly (fp16 extremes: subnormals, the largest), done a
+    few rows at a time (rows=3: a last part shorter than the others)."""
+    blocks = torch.from_numpy(random_blocks("Q4_K", 10, 512, seed=4, extremes=extremes))
+    packed, scale, offset = q4_k_as_int4(blocks, rows=3)
+    assert packed.shape == (10, 256) and scale.shape == offset.shape == (10, 16)
+    expected = gguf.quants.dequantize(blocks.numpy().reshape(10, -1), gguf.GGMLQuantizationType.Q4_K)
+    assert torch.equal(dequantize(packed, scale, offset), torch.from_numpy(expected))
 
 
 def test_load_checkpoint_packs_on_a_gpu_or_when_asked(tiny):

@@ -53,10 +53,10 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Ten
     alone or in any batch. Packed matrices (model/packed.py) go to their ops, any rows.
     """
     offsets = offsets or [None] * len(weights)
-    kind, k_dim = ("blocks" if is_blocks(weights[0]) else weights[0].dtype), x.shape[-1]
+    kinds, k_dim = {"blocks" if is_blocks(w) else w.dtype for w in weights}, x.shape[-1]
     rows = x.numel() // k_dim if k_dim else 0
     few = 1 <= rows <= FEW_ROWS and x.device.type == "cpu" and not any(map(is_packed, scales))
-    if few and len({"blocks" if is_blocks(w) else w.dtype for w in weights}) > 1:  # a kernel call per kind
+    if few and len(kinds) > 1:  # a kernel call per kind
         y = torch.cat([linears(x, [w], [s], [o], fp32_out) for w, s, o in zip(weights, scales, offsets)], dim=-1)
         return y
     if few and rows > MAX_KERNEL_ROWS:
@@ -64,8 +64,8 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Ten
         y = torch.cat([linears(flat[i:i + MAX_KERNEL_ROWS], weights, scales, offsets, fp32_out)
                        for i in range(0, rows, MAX_KERNEL_ROWS)])
         return y.view(*x.shape[:-1], -1)
-    if (few and kind in KERNEL_WEIGHTS and x.dtype in (torch.float32, torch.bfloat16)
-            and all(("blocks" if is_blocks(w) else w.dtype) == kind for w in weights)):
+    kind = next(iter(kinds)) if len(kinds) == 1 else None
+    if few and kind in KERNEL_WEIGHTS and x.dtype in (torch.float32, torch.bfloat16):  # (one kind, from here on)
         ops = kernels()
         if ops:  # y comes back in x's dtype, or fp32
             flat = x.reshape(rows, k_dim).contiguous()  # (M, K)

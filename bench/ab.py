@@ -1,6 +1,6 @@
 """The engine of another commit against the working tree's, measured side by side: prefill and decode speed.
 
-    python bench/ab.py --baseline 9b7c470 [--shape smollm2-135m] [--rounds 6] [--threads N]
+    python bench/ab.py --baseline 9b7c470 [--shape smollm2-135m | --checkpoint DIR] [--rounds 6] [--threads N]
 
 The baseline commit is checked out into a temporary git worktree (removed afterwards). Each round runs
 the same measurement (bench/ab_worker.py, this tree's copy) once in a fresh process of each version, the
@@ -48,6 +48,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", required=True, help="a commit (or branch, tag) to measure against")
     p.add_argument("--shape", default="smollm2-135m", help="a model preset (model/config.py)")
+    p.add_argument("--checkpoint", help="a checkpoint folder instead of the shape's random one (an imported GGUF)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--context", type=int, default=0, help="also decode over a KV cache of this many positions")
@@ -55,7 +56,7 @@ def main() -> int:
     args = p.parse_args()
     extra = ["--context", str(args.context), "--kv", args.kv] if args.context else []
     measures = (*MEASURES, f"decode_at_{args.context}") if args.context else MEASURES
-    folder = random_checkpoint(args.shape)
+    folder = Path(args.checkpoint).resolve() if args.checkpoint else random_checkpoint(args.shape)
     results: dict[str, list[dict]] = {"baseline": [], "this tree": []}
     with tempfile.TemporaryDirectory(prefix="ab-") as scratch:
         tree = Path(scratch) / "baseline"
@@ -74,7 +75,7 @@ def main() -> int:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
     cpu = machine()["cpu"]
     kv = f", KV cache {args.kv}" if args.context else ""
-    print(f"{args.shape}, {args.threads} threads, {cpu}, {args.rounds} rounds{kv}, medians (tokens/s):")
+    print(f"{args.checkpoint or args.shape}, {args.threads} threads, {cpu}, {args.rounds} rounds{kv}, medians (tokens/s):")
     print(f"| measure | baseline {args.baseline} | this tree | ratio |")
     print("|---|---|---|---|")
     for k in measures:

@@ -113,6 +113,46 @@ def random_checkpoint(shape: str, seed: int = 0, vocab_size: int | None = None) 
     return folder
 
 
+Q4_K_BLOCK, Q4_K_BYTES = 256, 144  # weights and bytes of a GGUF Q4_K block (model/block_formats.py)
+
+
+def q4_k_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """`<folder>-q4_k/`: the float checkpoint `folder` with each layer matrix whose rows are whole Q4_K blocks
+    as random Q4_K blocks (uint8 (N, K / 256, 144), as an imported GGUF keeps them), their d and dmin about the
+    matrix's size; the rest (embedding, norms) as it is. For the GPU check: what such a file costs there."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = folder.parent / f"{folder.name}-q4_k"
+    done = out / "model.safetensors"
+    if done.is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for extra in folder.iterdir():  # config and tokenizer files
+        if extra.is_file() and extra.suffix != ".safetensors":
+            shutil.copy(extra, out / extra.name)
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        for name in f.keys():
+            w = f.get_tensor(name)
+            if not (name.startswith("model.layers.") and w.dim() == 2 and w.shape[1] % Q4_K_BLOCK == 0):
+                state[name] = w
+                continue
+            n, blocks = w.shape[0], w.shape[1] // Q4_K_BLOCK
+            b = torch.randint(0, 256, (n, blocks, Q4_K_BYTES), dtype=torch.uint8, generator=generator)
+            # d and dmin (fp16): a weight d sc q - dmin m, sc and m up to 63, q up to 15: about the matrix's size
+            halves = torch.full((n, blocks, 2), float(w.float().std()) / 400).half()
+            b[..., 0:4] = halves.view(torch.uint8)  # (n, blocks, 4): d, then dmin
+            state[name] = b
+    tmp = out / "model.safetensors.partial"
+    save_file(state, tmp, metadata={"format": "pt"})
+    tmp.rename(done)
+    return out
+
+
 def write_byte_tokenizer(folder: Path) -> None:
     """A 258-token byte-level tokenizer.json (256 bytes + <s> + </s>) with a trivial chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -3,7 +3,8 @@
     python bench/gpu_check.py --shape llama3.2-1b --out OUT/check-1b.json [--kinds bf16,int8,int4]
     python bench/gpu_check.py --dry-run --checkpoint DIR --out OUT/check.json    # the same on the CPU, small
 
-For each kind (bf16, int8, int4 weights) of a random checkpoint of the shape:
+For each kind (bf16, int8, int4 weights, q4_k: the layers' matrices in a GGUF's Q4_K blocks, which a GPU repacks
+for torch's int4 product at load) of a random checkpoint of the shape:
 - `load`: seconds to load (graphs captured and kernels compiled within it), which step ops the static decode
   step took (model/step_ops.py: "triton" or "torch"), the graphs captured, the weights' bytes;
 - `replays`: the step of one row replayed alone (its CUDA graph), GPU time per step from CUDA events, the
@@ -32,14 +33,16 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from common import random_checkpoint, random_prompt, tensor_bytes
+from common import q4_k_checkpoint, random_checkpoint, random_prompt, tensor_bytes
 
 import model
 from model.generation import generate
+from model.blocks import is_blocks
+from model.packed import is_packed
 from model.sampling import SamplingParams
 from model.static_decode import new_cache
 
-QUANTIZE = {"bf16": None, "int8": "int8", "int4": "int4"}
+QUANTIZE = {"bf16": None, "int8": "int8", "int4": "int4", "q4_k": None}  # q4_k: a GGUF's blocks (q4_k_checkpoint)
 
 
 def versions(device: torch.device) -> dict:
@@ -250,7 +253,9 @@ def check_kind(path: Path, kind: str, device: torch.device, args, bandwidth: flo
     synchronize(device)
     static = ckpt.model.static
     found["load"] = {"seconds": round(time.perf_counter() - start, 2), "graphs": len(static.graphs) if static else 0,
-                     "step_ops": static.ops.name if static else None, "dtype": str(ckpt.dtype)}
+                     "step_ops": static.ops.name if static else None, "dtype": str(ckpt.dtype),
+                     "packed": sum(is_packed(getattr(m, "scale", None)) for m in ckpt.model.modules()),
+                     "blocks": sum(is_blocks(getattr(m, "weight", None)) for m in ckpt.model.modules())}
     print(f"[gpu_check] {kind} load: {found['load']}", flush=True)
     prompt = random_prompt(ckpt.config.vocab_size, args.prompt)
     part(found, "replays", replays, ckpt, prompt, bandwidth)
@@ -289,7 +294,8 @@ def main() -> int:
               "prompt_tokens": args.prompt, "new_tokens": args.new}
     result["copy_gb_s"] = round(copy_bandwidth(device, 16 if args.dry_run else 1024), 1)
     for kind in args.kinds.split(","):
-        result[kind] = check_kind(path, kind, device, args, result["copy_gb_s"])
+        result[kind] = check_kind(q4_k_checkpoint(path) if kind == "q4_k" else path, kind, device, args,
+                                  result["copy_gb_s"])
         Path(args.out).write_text(json.dumps(result, indent=1))  # what is done so far, if a limit stops us
     print(json.dumps({kind: {k: v for k, v in result[kind].items() if k in ("load", "host_ms_per_token")}
                       for kind in args.kinds.split(",")}, indent=1))

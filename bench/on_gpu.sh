@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check in one command, for a bare machine with an NVIDIA GPU, PyTorch with CUDA and transformers but
-# no network and none of our other dependencies; under 8 minutes in all, each step with its own time limit,
+# no network and none of our other dependencies; under 9 minutes in all, each step with its own time limit,
 # going on after a failure. Logs, each step's JSON and summary.json in OUT.
 #
 #   bench/on_gpu.sh wheels [DIR]            on a machine with the network: the wheels a bare image lacks, into
@@ -12,9 +12,10 @@
 #   versions   20   GPU, driver, torch, CUDA, cuDNN, Triton
 #   install    40   the wheels, into a folder on PYTHONPATH
 #   tests     150   LLAMA_TEST_DEVICE=cuda pytest over the GPU tests (junit XML: passed, failed, skipped)
-#   check-1b  170   bench/gpu_check.py on the Llama 3.2 1B shape: load time, profile of the step's replays, one
+#   check-1b  220   bench/gpu_check.py on the Llama 3.2 1B shape: load time, profile of the step's replays, one
 #                   stream through generate, 8 streams in slots, 8 requests through the app's engine, for bf16,
-#                   int8 and int4 weights (the first run also writes the shape's random checkpoint)
+#                   int8 and int4 weights and a GGUF's Q4_K blocks (the first run also writes the shape's random
+#                   checkpoints)
 #   check-default 40  the same on the default model's shape (SmolLM2-135M), bf16 and int4
 #   transformers 60   bench/speed.py's transformers rows (eager; static cache + torch.compile), for the ratios
 set -uo pipefail
@@ -83,13 +84,14 @@ if [ $dry = 1 ]; then  # the same steps on the CPU: a few tests, a tiny checkpoi
   step tests 150 python3 -m pytest -v -p no:cacheprovider --timeout 90 --junitxml "$out/tests.xml" \
     tests/model/test_step_ops.py -k "silu or power_of_two"
   tiny=$(mktemp -d /tmp/llama-chat-tiny.XXXX)
-  python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path
-from support.checkpoints import write_tiny_checkpoint; write_tiny_checkpoint(Path('$tiny'))" > /dev/null 2>&1
-  step check-1b 170 python3 bench/gpu_check.py --dry-run --checkpoint "$tiny" --out "$out/check-1b.json"
+  python3 -c "import sys; sys.path.insert(0, 'tests'); from support.checkpoints import hf_model
+hf_model(num_hidden_layers=2, hidden_size=256, intermediate_size=512).save_pretrained('$tiny')" > /dev/null 2>&1
+  step check-1b 170 python3 bench/gpu_check.py --dry-run --checkpoint "$tiny" --kinds bf16,int8,int4,q4_k \
+    --out "$out/check-1b.json"
 else
   step tests 150 env LLAMA_TEST_DEVICE=cuda python3 -m pytest -v -p no:cacheprovider --timeout 90 \
     --junitxml "$out/tests.xml" "${GPU_TESTS[@]}"
-  step check-1b 170 python3 bench/gpu_check.py --shape llama3.2-1b --out "$out/check-1b.json"
+  step check-1b 220 python3 bench/gpu_check.py --shape llama3.2-1b --kinds bf16,int8,int4,q4_k --out "$out/check-1b.json"
   step check-default 40 python3 bench/gpu_check.py --shape smollm2-135m --kinds bf16,int4 \
     --out "$out/check-default.json"
   step transformers 60 python3 bench/speed.py --device cuda --shape llama3.2-1b --only "transformers bf16" \

@@ -25,7 +25,10 @@ def test_the_gpu_check_runs_every_step_and_writes_one_summary(tmp_path):
     assert summary["tests"]["passed"] > 0 and summary["tests"]["failed"] == []
     check = summary["check-1b"]
     assert check["versions"]["torch"] == __import__("torch").__version__ and check["copy_gb_s"] > 0
-    for kind in ("bf16", "int8", "int4"):
+    # the layers' 14 matrices in Q4_K blocks, which the CPU's kernel reads as they are (a GPU repacks them: packed)
+    assert check["q4_k"]["load"]["blocks"] == 14 and check["q4_k"]["load"]["packed"] == 0
+    assert check["bf16"]["load"]["blocks"] == 0
+    for kind in ("bf16", "int8", "int4", "q4_k"):
         found = check[kind]
         assert not [part for part in found.values() if isinstance(part, dict) and "error" in part], found
         assert found["load"]["step_ops"] == "torch"  # the CPU's step: the torch forms

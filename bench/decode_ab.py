@@ -14,7 +14,7 @@ first), greedy, one sequence. Steps go
 through Llama.decode, as generation's do: the fused decode step, or with `-op-by-op` the reference.
 `llama.cpp-<kind>` is llama.cpp (llama-cpp-python) on the same weights as a GGUF file of that kind
 (bench/gguf_file.py), a token at a time through Llama.eval, its bytes a step taken as the file's size;
-`gguf-<kind>` is ours on that same file, as our import keeps it (q4_k_m, q5_k_m, q6_k: llama.cpp's blocks).
+`gguf-<kind>` is ours on that same file, as our import keeps it (q4_k_m, q5_k_m, q6_k, q3_k_m, q2_k: llama.cpp's blocks).
 
     python bench/decode_ab.py --variants gguf-q4_k_m,llama.cpp-q4_k_m,gguf-q6_k,llama.cpp-q6_k
 """

@@ -29,7 +29,8 @@ from model.rope import permute_qk_rows
 # is its --pure flag: every matrix Q4_0.
 LLAMA_QUANTIZE = {"q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", False), "q4_0-pure": ("LLAMA_FTYPE_MOSTLY_Q4_0", True),
                   "q4_k_m": ("LLAMA_FTYPE_MOSTLY_Q4_K_M", False), "q5_k_m": ("LLAMA_FTYPE_MOSTLY_Q5_K_M", False),
-                  "q6_k": ("LLAMA_FTYPE_MOSTLY_Q6_K", False)}
+                  "q6_k": ("LLAMA_FTYPE_MOSTLY_Q6_K", False), "q3_k_m": ("LLAMA_FTYPE_MOSTLY_Q3_K_M", False),
+                  "q2_k": ("LLAMA_FTYPE_MOSTLY_Q2_K", False)}
 
 GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

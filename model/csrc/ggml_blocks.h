@@ -16,9 +16,10 @@
 // (one fp32 scale per 256 values, as llama.cpp's Q8_K, where K is whole blocks of 256; else per 32), an integer
 // dot product per group of 16:
 //   sum_j w_j x_j = sum_groups xs (a sum_j q_j xq_j - (a z + m) sum_j xq_j)
-// so each weight is read once, as the file has it, for all rows of x. Q4_K and Q6_K (a Q4_K_M file's types) have
-// loops of their own on AVX2 (and AVX-512) CPUs that unpack in registers and keep the sums of a block in int32,
-// the scales multiplied in as integers, as llama.cpp's do; the other formats unpack a block into Unpacked.
+// so each weight is read once, as the file has it, for all rows of x. Every format has a loop of its own on AVX2
+// (and AVX-512) CPUs that unpacks in registers and keeps the sums of a block in int32, the scales multiplied in as
+// integers, as llama.cpp's do (Q2_K and Q3_K: 3-4x the generic loop's speed); the generic loop (dot_any), which
+// unpacks a block into Unpacked, is what plain x86-64 builds and x rounded per 32 run.
 #pragma once
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -403,6 +404,99 @@ void dot_q6_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
   }
   FOR_EACH_ROW(m) out[m] = horizontal_sum(acc[m]);
 }
+// Q3_K with x in groups of 256: q (3 bits: a 2-bit pair and a high bit, 0..7) in registers, its sixteen 6-bit scales
+// (less 32: -32..31) widened to int16 in registers; each group of 16's integer dot product times its scale summed
+// in int32, less 4 times the scales times x's sums (q - 4), then one fp32 multiply-add a block and row: d xs sum.
+template <int M>
+void dot_q3_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, float* out) {
+  const __m256i pair = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  __m256 acc[M];
+  FOR_EACH_ROW(m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t* block = row + b * 110;
+    for (int64_t line = 0; line < 110; line += 64) prefetch_ahead(block + line);  // each cache line of the block
+    const float d = half(block + 108);
+    // scale g: its low nibble (byte g's low nibble for g < 8, byte g - 8's high one after), its top two bits (bits
+    // 2 (g / 4) of byte 8 + g % 4): as 32-bit words, word w of the top bits is bytes 8-11 shifted by 2w
+    const __m128i lows = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 96));
+    const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(lows, nibble), _mm_and_si128(_mm_srli_epi16(lows, 4), nibble));
+    uint32_t top;
+    std::memcpy(&top, block + 104, 4);
+    const __m128i tops = _mm_and_si128(_mm_setr_epi32(top, top >> 2, top >> 4, top >> 6), _mm_set1_epi8(3));
+    const __m128i sc8 = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(tops, 4)), _mm_set1_epi8(32));  // int8 -32..31
+    const __m256i scales = _mm256_cvtepi8_epi16(sc8);
+    const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+    __m256i q[8], scale[8];  // weights 32j..32j+31, and the scales of their two groups of 16 (int16 lanes)
+    for (int h = 0; h < 2; h++) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 + 32 * h));
+      for (int i = 0; i < 4; i++) {
+        const int j = 4 * h + i;
+        const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, j), one), 2);
+        q[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 2 * i), pair), high);
+      }
+    }
+    for (int j = 0; j < 8; j++)  // bytes 2j (8 times) and 2j + 1 (8 times), widened
+      scale[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * j + 1),
+                                                                            0x0101010101010101LL * (2 * j))));
+    const int64_t k = k0 + b * 256;
+    FOR_EACH_ROW(m) {
+      const int8_t* xq = x.q + m * x.k + k;
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; j++) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xv), scale[j]));
+      }
+      const __m256i sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + (m * x.k + k) / kGroup));
+      sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(scales, sums16), 2));  // q - 4
+      const float xs = x.scale[(m * x.k + k) >> 8];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * xs), acc[m]);
+    }
+  }
+  FOR_EACH_ROW(m) out[m] = horizontal_sum(acc[m]);
+}
+
+// Q2_K with x in groups of 256: q (2 bits) in registers; each group of 16's integer dot product times its 4-bit
+// scale summed in int32, the 4-bit minimums times x's sums likewise, then two fp32 multiply-adds a block and row:
+// d xs sum - dmin xs mins.
+template <int M>
+void dot_q2_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, float* out) {
+  const __m256i pair = _mm256_set1_epi8(3);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  __m256 acc[M];
+  FOR_EACH_ROW(m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t* block = row + b * 84;
+    for (int64_t line = 0; line < 84; line += 64) prefetch_ahead(block + line);  // each cache line of the block
+    const float d = half(block + 80), dmin = half(block + 82);
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));  // (scale, min) nibbles of group g
+    const __m128i sc8 = _mm_and_si128(s, nibble);
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), nibble));
+    __m256i q[8], scale[8];  // weights 32j..32j+31, and the scales of their two groups of 16 (int16 lanes)
+    for (int h = 0; h < 2; h++) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * h));
+      for (int i = 0; i < 4; i++) q[4 * h + i] = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * i), pair);
+    }
+    for (int j = 0; j < 8; j++)  // bytes 2j (8 times) and 2j + 1 (8 times), widened
+      scale[j] = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * j + 1),
+                                                                            0x0101010101010101LL * (2 * j))));
+    const int64_t k = k0 + b * 256;
+    FOR_EACH_ROW(m) {
+      const int8_t* xq = x.q + m * x.k + k;
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; j++) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xv), scale[j]));
+      }
+      const __m256i sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + (m * x.k + k) / kGroup));
+      const float xs = x.scale[(m * x.k + k) >> 8];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * xs), acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums16, mins)), _mm256_set1_ps(-dmin * xs), acc[m]);
+    }
+  }
+  FOR_EACH_ROW(m) out[m] = horizontal_sum(acc[m]);
+}
+
 // Q5_0 (and, One, Q5_1) with x in groups of 32 (one scale a block): the fifth bits spread to bytes, one block's
 // integer dot product, then d xs sum. Q5_0's q - 16 is made signed in the register (a clear fifth bit sets the high
 // nibble: the low nibble less 16), so its product needs no term of x's sums; Q5_1's q stays unsigned (16 where the
@@ -458,6 +552,8 @@ void dot_blocks(const Format& f, const uint8_t* row, int64_t blocks, const XBloc
   if (x.group == 256 && f.bytes == 144) return dot_q4_k<M, false>(row, blocks, x, k0, out);
   if (x.group == 256 && f.bytes == 176) return dot_q4_k<M, true>(row, blocks, x, k0, out);
   if (x.group == 256 && f.bytes == 210) return dot_q6_k<M>(row, blocks, x, k0, out);
+  if (x.group == 256 && f.bytes == 110) return dot_q3_k<M>(row, blocks, x, k0, out);
+  if (x.group == 256 && f.bytes == 84) return dot_q2_k<M>(row, blocks, x, k0, out);
   if (f.bytes == 22) return dot_q5<M, false>(row, blocks, x, k0, out);
   if (f.bytes == 24) return dot_q5<M, true>(row, blocks, x, k0, out);
 #endif

@@ -312,6 +312,28 @@ inline void scales_mins_k4(const uint8_t* s, uint8_t* scales, uint8_t* mins) {
   std::memcpy(mins, words + 2, 8);
 }
 
+// scale[j] for chunk j of a block's 32-weight chunks: the scales of its two groups of 16, bytes 2j and 2j + 1 of sc8,
+// each in the int16 lanes of its half (8 times each), widened as signed or unsigned bytes.
+template <bool Signed>
+inline void group_scales(__m128i sc8, __m256i (&scale)[8]) {
+  for (int j = 0; j < 8; j++) {
+    const __m128i picked = _mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * j + 1),
+                                                                 0x0101010101010101LL * (2 * j)));
+    scale[j] = Signed ? _mm256_cvtepi8_epi16(picked) : _mm256_cvtepu8_epi16(picked);
+  }
+}
+
+// A block's 256 weights q (unsigned, 8 registers of 32) times 256 int8 values of x: each chunk's pairs of products
+// (int16: q <= 63, so no pair reaches its limit) times their group's scale (scale[j]'s int16 lanes), summed in int32.
+inline __m256i scaled_dots(const __m256i (&q)[8], const __m256i (&scale)[8], const int8_t* xq) {
+  __m256i sum = _mm256_setzero_si256();
+  for (int j = 0; j < 8; j++) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
+    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xv), scale[j]));
+  }
+  return sum;
+}
+
 // Q4_K (and, Five, Q5_K) with x in groups of 256 (one scale a block): each sub-block's integer dot products times
 // its 6-bit scale summed in int32 (madd by the scale), the minimums times the sub-blocks' sums of x likewise (madd
 // of x's sums by each minimum twice), then two fp32 multiply-adds a block and row: d xs sum - dmin xs mins.
@@ -344,12 +366,7 @@ void dot_q4_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
       scale[j] = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j)));
     const int64_t k = k0 + b * 256;
     FOR_EACH_ROW(m) {
-      const int8_t* xq = x.q + m * x.k + k;
-      __m256i sum = _mm256_setzero_si256();
-      for (int j = 0; j < 8; j++) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xv), scale[j]));
-      }
+      __m256i sum = scaled_dots(q, scale, x.q + m * x.k + k);
       const __m256i sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + (m * x.k + k) / kGroup));
       const float xs = x.scale[(m * x.k + k) >> 8];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * xs), acc[m]);
@@ -385,17 +402,10 @@ void dot_q6_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
       q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble), high(6));
     }
     const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
-    for (int i = 0; i < 8; i++)  // bytes 2i (8 times) and 2i + 1 (8 times), widened
-      scale[i] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * i + 1),
-                                                                            0x0101010101010101LL * (2 * i))));
+    group_scales<true>(sc8, scale);
     const int64_t k = k0 + b * 256;
     FOR_EACH_ROW(m) {
-      const int8_t* xq = x.q + m * x.k + k;
-      __m256i sum = _mm256_setzero_si256();
-      for (int i = 0; i < 8; i++) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i));
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], xv), scale[i]));
-      }
+      __m256i sum = scaled_dots(q, scale, x.q + m * x.k + k);
       const __m256i sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + (m * x.k + k) / kGroup));
       sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(scales, sums16), 5));  // q - 32
       const float xs = x.scale[(m * x.k + k) >> 8];
@@ -436,17 +446,10 @@ void dot_q3_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
         q[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 2 * i), pair), high);
       }
     }
-    for (int j = 0; j < 8; j++)  // bytes 2j (8 times) and 2j + 1 (8 times), widened
-      scale[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * j + 1),
-                                                                            0x0101010101010101LL * (2 * j))));
+    group_scales<true>(sc8, scale);
     const int64_t k = k0 + b * 256;
     FOR_EACH_ROW(m) {
-      const int8_t* xq = x.q + m * x.k + k;
-      __m256i sum = _mm256_setzero_si256();
-      for (int j = 0; j < 8; j++) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xv), scale[j]));
-      }
+      __m256i sum = scaled_dots(q, scale, x.q + m * x.k + k);
       const __m256i sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + (m * x.k + k) / kGroup));
       sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(scales, sums16), 2));  // q - 4
       const float xs = x.scale[(m * x.k + k) >> 8];
@@ -477,17 +480,10 @@ void dot_q2_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
       const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * h));
       for (int i = 0; i < 4; i++) q[4 * h + i] = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * i), pair);
     }
-    for (int j = 0; j < 8; j++)  // bytes 2j (8 times) and 2j + 1 (8 times), widened
-      scale[j] = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * j + 1),
-                                                                            0x0101010101010101LL * (2 * j))));
+    group_scales<false>(sc8, scale);
     const int64_t k = k0 + b * 256;
     FOR_EACH_ROW(m) {
-      const int8_t* xq = x.q + m * x.k + k;
-      __m256i sum = _mm256_setzero_si256();
-      for (int j = 0; j < 8; j++) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xv), scale[j]));
-      }
+      __m256i sum = scaled_dots(q, scale, x.q + m * x.k + k);
       const __m256i sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + (m * x.k + k) / kGroup));
       const float xs = x.scale[(m * x.k + k) >> 8];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * xs), acc[m]);

@@ -389,12 +389,12 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
             if widen and name in in_file:  # from here on as a float32 file's weight
                 q = in_file.pop(name)
                 tensor = dequantize(tensor, q.scale, q.offset)
-            elif is_blocks(tensor) and (widen or device.type != "cpu") and not (pack and is_q4_k(tensor)):
+            elif is_blocks(tensor) and (widen or device.type != "cpu" and not (pack and is_q4_k(tensor))):
                 tensor = dequantize_blocks(tensor)  # only the CPU's kernel reads blocks; torch's int4 op, Q4_K's
             if name in in_file:  # quantized in the file: its values, scales and offsets are kept as they are
                 tensor = tensor.to(device)
                 quantized[name] = _file_buffers(in_file[name], tensor.dtype, device)
-            elif is_blocks(tensor) and pack and is_q4_k(tensor):  # as int4, for torch's op (repack_model below)
+            elif pack and is_q4_k(tensor):  # as int4, for torch's op (repack_model below)
                 tensor, scale, offset = (t.to(device) for t in q4_k_as_int4(tensor))
                 quantized[name] = Quantized(scale, offset)
             elif is_blocks(tensor):  # llama.cpp's blocks, as the file has them

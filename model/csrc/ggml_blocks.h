@@ -334,6 +334,18 @@ inline __m256i scaled_dots(const __m256i (&q)[8], const __m256i (&scale)[8], con
   return sum;
 }
 
+// One row's share of a block whose weights are d a (q - 2^Shift) (Q6_K: 32, Q3_K: 4), a each group's integer scale
+// (`scales`: sixteen int16; scale[j] as group_scales gives them): the scaled dot products less 2^Shift times the
+// scales times x's sums of 16, in int32, then d xs times that added to acc.
+template <int Shift>
+inline __m256 add_centred(const __m256i (&q)[8], const __m256i (&scale)[8], __m256i scales, float d, const XBlocks& x,
+                          int64_t at, __m256 acc) {
+  const __m256i sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + at / kGroup));
+  const __m256i sum = _mm256_sub_epi32(scaled_dots(q, scale, x.q + at),
+                                       _mm256_slli_epi32(_mm256_madd_epi16(scales, sums16), Shift));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * x.scale[at >> 8]), acc);
+}
+
 // Q4_K (and, Five, Q5_K) with x in groups of 256 (one scale a block): each sub-block's integer dot products times
 // its 6-bit scale summed in int32 (madd by the scale), the minimums times the sub-blocks' sums of x likewise (madd
 // of x's sums by each minimum twice), then two fp32 multiply-adds a block and row: d xs sum - dmin xs mins.
@@ -404,16 +416,11 @@ void dot_q6_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
     const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
     group_scales<true>(sc8, scale);
     const int64_t k = k0 + b * 256;
-    FOR_EACH_ROW(m) {
-      __m256i sum = scaled_dots(q, scale, x.q + m * x.k + k);
-      const __m256i sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + (m * x.k + k) / kGroup));
-      sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(scales, sums16), 5));  // q - 32
-      const float xs = x.scale[(m * x.k + k) >> 8];
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * xs), acc[m]);
-    }
+    FOR_EACH_ROW(m) acc[m] = add_centred<5>(q, scale, scales, d, x, m * x.k + k, acc[m]);  // q - 32
   }
   FOR_EACH_ROW(m) out[m] = horizontal_sum(acc[m]);
 }
+
 // Q3_K with x in groups of 256: q (3 bits: a 2-bit pair and a high bit, 0..7) in registers, its sixteen 6-bit scales
 // (less 32: -32..31) widened to int16 in registers; each group of 16's integer dot product times its scale summed
 // in int32, less 4 times the scales times x's sums (q - 4), then one fp32 multiply-add a block and row: d xs sum.
@@ -448,13 +455,7 @@ void dot_q3_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
     }
     group_scales<true>(sc8, scale);
     const int64_t k = k0 + b * 256;
-    FOR_EACH_ROW(m) {
-      __m256i sum = scaled_dots(q, scale, x.q + m * x.k + k);
-      const __m256i sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + (m * x.k + k) / kGroup));
-      sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(scales, sums16), 2));  // q - 4
-      const float xs = x.scale[(m * x.k + k) >> 8];
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * xs), acc[m]);
-    }
+    FOR_EACH_ROW(m) acc[m] = add_centred<2>(q, scale, scales, d, x, m * x.k + k, acc[m]);  // q - 4
   }
   FOR_EACH_ROW(m) out[m] = horizontal_sum(acc[m]);
 }

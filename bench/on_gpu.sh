@@ -73,8 +73,12 @@ step versions 20 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_versio
   torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
   python3 -c "import triton; print(\"triton\", triton.__version__)" 2>&1 || true'
 
+# Its own scratch folders go when it ends, however it ends (a dry run is a test of the suite: it must not leave
+# a quarter GB in /tmp at each run).
+site=""; tiny=""
+trap 'rm -rf ${site:+"$site"} ${tiny:+"$tiny" "$tiny-q4_k"}' EXIT
 if [ -n "$wheels" ]; then
-  site=$(mktemp -d /tmp/llama-chat-site.XXXX)
+  site=$(mktemp -d "${TMPDIR:-/tmp}/llama-chat-site.XXXX")
   names=$(printf '%s\n' "${BINARY[@]}" "${PURE[@]}" | sed 's/==.*//')
   step install 40 python3 -m pip install -q --no-index --no-deps --find-links "$wheels" --target "$site" $names
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
@@ -83,7 +87,7 @@ fi
 if [ $dry = 1 ]; then  # the same steps on the CPU: a few tests, a tiny checkpoint, no transformers rows
   step tests 150 python3 -m pytest -v -p no:cacheprovider --timeout 90 --junitxml "$out/tests.xml" \
     tests/model/test_step_ops.py -k "silu or power_of_two"
-  tiny=$(mktemp -d /tmp/llama-chat-tiny.XXXX)
+  tiny=$(mktemp -d "${TMPDIR:-/tmp}/llama-chat-tiny.XXXX")
   python3 -c "import sys; sys.path.insert(0, 'tests'); from support.checkpoints import hf_model
 hf_model(num_hidden_layers=2, hidden_size=256, intermediate_size=512).save_pretrained('$tiny')" > /dev/null 2>&1
   step check-1b 170 python3 bench/gpu_check.py --dry-run --checkpoint "$tiny" --kinds bf16,int8,int4,q4_k \

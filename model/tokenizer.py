@@ -6,7 +6,7 @@ text given to `encode` as plain text: a user who types "<|eot_id|>" gets the pie
 the control token. `load_tokenizer` finds the right one for a checkpoint.
 """
 
-import hashlib
+import base64
 import importlib.util
 import json
 import re
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import tiktoken
 import tokenizers
-from tiktoken.load import load_tiktoken_bpe
 
 from .checkpoint_files import tokenizer_file
 from .unicode import valid_unicode
@@ -55,18 +54,22 @@ def split_for_tiktoken(text: str):
 
 
 def load_bpe_ranks(path: Path) -> dict[bytes, int]:
-    """Read a tiktoken BPE file ("<base64 token> <rank>" per line) with tiktoken's own reader.
+    """Read a tiktoken BPE file ("<base64 token> <rank>" per line).
 
-    The file's hash is passed along: tiktoken caches files by path, and the hash keeps it from
-    serving a stale copy after the file is replaced.
+    Read here rather than by tiktoken's `load_tiktoken_bpe`, which keeps a copy of every file it reads
+    in the temporary folder (data-gym-cache, by a hash of the path): a copy for each checkpoint loaded.
     """
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    try:
-        ranks = load_tiktoken_bpe(str(path), expected_hash=digest)
-    except ValueError as e:  # also binascii.Error: not base64
-        raise TokenizerError(
-            f"{path}: expected a tiktoken BPE file (lines of '<base64 token> <rank>'); a SentencePiece "
-            f"tokenizer.model (Llama 1/2) is not supported ({e})") from None
+    ranks = {}
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError as e:  # also binascii.Error: not base64
+            raise TokenizerError(
+                f"{path}: expected a tiktoken BPE file (lines of '<base64 token> <rank>'), line {number} is not one; "
+                f"a SentencePiece tokenizer.model (Llama 1/2) is not supported ({e})") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise TokenizerError(f"{path}: expected ranks 0..{len(ranks) - 1}, each once, found gaps or repeats")
     return ranks

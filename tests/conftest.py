@@ -1,12 +1,33 @@
 """Shared test fixtures."""
 
+import getpass
 import os
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+# What the tests and the processes they start write to the temporary folder (pytest's own folders, the servers'
+# histories, KV caches, sockets and uploads, the GPU script's dry run) goes into one folder per run, removed when
+# the run ends (pytest_unconfigure): a run writes a few GB, and a machine's /tmp outlives its runs (a full /tmp
+# fails the next run). Workers and the pytest runs a test starts share their parent's (LLAMA_TEST_SCRATCH); the
+# folder of a run that was killed is removed by the next run (its process is gone).
+SCRATCH_PREFIX = "llama-tests-"
+OWN_SCRATCH = None
+if "LLAMA_TEST_SCRATCH" not in os.environ:
+    for stale in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        owner = stale.name[len(SCRATCH_PREFIX):].split("-")[0]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
+    # torch.compile's cache stays where torch keeps it (it is what makes a compiled test take 16 s and not 47)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+    OWN_SCRATCH = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
+    os.environ["LLAMA_TEST_SCRATCH"] = os.environ["TMPDIR"] = OWN_SCRATCH
+    tempfile.tempdir = OWN_SCRATCH  # gettempdir() was already read (pytest's capture), and cached
 
 # LLAMA_TEST_AS_AMX=1 runs the tests as on a CPU with AMX (Sapphire Rapids), as far as our own rules ask about
 # it (model/cpu.py's has_amx, has_native_bf16: a prefill chunk of 512, bf16 activations), on any machine. The
@@ -52,6 +73,31 @@ def pytest_configure(config):
         # each remove the other's unfinished copy (model/convert/gguf.py).
         from support.special_checkpoints import default_model
         default_model()
+
+
+def pytest_report_header(config):
+    free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+    return (f"temporary folder: {tempfile.gettempdir()}, {free:.1f} GB free (a whole run writes up to 6 GB there at "
+            "once; TMPDIR points it elsewhere)")
+
+
+def pytest_unconfigure(config):
+    if OWN_SCRATCH is not None:
+        shutil.rmtree(OWN_SCRATCH, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the end of the log of each server it used (support/servers.py): what the
+    server did meanwhile is what tells a wait from a bug."""
+    report = yield
+    if report.failed and "support.servers" in sys.modules:
+        from support.servers import ChainlitServer
+        for name, value in item.funcargs.items():
+            if isinstance(value, ChainlitServer):
+                log = value.log_path.read_text(errors="replace")[-5000:] if value.log_path.is_file() else "(no log)"
+                report.sections.append((f"the end of server {name!r}'s log ({value.log_path})", log))
+    return report
 
 
 def is_xdist_controller(config) -> bool:

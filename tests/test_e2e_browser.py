@@ -106,7 +106,10 @@ def ask(page, text: str) -> tuple[str, str, list[str]]:
     seen = []
     deadline = time.monotonic() + 120
     while len(stats_lines(page)) <= stats:
-        assert time.monotonic() < deadline, f"no reply to {text!r} within 120 s"
+        if time.monotonic() > deadline:
+            shot(page, "no-reply")
+            raise AssertionError(f"no reply to {text!r} within 120 s; the page's last words: "
+                                 f"{page.inner_text('body')[-1500:]!r}")
         texts = answer_texts(page)
         if len(texts) > answers and (not seen or texts[answers] != seen[-1]):
             seen.append(texts[answers])

@@ -299,17 +299,17 @@ void dot_any(const Format& f, const uint8_t* row, int64_t blocks, const XBlocks&
 }
 
 #if defined(__AVX2__)
-// Q4_K's 12 bytes of 6-bit scales and minimums as 8 bytes of each (scale_min_k4 on 32-bit words: bytes 0-3 hold
-// scales 0-3 and minimums' high bits... see there): scales 0-7, then minimums 0-7.
-inline void scales_mins_k4(const uint8_t* s, uint8_t* scales, uint8_t* mins) {
-  uint32_t a, b, c;
-  std::memcpy(&a, s, 4);
-  std::memcpy(&b, s + 4, 4);
-  std::memcpy(&c, s + 8, 4);
-  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-  const uint32_t words[4] = {a & six, (c & four) | (((a >> 6) & two) << 4), b & six, ((c >> 4) & four) | (((b >> 6) & two) << 4)};
-  std::memcpy(scales, words, 8);
-  std::memcpy(mins, words + 2, 8);
+// Q4_K's 12 bytes of 6-bit scales and minimums (at s; 16 bytes readable there) as 16 bytes: scales 0-7, then
+// minimums 0-7. j < 4: the low 6 bits of bytes j (scale) and j + 4 (minimum); j >= 4: the low (scale) and high
+// (minimum) nibbles of byte j + 4, with the top 2 bits of bytes j - 4 (scale) and j (minimum) above them.
+inline __m128i scales_mins_k4(const uint8_t* s) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i nibbles = _mm_blend_epi32(low, _mm_srli_epi16(low, 4), 0b1000);  // minimums 4-7: the high nibbles
+  const __m128i bits =
+      _mm_and_si128(nibbles, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+  return _mm_or_si128(bits, _mm_srli_epi16(_mm_and_si128(top, _mm_set1_epi8(static_cast<char>(0xC0))), 2));
 }
 
 // scale[j] for chunk j of a block's 32-weight chunks: the scales of its two groups of 16, bytes 2j and 2j + 1 of sc8,
@@ -325,13 +325,26 @@ inline void group_scales(__m128i sc8, __m256i (&scale)[8]) {
 
 // A block's 256 weights q (unsigned, 8 registers of 32) times 256 int8 values of x: each chunk's pairs of products
 // (int16: q <= 63, so no pair reaches its limit) times their group's scale (scale[j]'s int16 lanes), summed in int32.
+// Four sums, chunks j and j + 4 in sum j: where the CPU has VNNI (AVX-512 VNNI, AVX-VNNI), vpdpwssd multiplies by the
+// scale and adds in one instruction, and four chains of it hide its latency (int32 sums: the order changes nothing).
 inline __m256i scaled_dots(const __m256i (&q)[8], const __m256i (&scale)[8], const int8_t* xq) {
-  __m256i sum = _mm256_setzero_si256();
+  __m256i sum[4];
   for (int j = 0; j < 8; j++) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
-    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xv), scale[j]));
+    const __m256i pairs = _mm256_maddubs_epi16(q[j], xv);
+    if (j < 4) {
+      sum[j] = _mm256_madd_epi16(pairs, scale[j]);
+      continue;
+    }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    sum[j - 4] = _mm256_dpwssd_epi32(sum[j - 4], pairs, scale[j]);
+#elif defined(__AVXVNNI__)
+    sum[j - 4] = _mm256_dpwssd_avx_epi32(sum[j - 4], pairs, scale[j]);
+#else
+    sum[j - 4] = _mm256_add_epi32(sum[j - 4], _mm256_madd_epi16(pairs, scale[j]));
+#endif
   }
-  return sum;
+  return _mm256_add_epi32(_mm256_add_epi32(sum[0], sum[1]), _mm256_add_epi32(sum[2], sum[3]));
 }
 
 // One row's share of a block whose weights are d a (q - 2^Shift) (Q6_K: 32, Q3_K: 4), a each group's integer scale
@@ -353,16 +366,15 @@ template <int M, bool Five>
 void dot_q4_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, float* out) {
   constexpr int64_t kBytes = Five ? 176 : 144, kQs = Five ? 48 : 16;
   const __m256i nibble = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-  const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // bytes 0-7, each twice
+  const __m128i twice = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);  // minimums, twice
   __m256 acc[M];
   FOR_EACH_ROW(m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; b++) {
     const uint8_t* block = row + b * kBytes;
     for (int64_t line = 0; line < kBytes; line += 64) prefetch_ahead(block + line);  // each cache line of the block
     const float d = half(block), dmin = half(block + 2);
-    alignas(16) uint8_t sc[16], mn[16];
-    scales_mins_k4(block + 4, sc, mn);
-    const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)), twice));
+    const __m128i scales_mins = scales_mins_k4(block + 4);
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(scales_mins, twice));
     __m256i q[8], scale[8];  // sub-block j's 32 weights, and its scale in every int16 lane
     const __m256i hi = Five ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16)) : _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
@@ -373,7 +385,7 @@ void dot_q4_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
     if constexpr (Five)  // the fifth bit of sub-block j: bit j of each of the 32 bytes
       for (int j = 0; j < 8; j++)
         q[j] = _mm256_or_si256(q[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, j), one), 4));
-    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales_mins));
     for (int j = 0; j < 8; j++)  // int16 lane j of `scales` into every lane
       scale[j] = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j)));
     const int64_t k = k0 + b * 256;

@@ -540,7 +540,13 @@ void dot_q5(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, fl
     FOR_EACH_ROW(m) {
       __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + m * x.k + k));
       if constexpr (!One) xv = _mm256_sign_epi8(xv, q);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      const __m256i dots = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, xv);  // (no pair saturates int16)
+#elif defined(__AVXVNNI__)
+      const __m256i dots = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), magnitude, xv);
+#else
       const __m256i dots = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xv), ones);
+#endif
       const float xs = x.scale[(m * x.k + k) >> x.shift];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(d * xs), acc[m]);
       if constexpr (One) {

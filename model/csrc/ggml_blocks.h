@@ -359,6 +359,25 @@ inline __m256 add_centred(const __m256i (&q)[8], const __m256i (&scale)[8], __m2
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * x.scale[at >> 8]), acc);
 }
 
+// The two fp16 fields at p (d, dmin) in lanes 0 and 1.
+inline __m128 fp16_pair(const uint8_t* p) {
+#if defined(__F16C__)
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
+#else
+  return _mm_setr_ps(half(p), half(p + 2), 0.f, 0.f);
+#endif
+}
+
+// A row's last step of a block whose weights are d a q - dmin m (Q4_K, Q5_K, Q2_K): acc + d xs sum - dmin xs mins,
+// `sum` the scaled dot products and `mins` the minimums times x's sums (int32), d and dmin as fp16_pair gives them.
+inline __m256 add_d_dmin(__m256 acc, __m256i sum, __m256i mins, __m128 d_dmin, float xs) {
+  const __m128 scaled = _mm_mul_ps(d_dmin, _mm_set1_ps(xs));  // d xs, dmin xs
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcastss_ps(scaled), acc);
+  return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_broadcastss_ps(_mm_movehdup_ps(scaled)), acc);
+}
+
 // Q4_K (and, Five, Q5_K) with x in groups of 256 (one scale a block): each sub-block's integer dot products times
 // its 6-bit scale summed in int32 (madd by the scale), the minimums times the sub-blocks' sums of x likewise (madd
 // of x's sums by each minimum twice), then two fp32 multiply-adds a block and row: d xs sum - dmin xs mins.
@@ -372,7 +391,7 @@ void dot_q4_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
   for (int64_t b = 0; b < blocks; b++) {
     const uint8_t* block = row + b * kBytes;
     for (int64_t line = 0; line < kBytes; line += 64) prefetch_ahead(block + line);  // each cache line of the block
-    const float d = half(block), dmin = half(block + 2);
+    const __m128 d_dmin = fp16_pair(block);
     const __m128i scales_mins = scales_mins_k4(block + 4);
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(scales_mins, twice));
     __m256i q[8], scale[8];  // sub-block j's 32 weights, and its scale in every int16 lane
@@ -392,9 +411,7 @@ void dot_q4_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
     FOR_EACH_ROW(m) {
       __m256i sum = scaled_dots(q, scale, x.q + m * x.k + k);
       const __m256i sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + (m * x.k + k) / kGroup));
-      const float xs = x.scale[(m * x.k + k) >> 8];
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * xs), acc[m]);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums16, mins)), _mm256_set1_ps(-dmin * xs), acc[m]);
+      acc[m] = add_d_dmin(acc[m], sum, _mm256_madd_epi16(sums16, mins), d_dmin, x.scale[(m * x.k + k) >> 8]);
     }
   }
   FOR_EACH_ROW(m) out[m] = horizontal_sum(acc[m]);
@@ -484,7 +501,7 @@ void dot_q2_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
   for (int64_t b = 0; b < blocks; b++) {
     const uint8_t* block = row + b * 84;
     for (int64_t line = 0; line < 84; line += 64) prefetch_ahead(block + line);  // each cache line of the block
-    const float d = half(block + 80), dmin = half(block + 82);
+    const __m128 d_dmin = fp16_pair(block + 80);
     const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));  // (scale, min) nibbles of group g
     const __m128i sc8 = _mm_and_si128(s, nibble);
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), nibble));
@@ -498,9 +515,7 @@ void dot_q2_k(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, 
     FOR_EACH_ROW(m) {
       __m256i sum = scaled_dots(q, scale, x.q + m * x.k + k);
       const __m256i sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + (m * x.k + k) / kGroup));
-      const float xs = x.scale[(m * x.k + k) >> 8];
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * xs), acc[m]);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums16, mins)), _mm256_set1_ps(-dmin * xs), acc[m]);
+      acc[m] = add_d_dmin(acc[m], sum, _mm256_madd_epi16(sums16, mins), d_dmin, x.scale[(m * x.k + k) >> 8]);
     }
   }
   FOR_EACH_ROW(m) out[m] = horizontal_sum(acc[m]);

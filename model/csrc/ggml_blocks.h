@@ -529,9 +529,11 @@ template <int M, bool One>
 void dot_q5(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, float* out) {
   constexpr int64_t kBytes = One ? 24 : 22, kHigh = One ? 4 : 2;
   const __m128i nibble = _mm_set1_epi8(0x0F);
+#if !(defined(__AVX512BW__) && defined(__AVX512VL__))
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);  // byte i: qh's byte i / 8
   const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);  // byte i: bit i % 8
+#endif
   const __m256i sixteen = _mm256_set1_epi8(16), high = _mm256_set1_epi8(static_cast<char>(0xF0));
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[M];
@@ -545,11 +547,17 @@ void dot_q5(const uint8_t* row, int64_t blocks, const XBlocks& x, int64_t k0, fl
     std::memcpy(&qh, block + kHigh, 4);
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kHigh + 4));
     __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), nibble), _mm_and_si128(qs, nibble));
+    // Q5_1: q = nibble + 16 bit, unsigned; Q5_0: q - 16 = nibble - 16 (1 - bit) in int8, its magnitude for maddubs
+    // and its sign moved onto x. Bit i of qh is weight i's (byte i of q).
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __mmask32 set = static_cast<__mmask32>(qh);  // a mask register: no spreading to bytes
+    q = One ? _mm256_mask_blend_epi8(set, q, _mm256_or_si256(q, sixteen))
+            : _mm256_mask_blend_epi8(set, _mm256_or_si256(q, high), q);
+#else
     const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), spread), bit);
     const __m256i set = _mm256_cmpeq_epi8(bits, bit);
-    // Q5_1: q = nibble + 16 bit, unsigned; Q5_0: q - 16 = nibble - 16 (1 - bit) in int8, its magnitude for maddubs
-    // and its sign moved onto x
     q = One ? _mm256_or_si256(q, _mm256_and_si256(set, sixteen)) : _mm256_or_si256(q, _mm256_andnot_si256(set, high));
+#endif
     const __m256i magnitude = One ? q : _mm256_abs_epi8(q);
     const int64_t k = k0 + b * 32;
     FOR_EACH_ROW(m) {

@@ -126,11 +126,6 @@ class Weights:
         key = (repo_id, revision)
         if key in self.pulls:
             return self.pulls[key]
-        if len(self.pulls) >= self.max_pulls:  # (a model here already, below, is no pull: that check comes later)
-            if not (self.folder and not local and "/" in repo_id
-                    and (self.folder / folder_name(repo_id, revision)).is_dir()):
-                raise TooManyPulls(f"{len(self.pulls)} pulls are under way, as many as this server runs at once "
-                                   f"(LLAMA_MAX_PULLS={self.max_pulls}): pull {repo_id} again once one has ended")
         if local and (path := Path(repo_id).expanduser()).is_absolute() and path.exists():
             if not (path.is_dir() or path.suffix.lower() == ".gguf"):
                 raise Refused(f"{repo_id} is neither a .gguf file nor a folder of them")
@@ -164,6 +159,9 @@ class Weights:
                                   f"first to pull {repo_id}")
                 pull.finished.set()
                 return pull
+        if len(self.pulls) >= self.max_pulls:  # (a model here already, above, is no pull)
+            raise TooManyPulls(f"{len(self.pulls)} pulls are under way, as many as this server runs at once "
+                               f"(LLAMA_MAX_PULLS={self.max_pulls}): pull {repo_id} again once one has ended")
         self.pulls[key] = pull
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._download, args=(pull, loop), name=f"pull {repo_id}", daemon=True).start()

@@ -64,6 +64,8 @@ class Rope:
 
     def at(self, positions: slice | list[int], dtype: torch.dtype) -> Rope:
         """The rows of `positions` (a slice, or one position per sequence) in the activations' dtype."""
+        if isinstance(positions, list):  # as a tensor: torch.compile then guards on its shape, not each value
+            positions = torch.tensor(positions, device=self.cos.device)
         return Rope(self.cos[positions].to(dtype), self.sin[positions].to(dtype))
 
     def view(self, *shape: int) -> Rope:

@@ -84,8 +84,9 @@ if [ -n "$wheels" ]; then
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
+# The tests in one process (-n 0): pytest.ini's workers would each start torch (and a CUDA context) for a few tests.
 if [ $dry = 1 ]; then  # the same steps on the CPU: a few tests, a tiny checkpoint, no transformers rows
-  step tests 150 python3 -m pytest -v -p no:cacheprovider --timeout 90 --junitxml "$out/tests.xml" \
+  step tests 150 python3 -m pytest -v -n 0 -p no:cacheprovider --timeout 90 --junitxml "$out/tests.xml" \
     tests/model/test_step_ops.py -k "silu or power_of_two"
   tiny=$(mktemp -d "${TMPDIR:-/tmp}/llama-chat-tiny.XXXX")
   python3 -c "import sys; sys.path.insert(0, 'tests'); from support.checkpoints import hf_model
@@ -93,7 +94,7 @@ hf_model(num_hidden_layers=2, hidden_size=256, intermediate_size=512).save_pretr
   step check-1b 170 python3 bench/gpu_check.py --dry-run --checkpoint "$tiny" --kinds bf16,int8,int4,q4_k \
     --out "$out/check-1b.json"
 else
-  step tests 150 env LLAMA_TEST_DEVICE=cuda python3 -m pytest -v -p no:cacheprovider --timeout 90 \
+  step tests 150 env LLAMA_TEST_DEVICE=cuda python3 -m pytest -v -n 0 -p no:cacheprovider --timeout 90 \
     --junitxml "$out/tests.xml" "${GPU_TESTS[@]}"
   step check-1b 220 python3 bench/gpu_check.py --shape llama3.2-1b --kinds bf16,int8,int4,q4_k --out "$out/check-1b.json"
   step check-default 40 python3 bench/gpu_check.py --shape smollm2-135m --kinds bf16,int4 \

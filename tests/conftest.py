@@ -118,6 +118,18 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(cores() + 1, 4))
 
 
+# The files that take longest (seconds of tests added up over a run's workers, docs/tests.md), handed out first: a
+# worker that starts one of them late is still running it after the others have run out of files.
+LONGEST_FIRST = ["tests/model/test_decode_step.py", "tests/test_determinism.py", "tests/model/test_fetch_gguf.py",
+                 "tests/test_as_amx.py", "tests/test_e2e_browser.py", "tests/model/test_gguf.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of LONGEST_FIRST before the others (--dist loadfile hands out files in the order collected)."""
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: the rest as collected
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct's GGUF: $SMOLLM2_GGUF, else the cache folder (~/.cache/llama-chat/ or

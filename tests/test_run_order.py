@@ -1,0 +1,18 @@
+"""The order in which the run hands files to its workers (tests/conftest.py): the longest first."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import conftest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_longest_files_exist_and_are_handed_out_first():
+    missing = [name for name in conftest.LONGEST_FIRST if not (ROOT / name).is_file()]
+    assert missing == [], f"renamed or removed: {missing} (the list in tests/conftest.py names them)"
+    names = ["tests/api/test_api.py::a", "tests/test_determinism.py::b", "tests/api/test_api.py::c",
+             "tests/model/test_decode_step.py::d", "tests/web/test_main.py::e", "tests/test_determinism.py::f"]
+    items = [SimpleNamespace(nodeid=name) for name in names]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [item.nodeid[-1] for item in items] == ["d", "b", "f", "a", "c", "e"]  # listed order, then as collected

@@ -451,8 +451,8 @@ def test_dequantize_ops_refuse_what_they_cannot_read(ops):
 # group's (or block's) integer dot product in fp32; the fp32 summation bound is taken with E over |a q| + |a z + m| (weight = a (q - z) - m, the module's
 # docstring), what those products round relative to.
 # K: one block, several, a K-quant row that is not whole groups of 8 blocks (2304: 9), and rows of x read in
-# pieces of K (8448); Q5_0/Q5_1 also on the default model's 576.
-BLOCK_SHAPES = {256: [(1, 256), (7, 768), (33, 2304), (3, 8448)], 32: [(1, 32), (7, 96), (33, 576), (3, 8224)]}
+# pieces of K (8448); Q5_0/Q5_1 also on the default model's 576, and on whole blocks of 256 (1024: x rounded per 256).
+BLOCK_SHAPES = {256: [(1, 256), (7, 768), (33, 2304), (3, 8448)], 32: [(1, 32), (7, 96), (33, 576), (5, 1024), (3, 8224)]}
 # Bytes of each format that hold q (zeroed, a block's weights are its -(a z + m)); the others hold d, dmin, scales
 Q_BYTES = {"Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192), "Q3_K": (0, 96), "Q2_K": (16, 80),
            "Q5_0": (2, 22), "Q5_1": (4, 24)}

@@ -24,14 +24,15 @@ import torch
 import transformers
 from safetensors import safe_open
 from support.checkpoints import hf_model, prompt_ids
-from support.gguf_checkpoints import (CHAT_TEMPLATE, as_stored, gguf_name, random_blocks, write_llama3_gguf,
-                                      write_other_architecture)
+from support.gguf_checkpoints import (CHAT_TEMPLATE, as_stored, gguf_name, gguf_writer, random_blocks,
+                                      write_llama3_gguf, write_other_architecture)
 from support.kernels import x_in_int8
 
 import model.checkpoint
 import model.convert.gguf as gguf_module
 import model.convert.gguf_tensors as tensors_module
-from model.convert.gguf_reader import Reader
+from model.convert.folder import ConversionError
+from model.convert.gguf_reader import ArrayField, Reader, open_gguf
 from model import ChatFormat, Tokenizer, generate, load_checkpoint
 from model.checkpoint import CheckpointError, blocks_decode_fast
 from model.kernels import kernels
@@ -80,9 +81,10 @@ def reader(path: Path) -> gguf.GGUFReader:
 
 @pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG], ids=["little", "big"])
 def test_the_reader_reads_what_the_gguf_library_reads(tmp_path, endian):
-    """model/convert/gguf_reader.Reader (the library's reader, values sliced from a plain view of the map)
-    gives the library's fields and tensors: every value type, arrays of strings and of numbers, strings
-    that are not ASCII, tensors of a float and a quantized type, either byte order."""
+    """model/convert/gguf_reader.Reader (the library's reader, values sliced from a plain view of the map,
+    arrays read whole) gives the library's fields and tensors: every value type, arrays of strings and of
+    numbers (an array's items are one part, not one part each: the parts before them are the library's), strings
+    that are not ASCII, an empty array, tensors of a float and a quantized type, either byte order."""
     path = tmp_path / "values.gguf"
     writer = gguf.GGUFWriter(path, "llama", endianess=endian)
     writer.add_uint8("u8", 255)
@@ -100,6 +102,8 @@ def test_the_reader_reads_what_the_gguf_library_reads(tmp_path, endian):
     writer.add_array("strings", ["a", "", "ĠHello", "日本"] * 50)
     writer.add_array("numbers", list(range(-5, 300)))
     writer.add_array("floats", [0.5, -2.25, 1e30])
+    writer.add_array("bools", [True, False, True])
+    writer.add_array("nothing", [])
     writer.add_tensor("w", np.arange(24, dtype=np.float32).reshape(4, 6))
     q8 = gguf.quants.quantize(np.linspace(-1, 1, 64 * 2, dtype=np.float32).reshape(2, 64), gguf.GGMLQuantizationType.Q8_0)
     writer.add_tensor("q", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -112,9 +116,15 @@ def test_the_reader_reads_what_the_gguf_library_reads(tmp_path, endian):
     assert list(ours.fields) == list(theirs.fields)
     for name, field in theirs.fields.items():
         mine = ours.fields[name]
-        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
-        assert [p.tobytes() for p in mine.parts] == [p.tobytes() for p in field.parts], name
-        assert [p.dtype for p in mine.parts] == [p.dtype for p in field.parts], name
+        assert (mine.offset, mine.types) == (field.offset, field.types), name
+        whole = isinstance(mine, ArrayField)  # the key, the types, the count as parts; then the items as one
+        assert whole == (field.types[0] == gguf.GGUFValueType.ARRAY and len(field.parts) > 5), name
+        parts = field.parts[:5] if whole else field.parts
+        assert [p.tobytes() for p in mine.parts[:len(parts)]] == [p.tobytes() for p in parts], name
+        assert [p.dtype for p in mine.parts[:len(parts)]] == [p.dtype for p in parts], name
+        assert whole or mine.data == field.data, name
+        if whole:
+            assert mine.contents(1) == field.contents(1) and mine.contents(slice(2, 4)) == field.contents(slice(2, 4))
         if name.startswith("GGUF.") or field.types[0] != gguf.GGUFValueType.ARRAY or field.types[-1] == gguf.GGUFValueType.STRING:
             assert mine.contents() == field.contents(), name
         else:
@@ -126,6 +136,45 @@ def test_the_reader_reads_what_the_gguf_library_reads(tmp_path, endian):
         assert (mine.name, mine.tensor_type, list(mine.shape), mine.data_offset) == \
             (tensor.name, tensor.tensor_type, list(tensor.shape), tensor.data_offset)
         assert mine.data.dtype == tensor.data.dtype and np.array_equal(mine.data, tensor.data)
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG], ids=["little", "big"])
+def test_the_test_files_writer_writes_the_gguf_librarys_bytes(tmp_path, endian):
+    """bench/gguf_file.py's writer (arrays of strings packed in one pass) writes what gguf.GGUFWriter writes."""
+    files = []
+    for make in (gguf.GGUFWriter, gguf_writer):
+        path = tmp_path / f"{len(files)}.gguf"
+        writer = make(path, "llama", endianess=endian)
+        writer.add_array("strings", ["a", "", "ĠHello", "日本", "🦙"] * 20)
+        writer.add_array("numbers", [1, 2, 3])
+        writer.add_string("one", "x")
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        files.append(path.read_bytes())
+    assert files[0] == files[1]
+
+
+@pytest.mark.parametrize("items", [["ĠHello"] * 3, [7, 8, 9]], ids=["strings", "numbers"])
+def test_an_array_that_runs_past_the_end_is_a_corrupt_file(tmp_path, items):
+    """A header cut inside an array (a string's length, or a count, larger than what is left of the file)
+    is refused as a corrupt file, as every other cut is."""
+    path = tmp_path / "cut.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("items", items)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    whole = path.read_bytes()
+    assert Reader(path).fields["items"].contents() == items
+    for cut in (len(whole) - 1, len(whole) - 5):
+        path.write_bytes(whole[:cut])
+        with pytest.raises(ConversionError, match="truncated or corrupt GGUF"):
+            open_gguf(path)
+    count = whole.index(b"items") + len(b"items") + 8  # past the value's type and the items' type: the count
+    path.write_bytes(whole[:count] + (2**62).to_bytes(8, "little") + whole[count + 8:])
+    with pytest.raises(ConversionError, match="truncated or corrupt GGUF"):
+        open_gguf(path)
 
 
 def tensor_dtypes(folder: Path) -> dict[str, str]:

@@ -25,7 +25,7 @@ from model.convert.gguf_tokenizer import llama3_special_tokens
 from model.tokenizer import PAT_STR, meta_tokenizer_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # the benchmark's GGUF writer
-from gguf_file import gguf_name, write_gguf  # noqa: F401  (gguf_name: for the tests)
+from gguf_file import gguf_name, gguf_writer, write_gguf  # noqa: F401  (gguf_name, gguf_writer: for the tests)
 
 TYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
          "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,

@@ -225,6 +225,16 @@ def new_tab(page, server):
 
 
 def open_settings(tab):
+    """The settings panel. Its button shows once the chat's start has sent the settings (app/web/chat.py's
+    start_chat): a button that never shows fails with what the page said meanwhile and a screenshot."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        tab.wait_for_selector("#chat-settings-open-modal")
+    except PlaywrightTimeout:
+        shot(tab, "no-settings-button")
+        raise AssertionError("the settings button never showed: the chat's start did not send its settings; the page's "
+                             f"last words: {tab.inner_text('body')[-1500:]!r}") from None
     tab.click("#chat-settings-open-modal")
     tab.wait_for_selector("#chat-settings")
 

@@ -65,8 +65,8 @@ class ArrayField(ReaderField):
 
 
 class Reader(GGUFReader):
-    """gguf.GGUFReader, its values sliced from a plain ndarray over the file's map and its arrays of strings
-    read as Strings (see above)."""
+    """gguf.GGUFReader, its values sliced from a plain ndarray over the file's map, its arrays read whole
+    (ArrayField, see above)."""
 
     def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
         plain = self.__dict__.get("_plain")
@@ -80,8 +80,8 @@ class Reader(GGUFReader):
         return values if order == "I" else values.view(values.dtype.newbyteorder(order))
 
     def _build_fields(self, offs: int, count: int) -> int:
-        """The key-value pairs from `offs` on, as the library's reader has them, but arrays of strings as one
-        StringArrayField each; returns the offset past them."""
+        """The key-value pairs from `offs` on, as the library's reader has them, but each array of strings or of
+        numbers as one ArrayField; returns the offset past them."""
         for _ in range(count):
             start = offs
             key_length, key = self._get_str(offs)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from support.browser import ANSWERS, CHROMIUM, CHROMIUM_ARGS, STATS, need_browser
+from support.browser import send_message as send
 from support.servers import DEFAULT_MODEL, ROOT, ChainlitServer, server_env
 from support.special_checkpoints import default_model, write_scripted_checkpoint
 
@@ -76,12 +77,6 @@ def shot(page, name: str) -> Path:
     path = SHOTS / f"{name}.png"
     page.screenshot(path=path)
     return path
-
-
-def send(page, text: str) -> None:
-    page.fill("#chat-input", text)
-    page.wait_for_selector("#chat-submit:enabled")  # Enter is ignored while a reply runs
-    page.press("#chat-input", "Enter")
 
 
 def answer_texts(page) -> list[str]:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.browser import ANSWERS, CHROMIUM, CHROMIUM_ARGS, STATS, need_browser
+from support.browser import ANSWERS, CHROMIUM, CHROMIUM_ARGS, STATS, need_browser, send_message
 from support.pdfs import make_pdf
 from support.servers import DEFAULT_MODEL, ROOT, ChainlitServer, server_env
 from support.special_checkpoints import default_model
@@ -114,9 +114,7 @@ def attach(page, *paths: Path) -> None:
 def ask(page, text: str) -> tuple[str, str]:
     """Send text (with the files attached); wait for the reply and the line under it."""
     stats = page.locator(STATS).count()
-    page.fill("#chat-input", text)
-    page.wait_for_selector("#chat-submit:enabled")
-    page.press("#chat-input", "Enter")
+    send_message(page, text)
     deadline = time.monotonic() + 180
     while page.locator(STATS).count() <= stats:
         assert time.monotonic() < deadline, f"no reply to {text!r} within 180 s"
@@ -183,8 +181,7 @@ def test_a_file_too_big_and_a_renamed_binary_are_refused_with_a_message(page, se
 
     attach(page, files["scan.pdf"])
     errors = page.locator(ERRORS).count()
-    page.fill("#chat-input", "What does this scan say?")
-    page.press("#chat-input", "Enter")
+    send_message(page, "What does this scan say?")
     error = page.locator(ERRORS).nth(errors)
     error.wait_for()
     text = error.inner_text()

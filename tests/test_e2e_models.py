@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from support.browser import CHROMIUM, CHROMIUM_ARGS, STATS, need_browser
+from support.browser import CHROMIUM, CHROMIUM_ARGS, STATS, need_browser, send_message
 from support.checkpoints import write_tiny_checkpoint
 from support.fake_hub import FakeHub
 from support.servers import ROOT, ChainlitServer, server_env
@@ -125,8 +125,7 @@ def test_a_first_chat_pulls_a_better_model_from_the_panel_and_chats_with_it(serv
 
             page.locator('.models-row[data-model="Tiny-Pulled"] button', has_text="Use").click()
             wait_for(lambda: "This chat now uses Tiny-Pulled" in said(page), "use")
-            page.fill("#chat-input", "Hello")
-            page.press("#chat-input", "Enter")
+            send_message(page, "Hello")
             wait_for(lambda: page.locator(STATS).count() >= 1, "answer", timeout=120)
             with sqlite3.connect(server.log_path.parent / "history.db") as db:  # named after its first question
                 assert db.execute("SELECT name FROM threads").fetchall() == [("Hello",)]

@@ -16,6 +16,7 @@ import time
 
 import pytest
 from support.browser import ANSWERS, CHROMIUM, CHROMIUM_ARGS, STATS, need_browser
+from support.browser import send_message as send
 from support.servers import DEFAULT_MODEL, ROOT, ChainlitServer, server_env
 from support.special_checkpoints import default_model
 
@@ -71,12 +72,6 @@ def open_page(chromium, server, problems: list[str] | None = None):
 
 def shot(page, name: str) -> None:
     page.screenshot(path=SHOTS / f"{name}.png")
-
-
-def send(page, text: str) -> None:
-    page.fill("#chat-input", text)
-    page.wait_for_selector("#chat-submit:enabled")
-    page.press("#chat-input", "Enter")
 
 
 def ask(page, text: str) -> str:

@@ -40,3 +40,21 @@ def skip_browser() -> bool:
     """LLAMA_SKIP_BROWSER=on (or 1, yes, true): skip the browser tests where there is no browser, instead of
     failing them."""
     return Environment().switch("LLAMA_SKIP_BROWSER", default=False)
+
+
+def send_message(page, text: str, tries: int = 3) -> None:
+    """Type text in the chat's box and press Enter, once the box takes it (Enter is ignored while a reply
+    runs); the page takes a message by emptying the box. An Enter pressed right after the text was filled
+    can reach the box before its handler has read the text, and nothing is sent (seen once in a whole run:
+    the text still in the box two minutes later): Enter is pressed again then, up to `tries` times in all."""
+    page.fill("#chat-input", text)
+    page.wait_for_selector("#chat-submit:enabled")
+    for _ in range(tries):
+        page.press("#chat-input", "Enter")
+        try:
+            page.wait_for_function("() => document.querySelector('#chat-input').value === ''", timeout=5_000)
+            return
+        except Exception as e:  # playwright's TimeoutError
+            if type(e).__name__ != "TimeoutError":
+                raise
+    raise AssertionError(f"the chat's box kept {text!r} after {tries} presses of Enter")

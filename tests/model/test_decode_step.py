@@ -545,10 +545,8 @@ def test_q8_caches_give_the_reference_logits(ops, folders_by_shape, monkeypatch,
     before each step the reference takes the op's caches (the same bytes), and one step's logits must agree
     as closely as the same steps over bf16 caches do (up to 6% of the scale at head_dim 64 here), 2^-5
     more. A key left out or attended by another head moves them by a tenth of the scale or more."""
-    # hidden size at most 256: the attention's width (heads x head_dim) stays up to 1024, while the output head
-    # (Llama 3's 128,256 rows, most of a step's time) is not 1024 wide
     ckpt = tiny(folders_by_shape(head_dim, n_heads, n_kv_heads), monkeypatch, n_heads, n_kv_heads, activations,
-                head_dim=head_dim, hidden=min(head_dim * n_heads, 256))
+                head_dim=head_dim)
     lengths = [1, 6, 17, 25]
     fused_caches = prefilled(ckpt, lengths, kv_type="q8")
     reference_caches = copy.deepcopy(fused_caches)

@@ -23,12 +23,16 @@ def refused(data: bytes, **limits) -> str:
 
 
 def readers() -> list[int]:
-    """The PDF readers running now (their command lines name the module)."""
+    """The PDF readers this process runs now (children whose command lines name the module); not those of the
+    servers that other test files, on other workers, may have reading PDFs at the same time."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and b"app.files.pdf" in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
+                status = (entry / "status").read_text()
+                parent = int(status.split("\nPPid:", 1)[1].split()[0])
+                if parent == os.getpid():
+                    found.append(int(entry.name))
         except OSError:  # gone meanwhile
             pass
     return found

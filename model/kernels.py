@@ -10,7 +10,8 @@ overrides it (e.g. `znver3` to run the AVX2 code on an AVX-512 machine, `x86-64`
 loops). The build is cached in the cache folder's kernels/ (~/.cache/llama-chat/kernels/ unless
 configured) under a hash of the sources, the flags and the CPU, so it is compiled once per machine
 and code version, not once per checkout; `load_checkpoint` builds or loads it while the model
-loads. Without a compiler everything still works through `F.linear`, only slower;
+loads. Loading a build marks it used; builds no process has loaded for UNUSED_DAYS (an older version's
+code, a torch since upgraded) are removed then, with the folders of compiles that never finished. Without a compiler everything still works through `F.linear`, only slower;
 `configure(enabled=False)` turns the kernel off.
 
 The options are arguments: whoever starts a process calls `configure` before the first model loads,
@@ -22,11 +23,13 @@ not gets the defaults (on, -march=native, int8 tiles on, ~/.cache/llama-chat).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import re
 import shutil
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +47,9 @@ from .options import DEFAULT_CACHE_DIR
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "matvec.cpp", CSRC / "decode_step.cpp", CSRC / "dequantize.cpp"]  # they include dot_*.h, ggml_blocks.h
+log = logging.getLogger(__name__)
+
+UNUSED_DAYS = 30  # a build not loaded for this long is removed when another is loaded (_prune)
 FLAGS = ["-O3", "-ffast-math", "-fno-associative-math", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden"]  # and -march=...
 
 
@@ -173,8 +179,10 @@ def _build(march: str) -> Kernels:
     with _compiling(folder):  # processes starting together (engines, test workers) compile a build once
         if library.is_file():  # built before, by this or any checkout of the same code
             torch.ops.load_library(str(library))
+            os.utime(folder)  # used now (what _prune goes by)
         else:
             _compile(name, march, folder)
+    _prune(folder.parent, keep=folder)
     ops = getattr(torch.ops, name)
     # Shapes of the outputs, so torch.compile can trace through the ops: x (..., K) -> (..., sum N_i).
     torch.library.register_fake(f"{name}::matvec_bf16")(lambda x, ws, fp32_out=False: _fake_output(x, ws, fp32_out))
@@ -202,6 +210,33 @@ def _compiling(folder: Path):
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield
+
+
+def _prune(kernels: Path, keep: Path, now: float | None = None) -> list[str]:
+    """Remove from `kernels` the builds (with their lock files) that no process has loaded for UNUSED_DAYS, and the
+    scratch folders of compiles left as long (their process killed); never `keep`, nor a build whose lock another
+    process holds (it is compiling or loading that build). Returns the names removed."""
+    cutoff = (time.time() if now is None else now) - UNUSED_DAYS * 86400
+    removed = []
+    for entry in sorted(kernels.iterdir()) if kernels.is_dir() else []:
+        if entry == keep or not entry.is_dir() or not entry.name.startswith("llama_kernels_"):
+            continue
+        try:
+            if entry.stat().st_mtime >= cutoff:
+                continue
+            lock_path = entry.with_name(f"{entry.name}.lock")
+            with open(lock_path, "a") as lock:
+                if fcntl is not None:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError where another process holds it
+                shutil.rmtree(entry)
+                lock_path.unlink(missing_ok=True)
+        except OSError:
+            continue
+        removed.append(entry.name)
+    if removed:
+        log.info("removed %d kernel builds no process had loaded for %d days from %s", len(removed), UNUSED_DAYS,
+                 kernels)
+    return removed
 
 
 def _compile(name: str, march: str, folder: Path) -> None:

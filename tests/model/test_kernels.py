@@ -22,12 +22,14 @@ Tolerances, per output y[m, n], against the exact result (float64) with E = sum_
   relative to).
 """
 
+import fcntl
 import logging
 import math
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gguf
@@ -573,10 +575,39 @@ from model.kernels import build
 b = build("native")
 print(b.folder, b.path, sep="\\n")
 """
+    marked = time.time()
+    month_ago = marked - 31 * 86400
+    os.utime(native.folder, (month_ago, month_ago))  # as if unused for a month: loading it marks it used again
     r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env=os.environ | {"PYTHONPATH": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines() == [str(native.folder), native.path]
+    assert native.folder.stat().st_mtime >= marked - 1
+
+
+def test_builds_no_process_loaded_for_a_month_are_removed_and_the_others_kept(tmp_path):
+    """The cache folder of kernel builds does not grow with every version of the code: a build loaded marks itself
+    used, and those unused for UNUSED_DAYS go then (with the folders of compiles that never finished), but not
+    one whose lock another process holds, nor the one being loaded, nor what is not a build."""
+    kernels = tmp_path / "kernels"
+    month_ago = time.time() - (model.kernels.UNUSED_DAYS + 1) * 86400
+    names = {"stale": "llama_kernels_native-00000000", "stale scratch": "llama_kernels_znver3-11111111.tmp-4242",
+             "recent": "llama_kernels_znver3-22222222", "held": "llama_kernels_x86_64-33333333",
+             "loading": "llama_kernels_native-44444444", "not a build": "notes"}
+    for key, name in names.items():
+        (kernels / name).mkdir(parents=True)
+        (kernels / name / "library.so").write_bytes(b"\0" * 100)
+        (kernels / f"{name}.lock").touch()
+        if key != "recent":
+            os.utime(kernels / name, (month_ago, month_ago))
+    with open(kernels / f"{names['held']}.lock", "a") as held:  # as another process compiling or loading it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        removed = model.kernels._prune(kernels, keep=kernels / names["loading"])
+    assert sorted(removed) == sorted([names["stale"], names["stale scratch"]])
+    left = {name for key, name in names.items() if not key.startswith("stale")}
+    assert {p.name for p in kernels.iterdir() if p.is_dir()} == left
+    assert (kernels / f"{names['stale']}.lock").exists() is False and (kernels / f"{names['held']}.lock").exists()
+    assert model.kernels._prune(tmp_path / "no such folder", keep=kernels) == []
 
 
 def test_decode_path_says_which_code_runs_or_why_not():

@@ -37,7 +37,12 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include "dot_avx512.h"
 namespace isa = avx512;
-namespace int16_q4 = portable;  // int4 with x in int16, where int8_x is off
+#if defined(__AVX2__) && defined(__FMA__)
+#include "dot_avx2.h"
+namespace int16_q4 = avx2;  // int4 with x in int16, where int8_x is off (tests' close comparisons): AVX2's loops
+#else
+namespace int16_q4 = portable;
+#endif
 #define HAVE_Q4_INT8_X 1  // int4 weights take x rounded to int8 per block (avx512::dot_q4_x8)
 #define HAVE_Q8_QUADS 1  // int8 weights take four groups a register (avx512::dot_q8_quads)
 #if defined(__AVX512BF16__)

@@ -387,9 +387,7 @@ STEPS_IN_ALL = len(PROMPTS) * (TOKENS - 1)  # the greedy choices the fused op ma
 
 
 def default_model_steps(monkeypatch, activations, forced: bool, quantize=None):
-    """(Up to 33 s in int4 on a Zen 4 beside the suite's two other workers: 310 decode steps by each path, the
-    reference's int4 matrices one call each, the fused op's int4 products with x in int16, as the tests ask.)
-    Greedy decode of TOKENS tokens on the PROMPTS (its Q4_1 blocks widened at load to their float32
+    """Greedy decode of TOKENS tokens on the PROMPTS (its Q4_1 blocks widened at load to their float32
     values, then stored in bf16, or `quantize`d), in batches of up to 8
     sequences of different lengths, by the fused op and by the reference: (fused tokens, reference
     tokens), each (prompts, TOKENS), and per step of each prompt (fused logits, reference logits). forced: both

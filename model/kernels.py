@@ -11,8 +11,9 @@ loops). The build is cached in the cache folder's kernels/ (~/.cache/llama-chat/
 configured) under a hash of the sources, the flags and the CPU, so it is compiled once per machine
 and code version, not once per checkout; `load_checkpoint` builds or loads it while the model
 loads. Loading a build marks it used; builds no process has loaded for UNUSED_DAYS (an older version's
-code, a torch since upgraded) are removed then, with the folders of compiles that never finished. Without a compiler everything still works through `F.linear`, only slower;
-`configure(enabled=False)` turns the kernel off.
+code, a torch since upgraded) are removed then, with the folders of compiles that never finished.
+Without a compiler everything still works through `F.linear`, only slower; `configure(enabled=False)`
+turns the kernel off.
 
 The options are arguments: whoever starts a process calls `configure` before the first model loads,
 with what `model.options` read from LLAMA_KERNELS, LLAMA_KERNEL_MARCH, LLAMA_DETERMINISTIC and

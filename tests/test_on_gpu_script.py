@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.timeout(400)
 def test_the_gpu_check_runs_every_step_and_writes_one_summary(tmp_path):
+    """Over 30 s (43-48 s beside the suite's two other workers, Zen 4): the script's whole dry run, a Python process
+    for each of its steps, each kind of weights loaded and decoded one stream, several and served."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     run = subprocess.run(["bash", "bench/on_gpu.sh", "run", "--dry-run", str(tmp_path)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=380)

@@ -423,8 +423,10 @@ class Engine:
         self._building[request_id] = self._prompts.submit(self._build, request, checkpoint, info,
                                                           len(self.requests[request_id]))
 
-    def _build(self, request: Generate, checkpoint: Checkpoint, info, n: int) -> tuple[list[int], Context, list]:
-        """On the prompt thread: the prompt's ids, its Context and a JSON constraint for each of the n sequences.
+    def _build(self, request: Generate, checkpoint: Checkpoint, info,
+               n: int) -> tuple[list[int], Context, list, str]:
+        """On the prompt thread: the prompt's ids, its Context, a JSON constraint for each of the n sequences and
+        the request's tool_choice as read_tool_choice reads it (read here once; "none" without tools).
         A chat's oldest messages are left out where they no longer fit (or it is Refused, if it asked not to be
         trimmed), and its replies report so (Done.context). Refused: a prompt that cannot be built."""
         settings = request.settings.over(info.defaults)
@@ -432,6 +434,7 @@ class Engine:
             raise Refused(f"logit_bias: token id {past} is not in the vocabulary of {request.model} (token ids 0 to "
                           f"{checkpoint.config.vocab_size - 1:,})", "bad_request")
         try:
+            choice = read_tool_choice(request.tool_choice, read_tools(request.tools)) if request.tools else "none"
             if request.prompt is not None:
                 prompt, context = checkpoint.tokenizer.encode(request.prompt, bos=True), Context(info.context_limit)
                 if len(prompt) >= info.context_limit:
@@ -442,7 +445,7 @@ class Engine:
                 if request.tools and not checkpoint.chat_format.supports_tools:
                     # Clients that offer their tools with every message (Open WebUI does) get a reply in text, as
                     # "auto" allows; only a call that tool_choice demands cannot be given.
-                    if forces_call(read_tool_choice(request.tool_choice, read_tools(request.tools))):
+                    if forces_call(choice):
                         raise Refused(f"tools: the model {request.model} has no tool calling (its chat template is "
                                       "given no tools; Llama 3 checkpoints are), so it cannot be made to call one: "
                                       "send the request without tool_choice (with \"auto\" it answers in text)",
@@ -465,10 +468,10 @@ class Engine:
         except (ValueError, TypeError, RecursionError) as e:  # messages or tools the chat format cannot take
             raise Refused(f"The request cannot be answered: {e}", "bad_request") from e
         try:
-            constraints = [self._constraint(request, checkpoint) for _ in range(n)]
+            constraints = [self._constraint(request, checkpoint, choice) for _ in range(n)]
         except (ValueError, TypeError, RecursionError) as e:  # a schema past a limit or failing at once (SchemaError)
             raise Refused(str(e), "bad_schema") from e
-        return prompt, context, constraints
+        return prompt, context, constraints, choice
 
     def _take_prompts(self) -> None:
         """Start the requests whose prompts are built (in the order they came); fail those refused."""
@@ -480,13 +483,13 @@ class Engine:
                 continue
             with self._contained(request_id, "Starting the request"):
                 try:
-                    prompt, context, constraints = future.result()
+                    prompt, context, constraints, choice = future.result()
                 except Refused as e:
                     self._fail(request_id, str(e), e.kind)
                 else:
-                    self._start(request_id, prompt, context, constraints)
+                    self._start(request_id, prompt, context, constraints, choice)
 
-    def _start(self, request_id: str, prompt: list[int], context: Context, constraints: list) -> None:
+    def _start(self, request_id: str, prompt: list[int], context: Context, constraints: list, choice: str) -> None:
         sequences = self.requests[request_id]
         request = sequences[0].request
         checkpoint, info = self.models.checkpoints[request.model], self.models.infos[request.model]
@@ -496,7 +499,7 @@ class Engine:
             seed = None if settings.seed is None else reply_seed(settings.seed, sequence.index)
             sequence.context = context
             sequence.start(checkpoint, prompt, msgspec.structs.replace(settings, seed=seed), info.context_limit,
-                           constraint=constraint, token_bytes=token_bytes,
+                           constraint=constraint, tool_choice=choice, token_bytes=token_bytes,
                            speculation=self._speculation(request.model, min(len(prompt) + settings.max_new_tokens,
                                                                              info.context_limit)))
 
@@ -509,10 +512,9 @@ class Engine:
         guesser = Draft(draft, max_len) if draft is not None else PromptLookup()
         return Speculation(guesser, step_times(self.models.checkpoints[model].model))
 
-    def _constraint(self, request: Generate, checkpoint: Checkpoint):
-        """The JSON constraint a reply of this request follows, or None: the tool call its tool_choice asks for
-        ("required" or a function by name: model/tool_choice.py), else its response_format's JSON."""
-        choice = read_tool_choice(request.tool_choice, read_tools(request.tools)) if request.tools else "none"
+    def _constraint(self, request: Generate, checkpoint: Checkpoint, choice: str):
+        """The JSON constraint a reply of this request follows, or None: the tool call its tool_choice (`choice`)
+        asks for ("required" or a function by name: model/tool_choice.py), else its response_format's JSON."""
         if not forces_call(choice) and request.json_schema is None and not request.json_object:
             return None
         from model.structured import JsonConstraint  # llguidance, loaded only where JSON is asked for

@@ -35,7 +35,7 @@ from model.decoding import Decoding
 from model.kv_cache import KVCache
 from model.sampling import SamplingParams
 from model.speculation import Speculation, check
-from model.tools import forces_call, read_tool_choice, read_tools
+from model.tools import forces_call
 
 from app.messages import Context, Done, Generate, ReplySettings, Stats, TokenLogprob
 
@@ -83,17 +83,19 @@ class Sequence:
         self._logprobs_sent = 0
 
     def start(self, checkpoint, prompt: list[int], settings: ReplySettings, limit: int, *, constraint=None,
-              token_bytes: list[bytes] | None = None, speculation: Speculation | None = None) -> None:
+              tool_choice: str = "none", token_bytes: list[bytes] | None = None,
+              speculation: Speculation | None = None) -> None:
         """Ready to run: the prompt's ids and the reply's settings (all set) are known. constraint: the
-        JSON the reply must be; token_bytes: each token's bytes, when logprobs are asked for; speculation:
-        how its decode steps guess tokens ahead (None: they do not)."""
+        JSON the reply must be; tool_choice: the request's, as model.tools.read_tool_choice reads it (the engine
+        reads it once); token_bytes: each token's bytes, when logprobs are asked for; speculation: how its decode
+        steps guess tokens ahead (None: they do not)."""
         self.prompt, self.settings, self._token_bytes = prompt, settings, token_bytes
         self.speculation = speculation
         request = self.request
         tools = ({t["function"]["name"] for t in request.tools or []}
                  if request.tool_choice != "none" and checkpoint.chat_format.supports_tools else set())
-        choice = read_tool_choice(request.tool_choice, read_tools(request.tools)) if tools else "none"
-        forced = (tools if choice == "required" else {choice}) if forces_call(choice) else set()
+        forced = ((tools if tool_choice == "required" else {tool_choice})
+                  if tools and forces_call(tool_choice) else set())
         self.decoding = Decoding(
             checkpoint.tokenizer, prompt, max_new_tokens=settings.max_new_tokens, context_limit=limit,
             sampling=SamplingParams(

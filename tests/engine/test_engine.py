@@ -518,7 +518,7 @@ def test_a_constraint_that_fails_midway_ends_its_own_reply_alone(tiny, checkpoin
     h = harness(tiny, checkpoint)
     made = set()
 
-    def constraint(self, request, checkpoint):  # the first reply of a JSON request fails at its 4th token
+    def constraint(self, request, checkpoint, choice):  # the first reply of a JSON request fails at its 4th token
         if not request.json_object or request.id in made:
             return None
         made.add(request.id)

@@ -60,9 +60,9 @@ def pdf_text(name: str, data: bytes, *, seconds: float = FILES_READ_SECONDS, mem
     return result.text or ""
 
 
-def read_pages(name: str, data: bytes) -> str:
-    """Each page's text (pypdf's layout-free extraction), the pages joined with "\\f"; FileRefused saying what
-    is wrong. Runs in the child."""
+def read_pages(name: str, data: bytes, chars: int = MAX_FILE_CHARS) -> str:
+    """Each page's text (pypdf's layout-free extraction), the pages joined with "\\f", at most `chars` characters
+    in all; FileRefused saying what is wrong. Runs in the child."""
     import pypdf
     from pypdf.errors import LimitReachedError, PyPdfError
 
@@ -77,9 +77,9 @@ def read_pages(name: str, data: bytes) -> str:
         for number, page in enumerate(reader.pages, 1):
             pages.append(clean_text(page.extract_text() or "").replace(PAGE_BREAK, "\n").strip())
             length += len(pages[-1]) + 1
-            if length > MAX_FILE_CHARS:  # said now, not after the remaining pages are read
-                raise FileRefused(name, f"its text is more than {MAX_FILE_CHARS:,} characters long by page {number}; "
-                                      f"at most {MAX_FILE_CHARS:,} are taken.")
+            if length > chars:  # said now, not after the remaining pages are read
+                raise FileRefused(name, f"its text is more than {chars:,} characters long by page {number}; "
+                                      f"at most {chars:,} are taken.")
     except FileRefused:
         raise
     except LimitReachedError as e:  # pypdf's own bounds (tokens in a stream, bytes decompressed, ...)

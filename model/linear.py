@@ -206,6 +206,12 @@ class Embedding(nn.Embedding):
         self.register_buffer("scale", None)
         self.register_buffer("offset", None)
 
+    def reset_parameters(self) -> None:
+        # On the meta device there is nothing to fill, and torch's normal_ there imports torch._dynamo: 1.5 s of
+        # every process that loads a checkpoint.
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if is_blocks(self.weight):
             ids = tokens.reshape(-1)

@@ -93,6 +93,14 @@ def test_no_module_of_model_imports_the_app_or_a_web_framework():
     assert_none_of({"app"} | WEB_FRAMEWORKS, brought)
 
 
+def test_loading_a_checkpoint_imports_no_compiler(tiny):
+    """torch's compiler (1.5 s and 145 MB of imports) only where a compiled step is asked for: torch's normal_ on
+    the meta device imported it in every engine process."""
+    brought = probe(["model"], then=f"from model import load_checkpoint; load_checkpoint({str(tiny)!r})")
+    assert "model.llama" in brought["(then)"]  # (it did load)
+    assert_none_of({"torch._dynamo", "torch._inductor"}, brought)
+
+
 @pytest.mark.parametrize("name", TORCH_FREE)
 def test_what_the_web_side_shares_with_the_engine_imports_no_torch(name):
     brought = probe([name])

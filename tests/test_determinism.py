@@ -29,8 +29,10 @@ from model.linear import MAX_KERNEL_ROWS
 
 pytestmark = pytest.mark.timeout(900)
 
-GREEDY = ReplySettings(max_new_tokens=32, temperature=0.0, repetition_penalty=1.0)
-SEEDED = ReplySettings(max_new_tokens=32, temperature=0.8, top_p=0.95, seed=11)
+# 16 tokens a reply: every token's logprobs are compared bit for bit, so a difference shows at the step it comes
+# in (a cache taken whole where only whole chunks may be, or a batch sent to the unfused layers, fail here as with 32)
+GREEDY = ReplySettings(max_new_tokens=16, temperature=0.0, repetition_penalty=1.0)
+SEEDED = ReplySettings(max_new_tokens=16, temperature=0.8, top_p=0.95, seed=11)
 QUESTIONS = ["What is the capital of France?", "How do I boil an egg?", "Write a haiku about autumn.",
              "What is the difference between a list and a tuple in Python?", "Why is the sky blue?",
              "Give me three tips for sleeping better."]

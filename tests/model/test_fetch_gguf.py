@@ -140,19 +140,33 @@ def test_the_reader_reads_what_the_gguf_library_reads(tmp_path, endian):
 
 @pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG], ids=["little", "big"])
 def test_the_test_files_writer_writes_the_gguf_librarys_bytes(tmp_path, endian):
-    """bench/gguf_file.py's writer (arrays of strings packed in one pass) writes what gguf.GGUFWriter writes."""
+    """bench/gguf_file.py's writer (arrays of strings, and of numbers, packed in one pass) writes what
+    gguf.GGUFWriter writes, and refuses what it refuses."""
     files = []
     for make in (gguf.GGUFWriter, gguf_writer):
         path = tmp_path / f"{len(files)}.gguf"
         writer = make(path, "llama", endianess=endian)
         writer.add_array("strings", ["a", "", "ĠHello", "日本", "🦙"] * 20)
         writer.add_array("numbers", [1, 2, 3])
+        writer.add_array("ints", [-5, 0, 2**31 - 1] * 7)
+        writer.add_array("floats", [0.5, -1.25, 3e38, 1e-45] * 5)
+        writer.add_key_value("unsigned", [0, 2**32 - 1], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT32)
+        writer.add_array("flags", [True, False, True])
+        writer.add_token_types([gguf.TokenType.NORMAL, gguf.TokenType.CONTROL])  # (IntEnum: the library's path)
         writer.add_string("one", "x")
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.close()
         files.append(path.read_bytes())
     assert files[0] == files[1]
+    for make in (gguf.GGUFWriter, gguf_writer):
+        for bad, error in (([1, 2.5], ValueError), ([2**31], struct.error)):  # mixed types; past INT32
+            writer = make(tmp_path / "bad.gguf", "llama", endianess=endian)
+            writer.add_array("bad", bad)
+            writer.write_header_to_file()
+            with pytest.raises(error):
+                writer.write_kv_data_to_file()
+            writer.close()
 
 
 @pytest.mark.parametrize("items", [["ĠHello"] * 3, [7, 8, 9]], ids=["strings", "numbers"])

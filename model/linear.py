@@ -207,8 +207,8 @@ class Embedding(nn.Embedding):
         self.register_buffer("offset", None)
 
     def reset_parameters(self) -> None:
-        # On the meta device there is nothing to fill, and torch's normal_ there imports torch._dynamo: 1.5 s of
-        # every process that loads a checkpoint.
+        # On the meta device there is nothing to fill, and torch's normal_ there imports torch._dynamo: 1.1 s
+        # and 145 MB of every process that loads a checkpoint (Zen 4).
         if self.weight.device.type != "meta":
             super().reset_parameters()
 

@@ -594,8 +594,8 @@ def test_q8_caches_give_the_reference_logits(ops, folders_by_shape, monkeypatch,
                     assert (q_a - q_b).abs().max() <= 1
                     assert (q_a != q_b).float().mean() < 0.01
                 if activations != torch.float32:
-                    torch.testing.assert_close(fused[row], reference[row], atol=tight * float(reference[row].abs().max()),
-                                               rtol=0)
+                    scale = float(reference[row].abs().max())
+                    torch.testing.assert_close(fused[row], reference[row], atol=tight * scale, rtol=0)
                     continue
                 if apart[row] and on_the_ops_bytes is None:
                     on_the_ops_bytes = reading_only(ckpt, tokens, fused_caches)

@@ -27,7 +27,7 @@ def served(request):
 
 
 def test_a_needle_in_2000_tokens_is_found_wherever_it_lies(served):
-    """Up to 32 s on a Zen 4 (beside the suite's two other workers): three prefills of 2,000 tokens (the length
+    """Up to 44 s on a Zen 4 (beside the suite's two other workers): three prefills of 2,000 tokens (the length
     the module's docstring gives the reasons for), one thread."""
     replies = {}
     for place in PLACES:

@@ -60,7 +60,8 @@ def test_a_pdf_that_needs_more_memory_than_the_limit_is_refused():
 
 
 def test_a_stream_past_the_readers_own_bound_is_refused_saying_so():
-    # (time enough: the reader runs at idle priority, and the other workers of a test run keep both cores busy)
+    """Up to 30 s in a run (5 s alone, Zen 4): the reader runs at idle priority, and the other workers keep both
+    cores busy; it is given time enough."""
     problem = refused(heavy_pdf(1, 2_000_000), seconds=600)  # with the memory it needs
     assert problem.startswith("the PDF could not be read: it holds more than the reader takes (")
 

@@ -331,7 +331,7 @@ def test_int4_decode_picks_what_int4_prefill_ranks_first(folder):
 
 
 def test_compiled_decode_gives_the_same_tokens(folder):
-    """Inductor compiles the decode step to C++ in a fresh interpreter (16-28 s on a Zen 4, 39 s on a fresh clone,
+    """Inductor compiles the decode step to C++ in a fresh interpreter (16-43 s on a Zen 4, 39 s on a fresh clone,
     whose path torch's cache in /tmp has not seen), once: a step at the next position runs the same graph (a graph per
     position, guarded on its value, would recompile at each step and fall back to eager after eight)."""
     # In a fresh interpreter: once chainlit is imported (other tests import the app), its lazy

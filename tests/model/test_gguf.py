@@ -53,7 +53,7 @@ def prepared(smollm2_gguf, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def reference_model(smollm2_gguf):
     """transformers' own reading of the GGUF (its dequantizer and q/k un-permutation): 20-30 s in a run on a Zen 4,
-    its dequantizer in numpy over the whole file, once per run."""
+    the gguf library's numpy dequantizer over the whole file, once per worker."""
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
                                                 dtype=torch.float32).eval()

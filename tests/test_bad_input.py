@@ -79,7 +79,9 @@ async def ticking(work):
     """Run `work` (a coroutine) beside a 10 ms ticker; return its result, the longest gap between ticks and
     how long it took. A gap leaves out the time the loop's thread waited for a core: on a machine whose cores
     other processes keep busy (a test run's other workers) that is the machine's, not a stall of the loop (one
-    run saw a 0.58 s gap so); a loop kept busy, or blocked in a call, by this process still counts whole."""
+    run saw a 0.58 s gap so). A loop blocked in a call still counts whole; one kept busy by this process counts
+    the time it ran (on a loaded machine less than the wall time: 0.5 s of work read 0.21 s beside four busy
+    processes on two cores)."""
     gaps, done = [], asyncio.Event()
 
     async def ticker():

@@ -1,5 +1,8 @@
 """Tokenizer: Llama 3 ids equal Meta's llama_models 0.3.0; HFTokenizer ids equal transformers'."""
 
+import base64
+import gc
+import hashlib
 import json
 import re
 import shutil
@@ -127,6 +130,42 @@ def test_rank_gaps_are_an_error(tmp_path):
     path.write_text("YQ== 0\nYg== 2\n")
     with pytest.raises(TokenizerError, match="expected ranks 0..1"):
         Tokenizer(path)
+
+
+@pytest.mark.parametrize("content,line", [(b"YQ== 0\nYg==1\n", 2), (b"YQ== 0\n\nYg== 1 3\n", 3),
+                                          (b"YQ== 0\nY!== 1\n", 2), (b"YQ== 0\nYg== 1\nYw== x\n", 3)],
+                         ids=["one-field", "three-fields", "not-base64", "not-a-number"])
+def test_a_line_that_is_not_a_token_and_rank_is_named(tmp_path, content, line):
+    path = tmp_path / "tokenizer.model"
+    path.write_bytes(content)
+    with pytest.raises(TokenizerError, match=rf"expected a tiktoken BPE file .*, line {line} is not one"):
+        Tokenizer(path)
+
+
+def test_the_ranks_read_whole_are_those_of_each_line(llama3):
+    ranks = tokenizer_module.load_bpe_ranks(META_MODEL)
+    by_line = {base64.b64decode(token, validate=True): int(rank)
+               for token, rank in (line.split() for line in META_MODEL.read_bytes().splitlines() if line)}
+    assert ranks == by_line and len(ranks) == 128000
+    assert tokenizer_module.parse_bpe_ranks(b"\r\nYQ== 0\r\n\r\nYg== 1") == {b"a": 0, b"b": 1}
+
+
+def test_one_file_read_at_two_places_shares_its_encoding_while_in_use(llama3, tmp_path):
+    copy = tmp_path / "tokenizer.model"
+    shutil.copyfile(META_MODEL, copy)
+    again = Tokenizer(copy)
+    assert again.model is llama3.model and again.special_tokens == llama3.special_tokens
+    assert again.special_tokens is not llama3.special_tokens  # each its own dict
+    other = tmp_path / "other" / "tokenizer.model"
+    other.parent.mkdir()
+    other.write_bytes(b"YQ== 0\nYg== 1\n")
+    small = Tokenizer(other)
+    assert small.model is not llama3.model and small.vocab_size == 2 + 256 and small.eot_id == 2 + 9
+    key = hashlib.sha256(other.read_bytes()).digest()
+    assert key in tokenizer_module._ENCODINGS
+    del small
+    gc.collect()
+    assert key not in tokenizer_module._ENCODINGS  # not kept once no tokenizer uses it
 
 
 def test_modules_import_without_torch_or_llama_models():

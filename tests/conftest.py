@@ -128,17 +128,17 @@ def pytest_xdist_auto_num_workers(config):
 
 
 # The files that take longest (seconds of tests added up over a run's workers, docs/tests.md: every file of over
-# ~35 s on a Zen 4), handed out first: a worker that starts one of them late is still running it after the others
+# ~30 s on a Zen 4), handed out first: a worker that starts one of them late is still running it after the others
 # have run out of files. (pytest.ini's --no-loadscope-reorder: else pytest-xdist hands out the files with the most
 # tests first, and the long files of one or two tests came last.)
-LONGEST_FIRST = ["tests/model/test_decode_step.py", "tests/test_determinism.py", "tests/test_e2e_browser.py",
-                 "tests/test_restart.py", "tests/web/test_history.py", "tests/model/test_kernels.py",
-                 "tests/test_as_amx.py", "tests/model/test_linear.py", "tests/test_e2e_page.py",
-                 "tests/web/test_sessions.py", "tests/model/test_fetch_gguf.py", "tests/web/test_models_panel.py",
-                 "tests/test_boundary.py", "tests/web/test_main.py", "tests/model/test_gguf.py",
-                 "tests/api/test_api_tool_choice.py", "tests/test_on_gpu_script.py", "tests/test_long_context.py",
-                 "tests/engine/test_guessing.py", "tests/engine/test_engine.py", "tests/test_concurrency.py",
-                 "tests/model/test_static_decode.py", "tests/test_e2e_files.py", "tests/api/test_guard.py"]
+LONGEST_FIRST = ["tests/test_determinism.py", "tests/model/test_decode_step.py", "tests/test_as_amx.py",
+                 "tests/test_e2e_browser.py", "tests/web/test_sessions.py", "tests/web/test_models_panel.py",
+                 "tests/api/test_api_tool_choice.py", "tests/model/test_gguf.py", "tests/test_boundary.py",
+                 "tests/test_e2e_page.py", "tests/web/test_main.py", "tests/web/test_history.py",
+                 "tests/test_restart.py", "tests/api/test_ollama.py", "tests/engine/test_guessing.py",
+                 "tests/api/test_guard.py", "tests/model/test_fetch_gguf.py", "tests/engine/test_engine.py",
+                 "tests/test_on_gpu_script.py", "tests/test_concurrency.py", "tests/test_e2e_files.py",
+                 "tests/model/test_speculation.py", "tests/model/test_linear.py"]
 
 
 def pytest_collection_modifyitems(config, items):

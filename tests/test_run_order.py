@@ -16,6 +16,6 @@ def test_the_longest_files_exist_and_are_handed_out_first(pytestconfig):
              "tests/model/test_decode_step.py::d", "tests/web/test_presets.py::e", "tests/test_determinism.py::f"]
     items = [SimpleNamespace(nodeid=name) for name in names]
     conftest.pytest_collection_modifyitems(None, items)
-    assert [item.nodeid[-1] for item in items] == ["d", "b", "f", "a", "c", "e"]  # listed order, then as collected
+    assert [item.nodeid[-1] for item in items] == ["b", "f", "d", "a", "c", "e"]  # listed order, then as collected
     # and pytest-xdist hands out the files in that order (pytest.ini), not those with the most tests first
     assert pytestconfig.option.loadscopereorder is False

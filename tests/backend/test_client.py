@@ -68,7 +68,7 @@ async def _stream_now(client, conversation):
 
 def test_cancel_ends_a_reply_within_a_token_or_two_and_frees_its_place(client):
     async def scenario():
-        reply = client.stream(chat("Tell me a long story"), ReplySettings(max_new_tokens=3000, temperature=1.0))
+        reply = client.stream(chat("Tell me a long story"), ReplySettings(max_new_tokens=3000, temperature=1.0, ignore_eos=True))
         async for event in reply:
             if isinstance(event, Text):
                 break
@@ -88,7 +88,7 @@ def test_cancel_ends_a_reply_within_a_token_or_two_and_frees_its_place(client):
 
 def test_past_the_batch_and_the_queue_the_server_says_it_is_busy(client):
     async def scenario():
-        replies = [client.stream(chat(f"Story {i}"), ReplySettings(max_new_tokens=2000, temperature=1.0))
+        replies = [client.stream(chat(f"Story {i}"), ReplySettings(max_new_tokens=2000, temperature=1.0, ignore_eos=True))
                    for i in range(3)]  # max_batch=2 running + max_waiting=1
         with pytest.raises(ServerBusy, match="3 replies are running or waiting.*LLAMA_MAX_WAITING=1"):
             client.stream(chat("One more"))
@@ -131,7 +131,7 @@ def test_an_engine_that_dies_fails_its_replies_and_a_new_one_serves(tiny):
         async def scenario():
             await client.load()
             first_pid = client.pid
-            reply = client.stream(chat("Long story"), ReplySettings(max_new_tokens=5000, temperature=1.0))
+            reply = client.stream(chat("Long story"), ReplySettings(max_new_tokens=5000, temperature=1.0, ignore_eos=True))
             async for event in reply:
                 if isinstance(event, Text):
                     os.kill(first_pid, signal.SIGKILL)

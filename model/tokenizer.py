@@ -58,7 +58,7 @@ def split_for_tiktoken(text: str):
 
 def parse_bpe_ranks(data: bytes) -> dict[bytes, int]:
     """A tiktoken BPE file's ranks ("<base64 token> <rank>" per line); ValueError naming the first line that is not
-    one, or the ranks' gaps. Read here rather than by tiktoken's `load_tiktoken_bpe`, which keeps a copy of every
+    one, or the ranks' gaps or repeats. Read here rather than by tiktoken's `load_tiktoken_bpe`, which keeps a copy of every
     file it reads in the temporary folder (data-gym-cache, by a hash of the path): a copy for each checkpoint."""
     fields = data.split()
     try:  # the whole file at once (0.1 s for 128,000 lines): two fields a line, every token strict base64
@@ -75,7 +75,8 @@ def parse_bpe_ranks(data: bytes) -> dict[bytes, int]:
                 token, rank = line.split()
                 ranks[binascii.a2b_base64(token, strict_mode=True)] = int(rank)
             except ValueError as e:
-                raise ValueError(f"line {number} is not one ({e})") from None
+                raise ValueError(f"expected a tiktoken BPE file (lines of '<base64 token> <rank>'), line {number} is "
+                                 f"not one ({e}); a SentencePiece tokenizer.model (Llama 1/2) is not supported") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"expected ranks 0..{len(ranks) - 1}, each once, found gaps or repeats")
     return ranks
@@ -86,14 +87,9 @@ def load_bpe_ranks(path: Path) -> dict[bytes, int]:
     try:
         return parse_bpe_ranks(path.read_bytes())
     except ValueError as e:
-        raise bpe_error(path, e) from None
+        raise TokenizerError(f"{path}: {e}") from None
 
 
-def bpe_error(path: Path, e: ValueError) -> TokenizerError:
-    if str(e).startswith("expected ranks"):
-        return TokenizerError(f"{path}: {e}")
-    return TokenizerError(f"{path}: expected a tiktoken BPE file (lines of '<base64 token> <rank>'), {e}; "
-                          f"a SentencePiece tokenizer.model (Llama 1/2) is not supported")
 
 
 def special_token_ids(n_ranks: int) -> dict[str, int]:
@@ -132,7 +128,7 @@ class Tokenizer:
         try:
             self.model = llama3_encoding(self.path.read_bytes())
         except ValueError as e:
-            raise bpe_error(self.path, e) from None
+            raise TokenizerError(f"{self.path}: {e}") from None
         self.special_tokens = special_token_ids(self.model.n_vocab - NUM_SPECIAL_TOKENS)
         self.vocab_size = self.model.n_vocab
         self.bos_id = self.special_tokens["<|begin_of_text|>"]

@@ -38,7 +38,8 @@ print(len(read), len(read[0].tools))
 def test_the_first_bodies_of_a_fresh_process_are_read_from_sixteen_threads_at_once():
     chat = {name: value for name, value in body(1, "required", True).items() if name != "extra_body"}
     for _ in range(TRIES):
-        done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", PROGRAM, json.dumps(chat)], cwd=ROOT, capture_output=True,
-                              text=True, timeout=120, env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "PATH": ""})
+        done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", PROGRAM, json.dumps(chat)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120,
+                              env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "PATH": ""})
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.split() == ["16", "3"]

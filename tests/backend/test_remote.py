@@ -112,7 +112,7 @@ def test_stop_through_the_backend_ends_its_generation(remote, backend):
 
     async def scenario():
         request = remote.stream(chat("Tell me a long story"), ReplySettings(max_new_tokens=MAX_CONTEXT,
-                                                                           temperature=1.0))
+                                                                           temperature=1.0, ignore_eos=True))
         async for event in request:
             if isinstance(event, Text):
                 break

@@ -237,8 +237,8 @@ def test_cancelling_one_stream_leaves_the_others_running(tiny, checkpoint):
 
 def test_cancel_while_waiting_ends_at_once(tiny, checkpoint):
     h = harness(tiny, checkpoint, max_batch=1)
-    running = request("One", ReplySettings(max_new_tokens=100, temperature=1.0))
-    waiting = request("Two", ReplySettings(max_new_tokens=100, temperature=1.0))
+    long = ReplySettings(max_new_tokens=100, temperature=1.0, ignore_eos=True)  # (a random model may sample a stop)
+    running, waiting = request("One", long), request("Two", long)
     events = h.run(running, waiting, max_steps=3)
     assert Queued(waiting.id, 1) in events
     events = h.run(Cancel(waiting.id), max_steps=1)
@@ -556,7 +556,7 @@ def test_n_replies_share_one_prefill_and_each_is_the_reply_its_seed_gives(tiny, 
         assert d.token_ids == alone.tokens
         assert d.text == "".join(e.text for e in events if isinstance(e, Text) and e.index == d.index)
     assert len({d.text for d in dones}) == 3
-    cancelled = request("Write a poem", ReplySettings(max_new_tokens=500, temperature=1.0), n=2)
+    cancelled = request("Write a poem", ReplySettings(max_new_tokens=500, temperature=1.0, ignore_eos=True), n=2)
     h.run(cancelled, max_steps=3)
     events = h.run(Cancel(cancelled.id))
     assert sorted(e.index for e in events if isinstance(e, Done) and e.finish_reason == "cancelled") == [0, 1]

@@ -294,7 +294,8 @@ def test_presets_context_copy_regenerate_and_export(page, server):
         while (words(stored_replies(server)[-1:]) != [regenerated.split()] or
                first.split() in words(stored_replies(server))) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert words(stored_replies(server)[-1:]) == [regenerated.split()]
+        stored = stored_replies(server)[-1:]
+        assert words(stored) == [regenerated.split()], f"stored {stored!r}, on the page {regenerated!r}"
         assert first.split() not in words(stored_replies(server))
 
         # Export: the chat as Markdown and as OpenAI-shaped JSON, to download.

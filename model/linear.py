@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .blocks import dequantize_blocks, is_blocks
-from .cpu import has_amx
 from .kernels import kernels
 from .packed import is_packed, packed_linear
 from .quantize import can_quantize_int4, dequantize, quantize_int4, quantize_int8
@@ -26,12 +25,6 @@ MAX_KERNEL_ROWS = 8  # rows of x (tokens in one decode step) the decode kernel t
 # it (and with fp32 on 5 to 11 rows, with the number of threads, on Zen 5): the kernel, MAX_KERNEL_ROWS at a time,
 # or F.linear a row at a time. A prompt's last prefill chunk can be this short, and decode steps always are.
 FEW_ROWS = 2 * MAX_KERNEL_ROWS
-# Quantized matrices (int8, int4, llama.cpp's blocks) take the kernel, MAX_KERNEL_ROWS rows a call, for prompts up to
-# this many rows, by the activations' dtype: there its int8 products, reading the stored matrix as it is, beat widening
-# the whole matrix for F.linear (a short chat message's prefill 1.5-5x faster on AVX2, fp32 activations; up to 1.5x
-# with bf16 on AVX-512: docs/benchmarks.md, "Short prompts"). Not on AMX CPUs, whose bf16 tiles were not measured.
-QUANTIZED_FEW_ROWS = {torch.float32: 128, torch.bfloat16: 64}
-QUANTIZED = (torch.int8, torch.uint8, "blocks")
 # What the kernel streams (uint8: int4; "blocks": llama.cpp's, model/blocks.py)
 KERNEL_WEIGHTS = (torch.bfloat16, torch.float32, torch.int8, torch.uint8, "blocks")
 DEQUANTIZE_BLOCK_BYTES = 8 << 20  # a stored matrix is widened for F.linear this many bytes of rows at a time
@@ -54,8 +47,7 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Ten
     in x's dtype, or in fp32 with fp32_out (the output head: the sums are fp32, logits keep them).
 
     Up to MAX_KERNEL_ROWS rows of x on the CPU go to the decode kernel, which reads each weight once
-    for all of them (up to FEW_ROWS, in groups of as many; quantized matrices up to few_rows()); more rows
-    (prefill) go to F.linear. Each of
+    for all of them (up to FEW_ROWS, in groups of as many); more rows (prefill) go to F.linear. Each of
     a few rows' result is the same whatever rows come with it (the kernel's loops are written so; where the
     kernel does not apply, such rows go to F.linear one at a time), so a sequence decodes the same tokens
     alone or in any batch. Packed matrices (model/packed.py) go to their ops, any rows.
@@ -63,7 +55,7 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Ten
     offsets = offsets or [None] * len(weights)
     kinds, k_dim = {"blocks" if is_blocks(w) else w.dtype for w in weights}, x.shape[-1]
     rows = x.numel() // k_dim if k_dim else 0
-    few = 1 <= rows <= few_rows(kinds, x) and x.device.type == "cpu" and not any(map(is_packed, scales))
+    few = 1 <= rows <= FEW_ROWS and x.device.type == "cpu" and not any(map(is_packed, scales))
     if few and len(kinds) > 1:  # a kernel call per kind
         y = torch.cat([linears(x, [w], [s], [o], fp32_out) for w, s, o in zip(weights, scales, offsets)], dim=-1)
         return y
@@ -97,13 +89,6 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Ten
                for w, s, o in zip(weights, scales, offsets)]
     y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
     return y.float() if fp32_out else y
-
-
-def few_rows(kinds: set, x: torch.Tensor) -> int:
-    """Up to how many rows of x go to the kernel (MAX_KERNEL_ROWS a call) rather than to F.linear."""
-    if kinds <= set(QUANTIZED) and x.dtype in QUANTIZED_FEW_ROWS and not has_amx() and kernels():
-        return QUANTIZED_FEW_ROWS[x.dtype]
-    return FEW_ROWS
 
 
 def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,

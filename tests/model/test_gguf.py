@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors import safe_open
-from support.kernels import widened_prefill, x_in_int8
+from support.kernels import x_in_int8
 from tokenizers import Tokenizer, pre_tokenizers
 
 import model.convert.gguf as gguf_module
@@ -206,13 +206,12 @@ def test_the_default_folder_widened_at_load_is_the_float32_folder(prepared, conv
 
 
 def test_imported_without_dequantizing_it_is_int4_and_int8_with_the_same_logits(prepared, smollm2_gguf,
-                                                                              reference_logits, ours, monkeypatch):
+                                                                              reference_logits, ours):
     """The file's Q4_1 matrices as int4 and its Q8_0 embedding (the tied head) as int8, kept as they are:
     the logits of transformers reading the GGUF (prefill: F.linear on dequantized blocks of rows), and
     greedy decode through the int4 and int8 kernels answers as the float32 folder does."""
     from model import generate, load_checkpoint
     from model.linear import FEW_ROWS
-    widened_prefill(monkeypatch)  # past FEW_ROWS tokens, F.linear on the widened matrices (as past QUANTIZED_FEW_ROWS)
     folder = prepared
     ckpt = load_checkpoint(folder, dtype=torch.float32)
     m = ckpt.model

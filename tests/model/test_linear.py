@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.checkpoints import hf_model, prompt_ids
-from support.kernels import has_int8_x, widened_prefill, x_in_int8, x_in_int8_blocks
+from support.kernels import has_int8_x, x_in_int8, x_in_int8_blocks
 
 import model.linear
 from model import generate, load_checkpoint
 from model.kernels import kernels
-from model.linear import FEW_ROWS, MAX_KERNEL_ROWS, QUANTIZED_FEW_ROWS, Linear, linear, project
+from model.linear import FEW_ROWS, MAX_KERNEL_ROWS, Linear, linear, project
 from model.quantize import dequantize, dequantize_int8, quantize_int4, quantize_int8
 
 
@@ -22,9 +22,6 @@ class Spy:
 
     def __init__(self, ops):
         self.ops, self.calls = ops, []
-
-    def __getattr__(self, name):  # the ops it does not record (widening a matrix)
-        return getattr(self.ops, name)
 
     def matvec_bf16(self, x, ws, fp32_out=False):
         self.calls.append(tuple(x.shape))
@@ -95,28 +92,6 @@ def test_a_few_more_rows_go_to_the_kernel_in_groups(spy, rows):
     assert torch.equal(ours[0], torch.cat([linear(x[0, i:i + 1], w) for i in range(rows)]))
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_a_short_prompt_through_quantized_matrices_takes_the_kernel_eight_rows_a_call(spy, monkeypatch, kind, x_dtype):
-    """Quantized matrices take the kernel for prompts up to QUANTIZED_FEW_ROWS rows (by x's dtype), eight rows a
-    call, each row as it comes alone (so as a decode step computes it); a row more goes to F.linear. bf16 matrices,
-    and every matrix on CPUs with AMX, keep FEW_ROWS."""
-    monkeypatch.setattr(model.linear, "has_amx", lambda: False)
-    limit = QUANTIZED_FEW_ROWS[x_dtype]
-    g = torch.Generator().manual_seed(8)
-    weight, scale, offset = stored(torch.randn(40, 576, generator=g) * 0.05, kind)
-    x = torch.randn(limit + 1, 576, generator=g).to(x_dtype)
-    ours = linear(x[:limit], weight, scale, offset)
-    assert spy.calls == [(MAX_KERNEL_ROWS, 576)] * (limit // MAX_KERNEL_ROWS)
-    assert torch.equal(ours, torch.cat([linear(x[i:i + 1], weight, scale, offset) for i in range(limit)]))
-    spy.calls.clear()
-    linear(x, weight, scale, offset)  # one row more
-    linear(x[:FEW_ROWS + 1], weight.bfloat16() if kind == "int8" else torch.randn(40, 576).bfloat16())
-    monkeypatch.setattr(model.linear, "has_amx", lambda: True)
-    linear(x[:FEW_ROWS + 1], weight, scale, offset)
-    assert spy.calls == []
-
-
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
 def test_without_the_kernel_every_product_goes_to_f_linear_a_few_rows_one_at_a_time(monkeypatch, kind):
     monkeypatch.setattr(model.linear, "kernels", lambda: None)
@@ -167,7 +142,6 @@ def test_fp32_out_gives_the_sums_before_their_rounding(spy, kind, x_dtype):
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_prefill_dequantizes_a_block_of_rows_at_a_time(monkeypatch, kind, x_dtype):
     """Many rows: F.linear on blocks of the dequantized matrix, each of at most DEQUANTIZE_BLOCK_BYTES."""
-    widened_prefill(monkeypatch)  # (36 rows: under QUANTIZED_FEW_ROWS, the kernel's, below)
     monkeypatch.setattr(model.linear, "DEQUANTIZE_BLOCK_BYTES", 10 * 64 * x_dtype.itemsize)  # blocks of 10 rows
     widened = []
     real = model.linear.widen
@@ -324,8 +298,7 @@ def test_int8_model_stays_close_to_float32(folder):
     assert (a - b).abs().mean() / a.abs().mean() < 0.05
 
 
-def test_int4_model_is_the_float_model_with_its_dequantized_weights(folder, monkeypatch):
-    widened_prefill(monkeypatch)  # F.linear on the widened int4 values, whose exactness this compares
+def test_int4_model_is_the_float_model_with_its_dequantized_weights(folder):
     full = load_checkpoint(folder, dtype=torch.float32)
     int4 = load_checkpoint(folder, dtype=torch.float32, quantize="int4")
     ids = prompt_ids(n=32)
@@ -342,12 +315,11 @@ def test_int4_model_is_the_float_model_with_its_dequantized_weights(folder, monk
         torch.testing.assert_close(full.model(ids), b, rtol=1e-4, atol=1e-4 * a.abs().max().item())
 
 
-def test_int4_decode_picks_what_int4_prefill_ranks_first(folder, monkeypatch):
+def test_int4_decode_picks_what_int4_prefill_ranks_first(folder):
     """Greedy decode through matvec_int4 against full forwards of the same int4 model (F.linear on
     blocks of dequantized rows): fp32 activations and x in int16 (x in int8 blocks, the AVX-512 and AVX2
     builds' default, moves an output by up to 1/127 of a block's largest |x|: near-ties break either way), so the
     two agree token for token."""
-    widened_prefill(monkeypatch)
     ckpt = load_checkpoint(folder, dtype=torch.float32, quantize="int4")
     prompt = prompt_ids(n=FEW_ROWS + 4)[0].tolist()  # prefilled by F.linear, as the full forwards
     gen = generate(ckpt, prompt, max_new_tokens=16, stop_ids=set())

@@ -71,12 +71,3 @@ def x_in_int8_blocks(x, block=32):
     step = (x_max / 127).double()
     either_way = ((steps - steps.floor() - 0.5).abs() < 1e-4).double() * step
     return (torch.round(steps).double() * step).flatten(-2), either_way.flatten(-2)
-
-
-def widened_prefill(monkeypatch) -> None:
-    """For the rest of the test, quantized matrices take the kernel for up to FEW_ROWS rows only, as bf16 ones do:
-    a prompt longer goes to F.linear on the matrices widened a block of rows at a time, as prompts past
-    model.linear.QUANTIZED_FEW_ROWS do. The tests of the widened values (each the file's or the quantizer's, to
-    the last bit) compare whole forwards with that path."""
-    import model.linear
-    monkeypatch.setattr(model.linear, "QUANTIZED_FEW_ROWS", {})

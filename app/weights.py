@@ -106,8 +106,16 @@ class Pull:
 
 def bytes_here(folder: Path) -> int:
     """The bytes of every file under a download's folder (huggingface_hub's unfinished files in .cache/ too: a pull
-    goes on from them)."""
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    goes on from them). The download moves and removes its files and folders meanwhile: what goes while it is read
+    counts nothing (os.walk passes over a folder that is gone; a file that is gone is skipped)."""
+    total = 0
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(parent, name)).st_size
+            except OSError:
+                continue
+    return total
 
 
 class Weights:

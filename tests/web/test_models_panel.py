@@ -350,3 +350,32 @@ def test_a_failures_terminal_words_are_the_pages():
     assert said.endswith("the proxy settings) and pull it again") and "command" not in said
     assert models_panel.page_words("acme/x is gated: accept its terms, then set HF_TOKEN and run again").endswith(
         "and pull it again")
+
+
+def test_a_downloads_bytes_are_counted_while_it_moves_its_files(tmp_path):
+    """A pull's progress adds up its download folder while huggingface_hub makes, moves and removes files and folders
+    in it: what goes meanwhile counts nothing, and the count never fails (a folder gone in the middle of the walk
+    once ended a pull's progress stream with FileNotFoundError, and the client's pull with it)."""
+    import shutil
+
+    from app.weights import bytes_here
+    folder = tmp_path / "download"
+    (folder / "kept").mkdir(parents=True)
+    (folder / "kept" / "model.gguf").write_bytes(b"x" * 1000)
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            nested = folder / ".cache" / "huggingface" / "download" / "deep"
+            nested.mkdir(parents=True, exist_ok=True)
+            (nested / "model.gguf.incomplete").write_bytes(b"y" * 10)
+            shutil.rmtree(folder / ".cache", ignore_errors=True)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        counts = {bytes_here(folder) for _ in range(3000)}
+    finally:
+        stop.set()
+        thread.join()
+    assert counts <= {1000, 1010} and 1000 in counts

@@ -204,9 +204,10 @@ def stored_replies(server) -> list[str]:
 
 
 def words(replies: list[str]) -> list[list[str]]:
-    """Each reply's words as the page shows them (a list's numbers apart from its text; a reply cut off
-    right after an item's number ends in an empty item, whose number is no text on the page either)."""
-    return [re.sub(r"^\s*(\d+\.|[-*])(\s+|$)", "", reply, flags=re.MULTILINE).split() for reply in replies]
+    """Each reply's words as the page shows them (a list's numbers apart from its text, also where an item starts
+    with another list, as "1. 3. The best part ..." does: two numbers, no text; a reply cut off right after an item's
+    number ends in an empty item, whose number is no text on the page either)."""
+    return [re.sub(r"^\s*(?:(?:\d+\.|[-*])(?:\s+|$))+", "", reply, flags=re.MULTILINE).split() for reply in replies]
 
 
 def new_tab(page, server):

@@ -14,6 +14,9 @@
 #include <cstring>
 #include <optional>
 #include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "dot_portable.h"  // fp16_to_float
 #include "ggml_blocks.h"
@@ -41,8 +44,8 @@ void round_to_bf16(const float* __restrict src, c10::BFloat16* __restrict dst, i
   for (; j < n; j++) dst[j] = c10::BFloat16(src[j]);
 }
 
-// out (N, K) in fp32 or bf16; fill(r, row) writes row r's K weights in fp32 into a buffer of the
-// thread's own, which is then rounded to bf16 or copied into the output.
+// out (N, K) in fp32 or bf16; fill(r, row) writes row r's K weights in fp32: into the output's row (fp32), or into
+// a buffer of the thread's own that is then rounded to bf16.
 template <typename Fill>
 at::Tensor widen(int64_t n, int64_t k, at::ScalarType dtype, Fill fill) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize: to float32 or bfloat16, not ", dtype);
@@ -51,14 +54,13 @@ at::Tensor widen(int64_t n, int64_t k, at::ScalarType dtype, Fill fill) {
   float* f32 = bf16 ? nullptr : out.data_ptr<float>();
   c10::BFloat16* b16 = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(k);
-    float* __restrict row = buffer.data();
+    std::vector<float> buffer(bf16 ? k : 0);
     for (int64_t r = begin; r < end; r++) {
-      fill(r, row);
       if (bf16) {
-        round_to_bf16(row, b16 + r * k, k);
+        fill(r, buffer.data());
+        round_to_bf16(buffer.data(), b16 + r * k, k);
       } else {
-        std::memcpy(f32 + r * k, row, k * sizeof(float));
+        fill(r, f32 + r * k);
       }
     }
   });
@@ -89,8 +91,22 @@ at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scale, co
       const float off = o ? fp16_to_float(o[r * blocks + b]) : -8.f * sc;
       const uint8_t* __restrict bytes = w + (r * blocks + b) * (kBlock / 2);
       float* __restrict out = dst + b * kBlock;
+#if defined(__AVX2__)
+      // The same q * sc + off (a product, then a sum: two roundings) eight weights at a time: the loops below did
+      // not vectorize, and took 5 times as long a weight as int8's.
+      const __m128i packed16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));  // 32 nibbles
+      const __m128i low = _mm_and_si128(packed16, _mm_set1_epi8(0x0F));                   // weights 0..15
+      const __m128i high = _mm_and_si128(_mm_srli_epi16(packed16, 4), _mm_set1_epi8(0x0F));  // weights 16..31
+      const __m256 vsc = _mm256_set1_ps(sc), voff = _mm256_set1_ps(off);
+      const __m128i eights[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+      for (int i = 0; i < 4; i++) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eights[i]));
+        _mm256_storeu_ps(out + 8 * i, _mm256_add_ps(_mm256_mul_ps(q, vsc), voff));
+      }
+#else
       for (int j = 0; j < kBlock / 2; j++) out[j] = static_cast<float>(bytes[j] & 0x0F) * sc + off;
       for (int j = 0; j < kBlock / 2; j++) out[j + kBlock / 2] = static_cast<float>(bytes[j] >> 4) * sc + off;
+#endif
     }
   });
 }

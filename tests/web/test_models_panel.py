@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import shutil
 import threading
 import time
 
@@ -18,6 +19,7 @@ from support.gguf_checkpoints import write_llama3_gguf
 from support.handlers import Chat
 
 from app.settings import Settings
+from app.weights import bytes_here
 from app.web import models_panel
 
 PULLED, GATED = "acme/Tiny-Pulled", "acme/Tiny-Gated"
@@ -356,9 +358,6 @@ def test_a_downloads_bytes_are_counted_while_it_moves_its_files(tmp_path):
     """A pull's progress adds up its download folder while huggingface_hub makes, moves and removes files and folders
     in it: what goes meanwhile counts nothing, and the count never fails (a folder gone in the middle of the walk
     once ended a pull's progress stream with FileNotFoundError, and the client's pull with it)."""
-    import shutil
-
-    from app.weights import bytes_here
     folder = tmp_path / "download"
     (folder / "kept").mkdir(parents=True)
     (folder / "kept" / "model.gguf").write_bytes(b"x" * 1000)

@@ -46,6 +46,7 @@
 #include "dot_portable.h"  // prefetch_ahead
 #include "ggml_blocks.h"  // format_of
 #include "matvec.h"
+#include "team.h"
 
 #ifndef TORCH_EXTENSION_NAME  // set by torch.utils.cpp_extension to the name the build was given
 #define TORCH_EXTENSION_NAME llama_kernels
@@ -520,42 +521,58 @@ struct Step {
   }
 };
 
-// Rotate sequence s's new query and key heads and write its keys and values at the sequence's
-// position: `qkv` row s is (n_heads + 2 n_kv_heads, head_dim).
+// The share [begin, end) of n units that member `me` of `members` takes (all of them outside a team).
+struct Range {
+  int64_t begin, end;
+};
+inline Range share(int64_t n, int64_t me, int64_t members) { return {n * me / members, n * (me + 1) / members}; }
+
+// Rotate the query heads that share KV head kv of sequence s and that key head, and write its key and value at
+// the sequence's position: `qkv` row s is (n_heads + 2 n_kv_heads, head_dim).
 template <typename T, typename KV>
-void rotate_and_cache(const Step& st, int64_t layer, int64_t s, T* qkv, const T* cos, const T* sin) {
-  const int64_t d = st.head_dim, pos = st.positions[s], row_bytes = KV::row_bytes(d);
+void rotate_and_cache(const Step& st, int64_t layer, int64_t s, int64_t kv, T* qkv, const T* cos, const T* sin) {
+  const int64_t d = st.head_dim, groups = st.n_heads / st.n_kv_heads, pos = st.positions[s];
+  const int64_t row_bytes = KV::row_bytes(d);
   T* row = qkv + s * (st.n_heads + 2 * st.n_kv_heads) * d;
-  for (int64_t h = 0; h < st.n_heads + st.n_kv_heads; h++) apply_rope(row + h * d, cos + s * d, sin + s * d, d);
-  for (int64_t kv = 0; kv < st.n_kv_heads; kv++) {
-    const int64_t head = (layer * st.n_kv_heads + kv) * st.max_len[s] * row_bytes;  // this layer's and head's rows
-    KV::write(row + (st.n_heads + kv) * d, d, static_cast<uint8_t*>(st.k_caches[s]) + head + pos * row_bytes);
-    KV::write(row + (st.n_heads + st.n_kv_heads + kv) * d, d,
-              static_cast<uint8_t*>(st.v_caches[s]) + head + pos * row_bytes);
-  }
+  for (int64_t g = 0; g < groups; g++) apply_rope(row + (kv * groups + g) * d, cos + s * d, sin + s * d, d);
+  T* key = row + (st.n_heads + kv) * d;
+  apply_rope(key, cos + s * d, sin + s * d, d);
+  const int64_t head = (layer * st.n_kv_heads + kv) * st.max_len[s] * row_bytes;  // this layer's and head's rows
+  KV::write(key, d, static_cast<uint8_t*>(st.k_caches[s]) + head + pos * row_bytes);
+  KV::write(row + (st.n_heads + st.n_kv_heads + kv) * d, d,
+            static_cast<uint8_t*>(st.v_caches[s]) + head + pos * row_bytes);
 }
 
 // Positions of one attention task: a long context is split so that both threads (or all) get a
 // share of every layer's attention (by KV head alone, the default model's 3 heads went 2 and 1).
 constexpr int64_t kPositionsPerTask = 256;
 
-// attn (b, n_heads * head_dim) = each sequence's attention over its cache, in tasks of
-// (sequence, KV head, up to kPositionsPerTask positions) across the threads, merged per query head.
-template <typename T, typename KV>
-void attention(const Step& st, int64_t layer, const T* qkv, T* attn) {
-  const int64_t d = st.head_dim, groups = st.n_heads / st.n_kv_heads, row_bytes = KV::row_bytes(d);
+// Each sequence's attention over its cache, in tasks of (sequence, KV head, up to kPositionsPerTask
+// positions), each task's partial results (its maximum, sum and weighted values per query head) kept until
+// they are merged per query head. The same tasks in every layer of a step.
+struct Attention {
   std::vector<int64_t> first{0};  // first[s]: sequence s's first task; (kv, piece) within it
   std::vector<int64_t> pieces;
-  for (int64_t s = 0; s < st.batch; s++) {
-    pieces.push_back((st.positions[s] + kPositionsPerTask) / kPositionsPerTask);  // of positions 0..pos
-    first.push_back(first.back() + st.n_kv_heads * pieces.back());
+  int64_t tasks, groups;
+  std::vector<float> top, sum, acc;  // (tasks, groups), (tasks, groups), (tasks, groups, head_dim)
+
+  explicit Attention(const Step& st) : groups(st.n_heads / st.n_kv_heads) {
+    for (int64_t s = 0; s < st.batch; s++) {
+      pieces.push_back((st.positions[s] + kPositionsPerTask) / kPositionsPerTask);  // of positions 0..pos
+      first.push_back(first.back() + st.n_kv_heads * pieces.back());
+    }
+    tasks = first.back();
+    top.resize(tasks * groups);
+    sum.resize(tasks * groups);
+    acc.resize(tasks * groups * st.head_dim);
   }
-  const int64_t tasks = first.back();
-  std::vector<float> top(tasks * groups), sum(tasks * groups), acc(tasks * groups * d);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
+
+  // Tasks [range) of one layer.
+  template <typename T, typename KV>
+  void run(const Step& st, int64_t layer, const T* qkv, Range range, std::vector<float>& scratch) {
+    const int64_t d = st.head_dim, row_bytes = KV::row_bytes(d);
     int64_t s = 0;
-    for (int64_t task = begin; task < end; task++) {
+    for (int64_t task = range.begin; task < range.end; task++) {
       while (task >= first[s + 1]) s++;
       const int64_t kv = (task - first[s]) / pieces[s], piece = (task - first[s]) % pieces[s];
       const int64_t from = piece * kPositionsPerTask, n = std::min(kPositionsPerTask, st.positions[s] + 1 - from);
@@ -565,30 +582,46 @@ void attention(const Step& st, int64_t layer, const T* qkv, T* attn) {
                     static_cast<const uint8_t*>(st.v_caches[s]) + head + from * row_bytes, groups, n, d, scratch,
                     Partial{&top[task * groups], &sum[task * groups], &acc[task * groups * d]});
     }
-  });
-  for (int64_t s = 0; s < st.batch; s++)
-    for (int64_t kv = 0; kv < st.n_kv_heads; kv++)
-      for (int64_t g = 0; g < groups; g++) {
-        const int64_t at = (first[s] + kv * pieces[s]) * groups + g;  // its first piece
-        merge(&top[at], &sum[at], &acc[at * d], pieces[s], groups, d, attn + (s * st.n_heads + kv * groups + g) * d);
-      }
-}
+  }
 
+  // attn (b, n_heads * head_dim): query heads [range) of all b n_heads merged from their tasks' results.
+  template <typename T>
+  void merge_heads(const Step& st, Range range, T* attn) const {
+    const int64_t d = st.head_dim;
+    for (int64_t unit = range.begin; unit < range.end; unit++) {
+      const int64_t s = unit / st.n_heads, kv = unit % st.n_heads / groups, g = unit % groups;
+      const int64_t at = (first[s] + kv * pieces[s]) * groups + g;  // its first piece
+      merge(&top[at], &sum[at], &acc[at * d], pieces[s], groups, d, attn + (s * st.n_heads + kv * groups + g) * d);
+    }
+  }
+};
+
+// A whole step's layers as member `me` of `members` (team.h: each member runs this with the same arguments;
+// one member runs it alone outside a team). Each member keeps the residual stream and the norms' outputs
+// of its own (the same numbers in each); the products' rows, RoPE and the caches' writes, the attention's
+// tasks, its merge and SwiGLU are split between the members, who wait at a barrier before reading what the
+// others wrote. Returns the new x (b, dim).
 template <typename T, typename KV>
-at::Tensor run(const Step& st, const at::Tensor& x_in, const at::Tensor& cos_t, const at::Tensor& sin_t) {
+at::Tensor layers(const Step& st, const at::Tensor& x_in, const T* cos, const T* sin, Attention& attention,
+                  const at::Tensor& attn, const at::Tensor& act, int64_t me, int64_t members) {
+  llama::Team* team = llama::team();
+  auto barrier = [&] {
+    if (team) team->barrier();
+  };
   at::Tensor x = x_in.clone();  // (b, dim): the residual stream, updated layer by layer
   at::Tensor h = at::empty_like(x);  // (b, dim): a norm's output
-  at::Tensor attn = at::empty({st.batch, st.n_heads * st.head_dim}, x.options());
-  at::Tensor act = at::empty({st.batch, st.ffn_dim}, x.options());  // silu(gate) * up
   T* xp = x.data_ptr<T>();
   T* hp = h.data_ptr<T>();
-  const T* cos = cos_t.data_ptr<T>();
-  const T* sin = sin_t.data_ptr<T>();
+  T* attn_p = attn.data_ptr<T>();
+  T* act_p = act.data_ptr<T>();
   const int64_t b = st.batch, dim = st.dim, ffn = st.ffn_dim;
   auto residual = [&](const at::Tensor& y) {  // x += y, y (b, dim)
     const T* yp = y.data_ptr<T>();
     for (int64_t i = 0; i < b * dim; i++) xp[i] = T(f32(xp[i]) + f32(yp[i]));
   };
+  std::vector<float> scratch;  // attention's
+  const Range heads = share(b * st.n_kv_heads, me, members), tasks = share(attention.tasks, me, members);
+  const Range queries = share(b * st.n_heads, me, members), values = share(b * ffn, me, members);
   for (int64_t layer = 0; layer < st.n_layers; layer++) {
     const T* attention_norm = st.norms[2 * layer].data_ptr<T>();
     const T* ffn_norm = st.norms[2 * layer + 1].data_ptr<T>();
@@ -596,25 +629,46 @@ at::Tensor run(const Step& st, const at::Tensor& x_in, const at::Tensor& cos_t, 
     for (int64_t s = 0; s < b; s++) rms_norm(xp + s * dim, attention_norm, dim, st.eps, hp + s * dim);
     at::Tensor qkv = st.matvec(h, layer, kWq, 3);  // (b, (n_heads + 2 n_kv_heads) head_dim)
     T* qkv_p = qkv.data_ptr<T>();
-    T* attn_p = attn.data_ptr<T>();
-    for (int64_t s = 0; s < b; s++) rotate_and_cache<T, KV>(st, layer, s, qkv_p, cos, sin);
-    attention<T, KV>(st, layer, qkv_p, attn_p);
+    for (int64_t unit = heads.begin; unit < heads.end; unit++)  // (sequence, KV head)
+      rotate_and_cache<T, KV>(st, layer, unit / st.n_kv_heads, unit % st.n_kv_heads, qkv_p, cos, sin);
+    barrier();  // every key and value in the caches
+    attention.run<T, KV>(st, layer, qkv_p, tasks, scratch);
+    barrier();  // every task's results
+    attention.merge_heads(st, queries, attn_p);
+    barrier();  // attn whole
     residual(st.matvec(attn, layer, kWo, 1));
 
     for (int64_t s = 0; s < b; s++) rms_norm(xp + s * dim, ffn_norm, dim, st.eps, hp + s * dim);
     at::Tensor gate_up = st.matvec(h, layer, kW1, 2);  // (b, 2 ffn_dim): gate | up
     const T* gu = gate_up.data_ptr<T>();
-    T* act_p = act.data_ptr<T>();
-    for (int64_t s = 0; s < b; s++) {
-      for (int64_t i = 0; i < ffn; i++) {
-        const float gate = f32(gu[s * 2 * ffn + i]), up = f32(gu[s * 2 * ffn + ffn + i]);
-        const float silu = stored<T>(gate / (1.f + std::exp(-gate)));
-        act_p[s * ffn + i] = T(silu * up);
-      }
+    for (int64_t i = values.begin; i < values.end; i++) {  // i = s * ffn + j
+      const int64_t s = i / ffn, j = i % ffn;
+      const float gate = f32(gu[s * 2 * ffn + j]), up = f32(gu[s * 2 * ffn + ffn + j]);
+      const float silu = stored<T>(gate / (1.f + std::exp(-gate)));
+      act_p[i] = T(silu * up);
     }
+    barrier();  // act whole
     residual(st.matvec(act, layer, kW2, 1));
   }
   return x;
+}
+
+template <typename T, typename KV>
+at::Tensor run(const Step& st, const at::Tensor& x, const at::Tensor& cos_t, const at::Tensor& sin_t) {
+  at::Tensor attn = at::empty({st.batch, st.n_heads * st.head_dim}, x.options());
+  at::Tensor act = at::empty({st.batch, st.ffn_dim}, x.options());  // silu(gate) * up
+  Attention attention(st);
+  const T* cos = cos_t.data_ptr<T>();
+  const T* sin = sin_t.data_ptr<T>();
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  at::Tensor out;
+  if (threads > 1 && llama::Team::run(threads, [&] {
+        const int64_t me = llama::t_member.me;
+        at::Tensor y = layers<T, KV>(st, x, cos, sin, attention, attn, act, me, threads);
+        if (me == 0) out = y;
+      }))
+    return out;
+  return layers<T, KV>(st, x, cos, sin, attention, attn, act, 0, 1);
 }
 
 void check_tensor(const char* what, const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef sizes) {
@@ -718,6 +772,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorLi
 FRAGMENT_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers(Tensor x, Tensor[] norms, Tensor[] weights, Tensor[] scales, Tensor?[] offsets, Tensor cos, "
         "Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] positions, int n_heads, float eps) -> Tensor");
+  m.def("teams() -> int", [] { return llama::Team::steps_run.load(); });  // steps that ran as a team (team.h)
 }
 
 IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) { m.impl("decode_layers", decode_layers); }

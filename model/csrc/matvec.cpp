@@ -33,6 +33,7 @@
 #include "dot_portable.h"
 #include "ggml_blocks.h"
 #include "matvec.h"
+#include "team.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include "dot_avx512.h"
@@ -72,6 +73,7 @@ constexpr const char* kPath = "portable";
 namespace {
 
 using c10::BFloat16;
+using llama::Share;
 
 constexpr int64_t kMaxRows = 8;  // rows of x per call: model/linear.py's MAX_KERNEL_ROWS
 constexpr float kOnes[kMaxRows] = {1, 1, 1, 1, 1, 1, 1, 1};  // the row scales of x that is not rescaled
@@ -98,58 +100,78 @@ int64_t threads_for(int64_t bytes) {
   return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), bytes / (64 * 1024)));
 }
 
+// f(first * task, ...) for the tasks of `shares[me]` until it is empty, then the back half of what is left of
+// another's (which becomes mine) until every share is empty. shares: `count` of them.
+template <typename F>
+void take_tasks(Share* shares, int64_t count, int64_t me, int64_t n, int64_t task, const F& f) {
+  std::atomic<uint64_t>& mine = shares[me].tasks;
+  for (;;) {
+    uint64_t v = mine.load(std::memory_order_relaxed);
+    int64_t first = v >> 32, last = v & 0xffffffffu;
+    if (first < last) {  // the next task of my share
+      if (mine.compare_exchange_weak(v, uint64_t(first + 1) << 32 | last))
+        f(first * task, std::min(n, (first + 1) * task));
+      continue;
+    }
+    bool stole = false;  // mine is done: the back half of another's, which becomes mine
+    for (int64_t k = 1; k < count && !stole; k++) {
+      std::atomic<uint64_t>& other = shares[(me + k) % count].tasks;
+      uint64_t w = other.load(std::memory_order_relaxed);
+      for (;;) {
+        const int64_t lo = w >> 32, hi = w & 0xffffffffu;
+        if (lo >= hi) break;
+        const int64_t mid = lo + (hi - lo) / 2;  // one task left: take it
+        if (other.compare_exchange_weak(w, uint64_t(lo) << 32 | mid)) {
+          mine.store(uint64_t(mid) << 32 | hi);
+          stole = true;
+          break;
+        }
+      }
+    }
+    if (!stole) return;
+  }
+}
+
 // f(begin, end) over rows [0, n), `task` rows at a time, on `threads` threads. Each thread starts on
 // a contiguous share, as at::parallel_for would give it, but takes it a task at a time, and a thread
 // whose share is done takes the back half of what is left of another's. Why not parallel_for's
 // fixed shares: with as many threads as cores, any other process that wakes up (the web server, a
 // client, the desktop) takes a core from one of them for a while, and the others then waited for
 // that thread's whole share; now they go on with it (a served stream, docs/benchmarks.md).
+// In a team (team.h) every member calls this with the same arguments: the first `threads` start on a share
+// each, the others only take from theirs, and all wait at the end until f has run for every row.
 template <typename F>
 void parallel_rows(int64_t n, int64_t task, int64_t threads, const F& f) {
   const int64_t tasks = (n + task - 1) / task;
+  TORCH_CHECK(tasks < (int64_t(1) << 31), "parallel_rows: ", tasks, " tasks");
+  if (llama::Team* team = llama::team()) {
+    // Every share is empty here: the last call's members took every task before its barrier.
+    const int64_t me = llama::t_member.me, starters = std::min({threads, tasks, team->size()});
+    if (me < starters)
+      team->shares()[me].tasks.store(uint64_t(tasks * me / starters) << 32 | uint64_t(tasks * (me + 1) / starters));
+    take_tasks(team->shares(), team->size(), me, n, task, f);
+    team->barrier();
+    return;
+  }
   threads = std::min(threads, tasks);
   if (threads <= 1 || at::in_parallel_region()) {
     f(0, n);
     return;
   }
-  TORCH_CHECK(tasks < (int64_t(1) << 31), "parallel_rows: ", tasks, " tasks");
-  // A thread's tasks still to take, [first, end), as first << 32 | end; one cache line each.
-  struct alignas(64) Share {
-    std::atomic<uint64_t> tasks;
-  };
   std::unique_ptr<Share[]> shares(new Share[threads]);
   for (int64_t t = 0; t < threads; t++)
     shares[t].tasks = uint64_t(tasks * t / threads) << 32 | uint64_t(tasks * (t + 1) / threads);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t me = begin; me < end; me++) {
-      std::atomic<uint64_t>& mine = shares[me].tasks;
-      for (;;) {
-        uint64_t v = mine.load(std::memory_order_relaxed);
-        int64_t first = v >> 32, last = v & 0xffffffffu;
-        if (first < last) {  // the next task of my share
-          if (mine.compare_exchange_weak(v, uint64_t(first + 1) << 32 | last))
-            f(first * task, std::min(n, (first + 1) * task));
-          continue;
-        }
-        bool stole = false;  // mine is done: the back half of another's, which becomes mine
-        for (int64_t k = 1; k < threads && !stole; k++) {
-          std::atomic<uint64_t>& other = shares[(me + k) % threads].tasks;
-          uint64_t w = other.load(std::memory_order_relaxed);
-          for (;;) {
-            const int64_t lo = w >> 32, hi = w & 0xffffffffu;
-            if (lo >= hi) break;
-            const int64_t mid = lo + (hi - lo) / 2;  // one task left: take it
-            if (other.compare_exchange_weak(w, uint64_t(lo) << 32 | mid)) {
-              mine.store(uint64_t(mid) << 32 | hi);
-              stole = true;
-              break;
-            }
-          }
-        }
-        if (!stole) break;
-      }
-    }
+    for (int64_t me = begin; me < end; me++) take_tasks(shares.get(), threads, me, n, task, f);
   });
+}
+
+// A tensor every member of a team computes with (a product's output): made once, by member 0; outside a
+// team, made.
+template <typename Make>
+at::Tensor shared(Make&& make) {
+  if (llama::Team* team = llama::team()) return team->one(make);
+  return make();
 }
 
 // x is (K,) or (M, K); returns M. Each w is (N, K / per_byte): per_byte weights in a byte (int4: 2).
@@ -207,8 +229,9 @@ at::Tensor rows_to(const at::Tensor& x, at::ScalarType out, at::TensorList ws, i
   // after the other (one row of x read by pieces of the weights spread over 8 rows left the prefetcher
   // behind: 1B's w2, one row, 100 -> 70 GB/s).
   const bool whole_rows = M * k_dim * x_bytes <= kXBytes;
-  at::Tensor y = x.dim() == 1 ? at::empty({n_total}, x.options().dtype(out))
-                              : at::empty({M, n_total}, x.options().dtype(out));
+  at::Tensor y = shared([&] {
+    return x.dim() == 1 ? at::empty({n_total}, x.options().dtype(out)) : at::empty({M, n_total}, x.options().dtype(out));
+  });
   const bool bf16 = out == at::kBFloat16;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   BFloat16* yb = bf16 ? y.data_ptr<BFloat16>() : nullptr;
@@ -303,7 +326,7 @@ at::Tensor matvec_amx(const at::Tensor& x, at::TensorList ws, int64_t rows, at::
   amx::pair_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k_dim, buffer.data());
   const uint32_t* pairs = buffer.data();  // (the workers see their own thread_local, not this one)
   const at::TensorOptions options = x.options().dtype(out_dtype);
-  at::Tensor y = x.dim() == 1 ? at::empty({n_total}, options) : at::empty({rows, n_total}, options);
+  at::Tensor y = shared([&] { return x.dim() == 1 ? at::empty({n_total}, options) : at::empty({rows, n_total}, options); });
   const bool bf16 = out_dtype == at::kBFloat16;
   BFloat16* yb = bf16 ? y.data_ptr<BFloat16>() : nullptr;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
@@ -640,7 +663,7 @@ at::Tensor matvec_int8_amx(const at::Tensor& x, at::TensorList ws, const std::ve
   for (const at::Tensor& t : ws) first.push_back(first.back() + t.size(0));
   const int64_t n_total = first.back();
   const Int8Quads xq = round_to_int8_quads(x, rows, group);
-  at::Tensor y = at::empty({rows, n_total}, x.options().dtype(out_dtype));
+  at::Tensor y = shared([&] { return at::empty({rows, n_total}, x.options().dtype(out_dtype)); });
   const bool bf16 = out_dtype == at::kBFloat16;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   BFloat16* yb = bf16 ? y.data_ptr<BFloat16>() : nullptr;
@@ -926,7 +949,8 @@ at::Tensor llama::matvec(const at::Tensor& x, at::TensorList ws, at::TensorList 
       return llama::matvec(x, ws.slice(first, count), scales.empty() ? scales : scales.slice(first, count),
                            offsets.empty() ? offsets : offsets.slice(first, count), fp32_out);
     };
-    return at::cat({part(0, run), part(run, ws.size() - run)}, -1);
+    const at::Tensor head = part(0, run), tail = part(run, ws.size() - run);
+    return shared([&] { return at::cat({head, tail}, -1); });
   }
   if (kind == at::kByte && ws[0].dim() == 3) return matvec_blocks(x, ws, fp32_out);
   if (kind == at::kByte) return matvec_int4(x, ws, scales, offsets, fp32_out);

@@ -27,6 +27,7 @@ import math
 import pytest
 import torch
 from support.checkpoints import hf_model
+from support.gguf_checkpoints import random_blocks
 from support.kernels import has_int8_x, x_in_int8
 from support.special_checkpoints import default_model
 
@@ -35,6 +36,7 @@ import model.decode_step
 from model import KVCache, load_checkpoint
 from model.decode_step import LayerWeights, decode_layers
 from model.kernels import KernelBuildError, build
+from model.blocks import dequantize_blocks
 from model.kv_cache import LayerCache, dequantize_q8
 from model.linear import Linear
 from model.quantize import INT4_GROUP, INT4_LEVELS, Q4_0_ZERO, dequantize, dequantize_int4, pack_int4, quantize_int8
@@ -261,6 +263,91 @@ def test_a_batch_of_eight_and_a_single_sequence(tmp_path, monkeypatch):
         steps, _, _ = decode_both(ckpt, build("native").ops, lengths, steps=2)
         for fused, reference in steps:
             torch.testing.assert_close(fused, reference, atol=1e-5 * float(reference.abs().max()), rtol=0)
+
+
+def as_q5_0_beside_int8(net):
+    """Each layer's matrices as Q5_0 blocks of random bytes (weights of the size they had), its wv in int8: a
+    GGUF's fall-backs, two kinds in one product of q|k|v."""
+    for b, block in enumerate(net.layers):
+        for i, name in enumerate(model.decode_step.LAYER_MATRICES):
+            module = block.get_submodule(name)
+            n, k = module.weight.shape
+            blocks = torch.from_numpy(random_blocks("Q5_0", n, k, seed=10 * b + i, typical=float(module.weight.std())))
+            if name == "attention.wv":
+                q, module.scale = quantize_int8(dequantize_blocks(blocks))
+                module.weight = torch.nn.Parameter(q, requires_grad=False)
+            else:
+                module.weight = torch.nn.Parameter(blocks, requires_grad=False)
+
+
+TEAM_KINDS = {  # the layers' weights (tiny's quantize, or the function above) and the KV cache
+    "bf16": (None, "bf16"), "int8": ("int8", "bf16"), "int4, q8 cache": ("int4", "q8"),
+    "q5_0 beside int8, q8 cache": ("q5_0+int8", "q8")}
+
+
+@pytest.mark.parametrize("kind", list(TEAM_KINDS))
+@pytest.mark.parametrize("activations", [torch.float32, torch.bfloat16])
+def test_a_team_of_threads_gives_the_bits_of_one_thread(ops, folders_by_shape, monkeypatch, kind, activations):
+    """With several threads the op runs a step's layers in one parallel region, its threads meeting at barriers
+    (csrc/team.h), each computing its share of every product, of RoPE and the caches' writes, of attention's
+    tasks and merge and of SwiGLU: with 2, 3 and 4 threads (more than this machine's cores: a thread that waits
+    gives up its core) the logits and every cache row written are those of one thread, bit for bit, for one
+    sequence, three and eight, at positions either side of attention's pieces of 256 (merged from two and
+    three). A value one thread reads before another wrote it, a row or task left out or done twice, or a
+    product's output not shared, changes them."""
+    quantize, kv_type = TEAM_KINDS[kind]
+    ckpt = tiny(folders_by_shape(4, 2, 32), monkeypatch, 4, 2, activations,
+                None if quantize == "q5_0+int8" else quantize, head_dim=32)
+    if quantize == "q5_0+int8":
+        as_q5_0_beside_int8(ckpt.model)
+    caches = prefilled(ckpt, [1, 300, 17, 600, 5, 256, 90, 2], max_len=640, kv_type=kv_type)
+    tokens = torch.tensor([3, 5, 7, 11, 13, 17, 19, 23])
+    counting = CountingOps(ops)
+    monkeypatch.setattr(model.decode_step, "kernels", lambda: counting)
+    before, teams = torch.get_num_threads(), ops.teams()
+    try:
+        for rows in ([3], [0, 1, 5], list(range(8))):
+            results = []
+            for threads in (1, 2, 3, 4):
+                torch.set_num_threads(threads)
+                step_caches = copy.deepcopy([caches[r] for r in rows])
+                with torch.inference_mode():
+                    logits = ckpt.model.decode(tokens[rows], step_caches)
+                results.append((logits, [c.k.view(torch.uint8) for c in step_caches],  # bits (NaNs of unwritten rows too)
+                                [c.v.view(torch.uint8) for c in step_caches]))
+            for threads, (logits, ks, vs) in zip((2, 3, 4), results[1:]):
+                assert torch.equal(logits, results[0][0]), (rows, threads)
+                assert all(map(torch.equal, ks + vs, results[0][1] + results[0][2])), (rows, threads)
+    finally:
+        torch.set_num_threads(before)
+    assert counting.calls == 3 * 4  # every step fused
+    assert ops.teams() - teams == 3 * 3  # and those of 2, 3 and 4 threads ran as a team
+
+
+def test_an_error_in_a_team_reaches_the_caller_and_the_next_step_runs(tmp_path, monkeypatch):
+    """A check that fails inside the team's region (an int8 matrix's scales of the wrong shape, which the
+    product checks): its message is raised to the caller, no thread is left waiting at a barrier, and the
+    next step runs as a team and gives one thread's logits."""
+    ckpt = tiny(tmp_path, monkeypatch, 4, 2, torch.float32, "int8")
+    ops = build("native").ops
+    monkeypatch.setattr(model.decode_step, "kernels", lambda: ops)
+    wk = ckpt.model.layers[1].attention.wk
+    good = wk.scale
+    before, teams = torch.get_num_threads(), ops.teams()
+    try:
+        torch.set_num_threads(2)
+        wk.scale = good[:, :1].repeat(1, 3).contiguous()  # 3 groups a row of 64 weights
+        with torch.inference_mode(), pytest.raises(RuntimeError, match=r"matvec_int8: scale\[1\]"):
+            ckpt.model.decode(torch.tensor([5]), prefilled(ckpt, [3]))
+        wk.scale = good
+        with torch.inference_mode():
+            logits = ckpt.model.decode(torch.tensor([5]), prefilled(ckpt, [3]))
+        assert ops.teams() - teams == 1
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            assert torch.equal(logits, ckpt.model.decode(torch.tensor([5]), prefilled(ckpt, [3])))
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("activations", [torch.float32, torch.bfloat16])

@@ -9,7 +9,8 @@ and activations in fp32 or bf16; otherwise the reference. The matrices are all b
 int8 with group scales and int4 with block scales and offsets (model/quantize.py), mixed freely
 between the op's kernel calls (an int4 model keeps as int8 a matrix whose K is not whole blocks of 32)
 but of one kind within q|k|v and within w1|w3. The KV caches are in the activations' dtype or in q8 blocks
-(model/kv_cache.py), one kind a call.
+(model/kv_cache.py), one kind a call. With several threads a step runs as one parallel region, its threads
+meeting at barriers between the products (csrc/team.h), rather than opening a region for each of its ~150 products.
 """
 
 from __future__ import annotations

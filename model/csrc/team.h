@@ -29,6 +29,14 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <climits>
+#include <ctime>
+#endif
 
 namespace llama {
 
@@ -56,20 +64,21 @@ class Team {
   int64_t size() const { return size_; }
   Share* shares() { return shares_.get(); }
 
-  // Waits until every member has called it as often. Spins (a member's wait between products is a few
-  // microseconds), then yields the core, so a member whose core another process took is not spun against.
+  // Waits until every member has called it as often. Spins for a few microseconds (a member's wait between
+  // products, where each has a core of its own), then sleeps until the last member wakes it: where the
+  // machine has fewer free cores than the team has members (other processes, or a test run's workers), a
+  // member whose partner lost its core gives the core up rather than spin against it.
   void barrier() {
     if (size_ == 1) return;
-    const uint32_t generation = generation_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == size_) {
+    const uint32_t generation = generation_.load();
+    if (arrived_.fetch_add(1) + 1 == size_) {
       arrived_.store(0, std::memory_order_relaxed);
-      generation_.store(generation + 1, std::memory_order_release);
+      generation_.store(generation + 1);
+      if (sleepers_.load() > 0) wake_all(generation_);
       return;
     }
-    for (uint32_t spins = 0; generation_.load(std::memory_order_acquire) == generation; spins++) {
-      if (failed_.load(std::memory_order_relaxed)) throw Abandoned{};
-      pause(spins);
-    }
+    wait_while(generation_, generation);
+    if (failed_.load()) throw Abandoned{};
   }
 
   // One tensor for every member: member 0 makes it, the others take member 0's. The two slots alternate,
@@ -91,27 +100,24 @@ class Team {
   static bool run(int64_t threads, const F& f) {
     Team team(threads);
     std::atomic<int64_t> arrived{0};
-    std::atomic<int> state{kGathering};
+    std::atomic<uint32_t> state{kGathering};
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       if (end - begin != 1) {  // this thread was given two places: the region has fewer threads than asked
-        int gathering = kGathering;
-        state.compare_exchange_strong(gathering, kAbandoned);
+        uint32_t gathering = kGathering;
+        if (state.compare_exchange_strong(gathering, kAbandoned)) team.wake_all(state);
         return;
       }
       const int64_t me = arrived.fetch_add(1);
       if (me + 1 == threads) {
-        int gathering = kGathering;
-        state.compare_exchange_strong(gathering, kGo);
+        uint32_t gathering = kGathering;
+        if (state.compare_exchange_strong(gathering, kGo)) team.wake_all(state);
       }
-      const auto start = std::chrono::steady_clock::now();
-      for (uint32_t spins = 0; state.load(std::memory_order_acquire) == kGathering; spins++) {
-        pause(spins);
-        if (spins % 1024 == 1023 && std::chrono::steady_clock::now() - start > std::chrono::milliseconds(100)) {
-          int gathering = kGathering;
-          state.compare_exchange_strong(gathering, kAbandoned);
-        }
+      // The others should come at once; after 100 ms they are taken not to come (the region got fewer threads).
+      if (!team.wait_while(state, kGathering, std::chrono::milliseconds(100))) {
+        uint32_t gathering = kGathering;
+        if (state.compare_exchange_strong(gathering, kAbandoned)) team.wake_all(state);
       }
-      if (state.load(std::memory_order_acquire) != kGo) return;
+      if (state.load() != kGo) return;
       t_member = Member{&team, me};
       try {
         f();
@@ -129,31 +135,63 @@ class Team {
 
  private:
   struct Abandoned {};
-  static constexpr int kGathering = 0, kGo = 1, kAbandoned = 2;
+  static constexpr uint32_t kGathering = 0, kGo = 1, kAbandoned = 2;
   struct alignas(64) Calls {
     uint64_t n = 0;
   };
 
-  static void pause(uint32_t spins) {
-    if (spins < 4096) {
+  // Returns once `word` is no longer `value` (true), or after `limit` (false). Spins for kSpin, then sleeps on
+  // the word (a futex; elsewhere than Linux, yields the core), counted in sleepers_ so that a change wakes it.
+  static constexpr auto kSpin = std::chrono::microseconds(20);
+  bool wait_while(std::atomic<uint32_t>& word, uint32_t value,
+                  std::chrono::nanoseconds limit = std::chrono::nanoseconds::max()) {
+    const auto start = std::chrono::steady_clock::now();
+    auto waited = std::chrono::nanoseconds(0);
+    for (uint32_t spins = 0; word.load() == value; spins++) {
+      if (failed_.load(std::memory_order_relaxed)) return true;
+      if (spins % 64 == 63 || waited >= kSpin) waited = std::chrono::steady_clock::now() - start;
+      if (waited > limit) return false;
+      if (waited < kSpin) {
 #if defined(__x86_64__) || defined(__i386__)
-      _mm_pause();
+        _mm_pause();
 #endif
-    } else {
+        continue;
+      }
+      sleepers_.fetch_add(1);
+#ifdef __linux__
+      if (word.load() == value && !failed_.load()) {  // the kernel sleeps only while the word is still value
+        const timespec most{0, 1000000};  // 1 ms at a time: a limit is seen, and nothing waits for ever on a bug
+        syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, value, &most, nullptr, 0);
+      }
+#else
       std::this_thread::yield();
+#endif
+      sleepers_.fetch_sub(1);
     }
+    return true;
+  }
+
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex is a 32-bit word");
+  void wake_all(std::atomic<uint32_t>& word) {
+#ifdef __linux__
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+#else
+    (void)word;
+#endif
   }
 
   void fail(std::exception_ptr error) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!error_) error_ = error;
     failed_.store(true);
+    wake_all(generation_);
   }
 
   const int64_t size_;
   std::unique_ptr<Share[]> shares_;
   alignas(64) std::atomic<int64_t> arrived_{0};
   alignas(64) std::atomic<uint32_t> generation_{0};
+  std::atomic<int64_t> sleepers_{0};
   std::atomic<bool> failed_{false};
   at::Tensor slots_[2];
   std::vector<Calls> calls_ = std::vector<Calls>(size_);

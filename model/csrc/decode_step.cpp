@@ -596,6 +596,12 @@ struct Attention {
   }
 };
 
+// SwiGLU's values are split between the members in pieces of this many from a row's start: the compiler computes
+// exp in vectors (glibc's libmvec) and a loop's last few values one at a time, which round otherwise, so a value
+// must fall in the vector part or the tail whatever share it is in: with pieces of a multiple of the vectors' width,
+// only a row's last values are a tail, as when one thread computes the row.
+constexpr int64_t kSwiGLUPiece = 64;
+
 // A whole step's layers as member `me` of `members` (team.h: each member runs this with the same arguments;
 // one member runs it alone outside a team). Each member keeps the residual stream and the norms' outputs
 // of its own (the same numbers in each); the products' rows, RoPE and the caches' writes, the attention's
@@ -621,7 +627,8 @@ at::Tensor layers(const Step& st, const at::Tensor& x_in, const T* cos, const T*
   };
   std::vector<float> scratch;  // attention's
   const Range heads = share(b * st.n_kv_heads, me, members), tasks = share(attention.tasks, me, members);
-  const Range queries = share(b * st.n_heads, me, members), values = share(b * ffn, me, members);
+  const int64_t ffn_pieces = (ffn + kSwiGLUPiece - 1) / kSwiGLUPiece;
+  const Range queries = share(b * st.n_heads, me, members), pieces = share(b * ffn_pieces, me, members);
   for (int64_t layer = 0; layer < st.n_layers; layer++) {
     const T* attention_norm = st.norms[2 * layer].data_ptr<T>();
     const T* ffn_norm = st.norms[2 * layer + 1].data_ptr<T>();
@@ -641,11 +648,14 @@ at::Tensor layers(const Step& st, const at::Tensor& x_in, const T* cos, const T*
     for (int64_t s = 0; s < b; s++) rms_norm(xp + s * dim, ffn_norm, dim, st.eps, hp + s * dim);
     at::Tensor gate_up = st.matvec(h, layer, kW1, 2);  // (b, 2 ffn_dim): gate | up
     const T* gu = gate_up.data_ptr<T>();
-    for (int64_t i = values.begin; i < values.end; i++) {  // i = s * ffn + j
-      const int64_t s = i / ffn, j = i % ffn;
-      const float gate = f32(gu[s * 2 * ffn + j]), up = f32(gu[s * 2 * ffn + ffn + j]);
-      const float silu = stored<T>(gate / (1.f + std::exp(-gate)));
-      act_p[i] = T(silu * up);
+    for (int64_t unit = pieces.begin; unit < pieces.end; unit++) {  // (sequence, piece of kSwiGLUPiece values)
+      const int64_t s = unit / ffn_pieces, from = unit % ffn_pieces * kSwiGLUPiece;
+      const int64_t to = std::min(from + kSwiGLUPiece, ffn);
+      for (int64_t j = from; j < to; j++) {
+        const float gate = f32(gu[s * 2 * ffn + j]), up = f32(gu[s * 2 * ffn + ffn + j]);
+        const float silu = stored<T>(gate / (1.f + std::exp(-gate)));
+        act_p[s * ffn + j] = T(silu * up);
+      }
     }
     barrier();  // act whole
     residual(st.matvec(act, layer, kW2, 1));

@@ -11,7 +11,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <vector>
 #if defined(__AVX2__)

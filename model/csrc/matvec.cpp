@@ -145,8 +145,12 @@ void parallel_rows(int64_t n, int64_t task, int64_t threads, const F& f) {
   const int64_t tasks = (n + task - 1) / task;
   TORCH_CHECK(tasks < (int64_t(1) << 31), "parallel_rows: ", tasks, " tasks");
   if (llama::Team* team = llama::team()) {
-    // Every share is empty here: the last call's members took every task before its barrier.
-    const int64_t me = llama::t_member.me, starters = std::min({threads, tasks, team->size()});
+    // Every share is empty here: the last call's members took every task before its barrier. The members
+    // that start on a share are counted from what every member sees alike (`threads` comes from
+    // at::get_num_threads(), which a member thread of the region may read otherwise than the caller: then
+    // a share was never handed out, and its rows never computed).
+    (void)threads;
+    const int64_t me = llama::t_member.me, starters = std::min(tasks, team->size());
     if (me < starters)
       team->shares()[me].tasks.store(uint64_t(tasks * me / starters) << 32 | uint64_t(tasks * (me + 1) / starters));
     take_tasks(team->shares(), team->size(), me, n, task, f);

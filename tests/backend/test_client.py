@@ -220,3 +220,27 @@ def test_an_unloaded_model_is_known_as_such_and_its_next_request_loads_it_again(
         assert isinstance(events[-1], Done) and events[-1].stats.new_tokens == 4
     finally:
         client.close()
+
+
+def test_an_engine_on_all_cores_gives_its_first_reply_as_on_one_thread():
+    """The engine as the app starts it (no thread count: torch's default, every core) runs a decode step's layers as
+    one team of threads (csrc/team.h); its first reply, greedy on the default model, is the one an engine of one
+    thread gives. (A team whose members counted the threads of a product themselves left half of its rows
+    uncomputed in such a process: [504, 0, 0, ...].)"""
+    from support.special_checkpoints import default_model
+
+    async def first_reply(threads):
+        client = EngineClient(EngineConfig(checkpoint=str(default_model()), threads=threads), max_waiting=1,
+                              stream_interval=0.2)
+        try:
+            await client.load()
+            settings = ReplySettings(max_new_tokens=12, temperature=0.0, repetition_penalty=1.0)
+            events = [e async for e in client.stream(chat("What is the capital of France?"), settings)]
+        finally:
+            client.close()
+        assert isinstance(events[-1], Done), events[-1]
+        return events[-1].token_ids
+
+    alone = run(first_reply(1))
+    assert len(set(alone)) > 3  # words, not one token again and again
+    assert run(first_reply(None)) == alone

@@ -203,11 +203,27 @@ def stored_replies(server) -> list[str]:
             'ORDER BY "createdAt"')]
 
 
+LIST_MARKERS = re.compile(r"^\s*(?:(?:\d+\.|[-*])(?:\s+|$))+")
+
+
 def words(replies: list[str]) -> list[list[str]]:
     """Each reply's words as the page shows them (a list's numbers apart from its text, also where an item starts
     with another list, as "1. 3. The best part ..." does: two numbers, no text; a reply cut off right after an item's
-    number ends in an empty item, whose number is no text on the page either)."""
-    return [re.sub(r"^\s*(?:(?:\d+\.|[-*])(?:\s+|$))+", "", reply, flags=re.MULTILINE).split() for reply in replies]
+    number ends in an empty item, whose number is no text on the page either). As CommonMark reads a line right
+    after a paragraph's: a list starts there only with an item that has text and is a bullet or numbered 1, else
+    the line goes on the paragraph ("relaxing:\n1." shows its "1.")."""
+    shown = []
+    for reply in replies:
+        lines, previous = [], ""
+        for line in reply.split("\n"):
+            marker = LIST_MARKERS.match(line)
+            text = line[marker.end():] if marker else line
+            after_paragraph = previous.strip() != "" and not LIST_MARKERS.match(previous)
+            starts_list = marker and text.strip() and re.match(r"\s*(?:1\.|[-*])", line)
+            lines.append(line if marker and after_paragraph and not starts_list else text)
+            previous = line
+        shown.append(" ".join(lines).split())
+    return shown
 
 
 def new_tab(page, server):

@@ -138,8 +138,8 @@ void take_tasks(Share* shares, int64_t count, int64_t me, int64_t n, int64_t tas
 // fixed shares: with as many threads as cores, any other process that wakes up (the web server, a
 // client, the desktop) takes a core from one of them for a while, and the others then waited for
 // that thread's whole share; now they go on with it (a served stream, docs/benchmarks.md).
-// In a team (team.h) every member calls this with the same arguments: the first `threads` start on a share
-// each, the others only take from theirs, and all wait at the end until f has run for every row.
+// In a team (team.h) every member calls this with the same arguments: one member a task at most starts on a
+// share, the others only take from theirs, and all wait at the end until f has run for every row.
 template <typename F>
 void parallel_rows(int64_t n, int64_t task, int64_t threads, const F& f) {
   const int64_t tasks = (n + task - 1) / task;

@@ -47,7 +47,8 @@ from .cpu import cpu_tag, is_intel
 from .options import DEFAULT_CACHE_DIR
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "matvec.cpp", CSRC / "decode_step.cpp", CSRC / "dequantize.cpp"]  # they include dot_*.h, ggml_blocks.h
+SOURCES = [CSRC / "matvec.cpp", CSRC / "decode_step.cpp", CSRC / "dequantize.cpp",  # they include dot_*.h, ggml_blocks.h
+           CSRC / "prefill_blocks.cpp"]
 log = logging.getLogger(__name__)
 
 UNUSED_DAYS = 30  # a build not loaded for this long is removed when another is loaded (_prune)

@@ -2,7 +2,8 @@
 
 Prefill (many rows) goes to `F.linear`; a quantized matrix is dequantized a block of rows at a time
 into the activations' dtype (`widen`: the kernel's C++ loops, or model/quantize.py's), so it never
-exists whole in that dtype. Decode (one row per sequence, up to MAX_KERNEL_ROWS) is bound by memory
+exists whole in that dtype. Matrices in llama.cpp's blocks (a GGUF's K-quants) are instead multiplied in their
+integers by x rounded to int8 (the kernel's prefill_blocks), where the build has it. Decode (one row per sequence, up to MAX_KERNEL_ROWS) is bound by memory
 bandwidth: the decode kernel (model/kernels.py) streams the 32-, 16-, 8- or 4-bit weights once for all
 rows, several matrices of the same input in one call (q|k|v, gate|up).
 A matrix repacked for torch's weight-only matmul ops (model/packed.py: a GPU's, at load) goes to them, whatever
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .blocks import dequantize_blocks, is_blocks
+from .cpu import has_amx
 from .kernels import kernels
 from .packed import is_packed, packed_linear
 from .quantize import can_quantize_int4, dequantize, quantize_int4, quantize_int8
@@ -97,6 +99,8 @@ def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor 
     activations on CPUs without bf16 arithmetic) is widened into x's dtype a block of rows at a time."""
     if weight.dtype == x.dtype:
         return F.linear(x, weight)
+    if is_blocks(weight) and (ops := prefill_ops(x)):  # llama.cpp's blocks times x rounded to int8, never widened
+        return ops.prefill_blocks(x.reshape(-1, x.shape[-1]).contiguous(), [weight]).view(*x.shape[:-1], -1)
     n, k = weight.shape[0], x.shape[-1]  # blocks: (N, K / block, bytes)
     block = max(1, DEQUANTIZE_BLOCK_BYTES // (k * x.element_size()))
     if block >= n:
@@ -108,6 +112,16 @@ def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor 
                      None if offset is None else offset[rows], x.dtype)
         y[..., rows] = F.linear(x, part)  # (..., block)
     return y
+
+
+def prefill_ops(x: torch.Tensor):
+    """The kernel's ops where a prefill multiplies llama.cpp's blocks in their integers (csrc/prefill_blocks.cpp:
+    built for AVX2 and AVX-512); None on other builds, off the CPU, and where oneDNN's AMX bf16 tiles are faster
+    (blocks widened for F.linear there)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or has_amx():
+        return None
+    ops = kernels()
+    return ops if ops and hasattr(ops, "prefill_blocks") else None
 
 
 def widen(weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None,

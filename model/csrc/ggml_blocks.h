@@ -26,6 +26,8 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -231,6 +233,25 @@ struct XBlocks {
   int64_t group;  // values of x per scale
   int shift;  // log2(group)
 };
+
+// One row of x (k values) rounded for dot_blocks and prefill's products: per group of `group` values a scale
+// max |x| / 127 (scales[k / group]) and the values to nearest int8 (q), each 16 values' sum of int8s (sums[k / 16]).
+inline void round_x_row(const float* x, int64_t k, int64_t group, int8_t* q, int16_t* sums, float* scales) {
+  for (int64_t b = 0; b < k / group; b++) {
+    const float* xb = x + b * group;
+    float x_max = 0.f;
+    for (int64_t j = 0; j < group; j++) x_max = std::max(x_max, std::abs(xb[j]));
+    const float inv = x_max > 0.f ? 127.f / x_max : 0.f;
+    int8_t* qb = q + b * group;
+    for (int64_t j = 0; j < group; j++) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+    for (int64_t g = 0; g < group / kGroup; g++) {
+      int32_t sum = 0;
+      for (int64_t j = 0; j < kGroup; j++) sum += qb[g * kGroup + j];
+      sums[b * group / kGroup + g] = static_cast<int16_t>(sum);
+    }
+    scales[b] = x_max / 127.f;
+  }
+}
 
 #if defined(__AVX2__)
 inline float horizontal_sum(__m256 v) {

@@ -863,23 +863,9 @@ ggml::XBlocks round_to_int8_groups(const at::Tensor& x, int64_t rows, int64_t gr
   int8_t* values = aligned_zeros(value_buffer, rows * k_dim);
   int16_t* sums = aligned_zeros(sum_buffer, rows * k_dim / kGroup);
   scales.resize(rows * k_dim / group);
-  for (int64_t m = 0; m < rows; m++) {
-    const float* row = float_row(x, m, widened);
-    for (int64_t b = 0; b < k_dim / group; b++) {
-      const float* xb = row + b * group;
-      float x_max = 0.f;
-      for (int64_t j = 0; j < group; j++) x_max = std::max(x_max, std::abs(xb[j]));
-      const float inv = x_max > 0.f ? 127.f / x_max : 0.f;
-      int8_t* q = values + m * k_dim + b * group;
-      for (int64_t j = 0; j < group; j++) q[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
-      for (int64_t g = 0; g < group / kGroup; g++) {
-        int32_t sum = 0;
-        for (int64_t j = 0; j < kGroup; j++) sum += q[g * kGroup + j];
-        sums[(m * k_dim + b * group) / kGroup + g] = static_cast<int16_t>(sum);
-      }
-      scales[m * k_dim / group + b] = x_max / 127.f;
-    }
-  }
+  for (int64_t m = 0; m < rows; m++)
+    ggml::round_x_row(float_row(x, m, widened), k_dim, group, values + m * k_dim, sums + m * k_dim / kGroup,
+                      scales.data() + m * k_dim / group);
   return {values, scales.data(), sums, k_dim, group, group == 256 ? 8 : 5};
 }
 

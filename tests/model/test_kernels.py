@@ -521,6 +521,37 @@ def test_blocks_of_several_formats_side_by_side(ops):
     assert torch.equal(together, torch.cat([ops.matvec_blocks(x, [w], True) for w in ws], dim=1))
 
 
+# Prefill's products (csrc/prefill_blocks.cpp): K of one block and more (2304: 9 blocks of 256; 576 and 1024 for the
+# formats of 32), N past whole tiles of 8 and 16 rows, and 19 rows of x (past whole groups of 4 and of 8).
+PREFILL_SHAPES = {256: [(33, 256), (16, 2304)], 32: [(33, 576), (7, 1024)]}
+
+
+@pytest.mark.parametrize("name", list(BY_NAME))
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_blocks_prefill_products(ops, kernels, name, x_dtype):
+    """Many rows of x through prefill_blocks: within the decode kernel's bound (x rounded to int8 as it rounds it, the
+    products summed in int32, the scaled sums in fp32), outputs side by side for several matrices, and a row's result
+    the same alone as beside others."""
+    if kernels.path == "portable":
+        assert not hasattr(ops, "prefill_blocks")  # model/linear.py widens the blocks for F.linear there
+        return
+    f, m = BY_NAME[name], 19
+    for n, k in PREFILL_SHAPES[f.block]:
+        blocks = torch.from_numpy(random_blocks(name, n, k, seed=n + k))
+        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * torch.linspace(0.1, 3, m)[:, None]).to(x_dtype)
+        rounded, either_way = x_in_int8_blocks(x, 256 if k % 256 == 0 else 32)
+        wd, magnitude = blocks_reference(blocks, rounded)
+        ours = ops.prefill_blocks(x, [blocks])
+        assert ours.shape == (m, n) and ours.dtype == x_dtype
+        exact, tol = bound(wd, rounded, x_dtype, extra=F.linear(either_way, wd.abs()))
+        check(ours, exact, tol + 4 * math.sqrt(k) * 2**-24 * magnitude)
+        alone = torch.cat([ops.prefill_blocks(x[i:i + 1].contiguous(), [blocks]) for i in range(m)])
+        assert torch.equal(ours, alone)
+    ws = [torch.from_numpy(random_blocks(kind, n, 512, seed=n)) for kind, n in [("Q4_K", 40), ("Q6_K", 8), ("Q2_K", 3)]]
+    x = torch.randn(m, 512)
+    assert torch.equal(ops.prefill_blocks(x, ws), torch.cat([ops.prefill_blocks(x, [w]) for w in ws], dim=1))
+
+
 def test_blocks_that_are_not_a_format_are_refused(ops):
     with pytest.raises(RuntimeError, match=r"w\[0\] must be a contiguous uint8 CPU tensor \(N, K / block, bytes\) "
                                            r"of a block format .*; got Byte \[4, 2, 143\]"):
@@ -530,6 +561,14 @@ def test_blocks_that_are_not_a_format_are_refused(ops):
     with pytest.raises(RuntimeError, match=r"dequantize_blocks: weights must be contiguous uint8 \(N, K / block, "
                                            r"bytes\) of a block format"):
         ops.dequantize_blocks(torch.zeros(4, 2, 143, dtype=torch.uint8), torch.float32)
+    if hasattr(ops, "prefill_blocks"):
+        q4_k = torch.from_numpy(random_blocks("Q4_K", 4, 512, seed=0))
+        with pytest.raises(RuntimeError, match=r"prefill_blocks: w\[0\] holds 2 Q4_K blocks a row \(512 weights\) but x"):
+            ops.prefill_blocks(torch.zeros(20, 256), [q4_k])
+        with pytest.raises(RuntimeError, match=r"prefill_blocks: x must be a contiguous float32 or bfloat16 CPU tensor"):
+            ops.prefill_blocks(torch.zeros(512), [q4_k])
+        with pytest.raises(RuntimeError, match=r"prefill_blocks: w\[1\] must be a contiguous uint8 CPU tensor"):
+            ops.prefill_blocks(torch.zeros(20, 512), [q4_k, torch.zeros(4, 2, 143, dtype=torch.uint8)])
 
 
 def test_build_folder_is_keyed_by_sources_flags_and_cpu_not_by_the_checkout(tmp_path, monkeypatch):

@@ -8,10 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.checkpoints import hf_model, prompt_ids
+from support.gguf_checkpoints import random_blocks
 from support.kernels import has_int8_x, x_in_int8, x_in_int8_blocks
 
 import model.linear
 from model import generate, load_checkpoint
+from model.blocks import dequantize_blocks
 from model.kernels import kernels
 from model.linear import FEW_ROWS, MAX_KERNEL_ROWS, Linear, linear, project
 from model.quantize import dequantize, dequantize_int8, quantize_int4, quantize_int8
@@ -174,6 +176,24 @@ def test_widen_takes_the_kernels_loops_where_built_and_the_reference_elsewhere(m
     torch.testing.assert_close(ours.float(), reference, rtol=2**-8 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
     monkeypatch.setattr(model.linear, "kernels", lambda: None)  # no kernel built: model/quantize.py's loops
     assert torch.equal(model.linear.widen(weight, scale, offset, dtype), dequantize(weight, scale, offset, dtype))
+
+
+def test_prefill_multiplies_blocks_in_their_integers_where_the_kernel_has_them(monkeypatch):
+    """A GGUF's K-quant matrix and a prompt chunk's many rows: the kernel's prefill_blocks, nothing widened, where the
+    build has it (AVX2, AVX-512); where oneDNN's AMX bf16 tiles are faster, the blocks widened for F.linear."""
+    widened = []
+    real = model.linear.widen
+    monkeypatch.setattr(model.linear, "widen", lambda *a: widened.append(a[0].shape[0]) or real(*a))
+    blocks, x = torch.from_numpy(random_blocks("Q4_K", 24, 512, seed=1)), torch.randn(2, 20, 512)
+    ours = linear(x, blocks)
+    ops = model.linear.prefill_ops(x)
+    assert (ops is None) == (kernels() is None or not hasattr(kernels(), "prefill_blocks") or model.linear.has_amx())
+    if ops is not None:
+        assert widened == [] and torch.equal(ours, ops.prefill_blocks(x.reshape(40, 512), [blocks]).view(2, 20, 24))
+    monkeypatch.setattr(model.linear, "has_amx", lambda: True)
+    widened.clear()
+    torch.testing.assert_close(linear(x, blocks), F.linear(x, dequantize_blocks(blocks)), rtol=1e-5, atol=1e-4)
+    assert widened == [24]
 
 
 def test_prefill_widens_bf16_weights_for_fp32_activations_a_block_of_rows_at_a_time(monkeypatch):

@@ -184,13 +184,16 @@ struct Format {
   int64_t block;  // weights a block
   int64_t bytes;  // bytes a block
   void (*unpack)(const uint8_t*, Unpacked&);
+  int64_t scale_group;  // weights that share a and m: two groups of 16 (32) or one
+  bool minimums;  // whether m can be other than 0
 };
 
 // Told apart by their bytes a block (no two of these share a size).
 constexpr Format kFormats[] = {
-    {"Q4_K", 256, 144, unpack_q4_k}, {"Q5_K", 256, 176, unpack_q5_k}, {"Q6_K", 256, 210, unpack_q6_k},
-    {"Q3_K", 256, 110, unpack_q3_k}, {"Q2_K", 256, 84, unpack_q2_k},  {"Q5_0", 32, 22, unpack_q5_0},
-    {"Q5_1", 32, 24, unpack_q5_1},
+    {"Q4_K", 256, 144, unpack_q4_k, 32, true}, {"Q5_K", 256, 176, unpack_q5_k, 32, true},
+    {"Q6_K", 256, 210, unpack_q6_k, 16, false}, {"Q3_K", 256, 110, unpack_q3_k, 16, false},
+    {"Q2_K", 256, 84, unpack_q2_k, 16, true}, {"Q5_0", 32, 22, unpack_q5_0, 32, false},
+    {"Q5_1", 32, 24, unpack_q5_1, 32, true},
 };
 
 // The format of blocks of `bytes` bytes; null where none has that size.

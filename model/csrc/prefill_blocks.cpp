@@ -1,28 +1,31 @@
 // Prefill's products with weights in llama.cpp's blocks (ggml_blocks.h): y = x W^T for the hundreds of rows of
 // a prompt chunk, x rounded to int8 as the decode kernel rounds it (one scale per 256 values, as llama.cpp's
 // Q8_K, or per 32) and multiplied by the blocks' integers: 64 products an instruction with AVX-512 VNNI's
-// vpdpbusd (u8 weights times s8 x, four products summed into each int32 lane), 32 with AVX2's vpmaddubsw and
-// vpmaddwd. Widening the blocks to bf16 for F.linear (dequantize.cpp) multiplied 32 an instruction and wrote
-// every weight out and read it back first; on AVX2 CPUs, to fp32, 8.
+// vpdpbusd (four u8 times s8 products summed into each int32 lane), 32 with AVX2's vpmaddubsw and vpmaddwd.
+// Widening the blocks to bf16 for F.linear (dequantize.cpp) multiplied 32 an instruction and wrote every weight
+// out and read it back first; on AVX2 CPUs, to fp32, 8.
 //
-// The weights are taken kLanes rows at a time (a tile). Each row's blocks are unpacked once into ggml_blocks.h's
-// form (weight = a (q - z) - m per group of 16) and laid out so that one vector holds four consecutive q of each
-// of the tile's rows: q[group][j][row][4 weights 4j..4j+3], beside a[group][row] and bias[group][row] = -(a z + m).
-// A vector of int32 lanes then sums, lane by lane, one weight row's products with a broadcast four values of x:
-//   y[m][r] = sum over x's scales s: xs[m][s] sum over its groups g (a[g][r] dot[g][r][m] + bias[g][r] sum16[m][g])
-// where dot is the integer dot product of the group's 16 q with x's 16 int8 and sum16 the sum of those int8
-// (exact in int32; the fp32 sums go in that order). Every row of x goes through the tile, kXRows at a time sharing
-// each load of weights; the tiles are split across torch's threads. A row's result does not depend on the rows
-// beside it.
+// A vector's lanes are kLanes rows of x (a panel), each lane four of its int8 made unsigned (+128), and each
+// weight row's four integers w = q - z (ggml_blocks.h's form: weight = a (q - z) - m per group of 16) are
+// broadcast to every lane:
+//   y[m][r] = sum over x's scales s: xs[m][s] sum over its groups g (a[r][g] dot[m][r][g] - m[r][g] sum16[m][g])
+//   dot = sum (x + 128) w - 128 sum w   (the second sum is the weight row's, set as the sum's start)
+// exact in int32; then the fp32 sums in that order, two groups at a time where they share a and m (Q4_K, Q5_K,
+// Q5_0, Q5_1). The weight rows are taken kTileRows at a time, each row's blocks unpacked once (Format::unpack);
+// every panel of x goes through a tile, kRows weight rows at a time sharing each load of x; the tiles are split
+// across torch's threads. A row's result does not depend on the rows of x beside it.
 //
 // Built where the CPU has AVX2 (the op is absent from plain x86-64 builds, where model/linear.py widens). On
 // CPUs with AMX, oneDNN's bf16 tiles multiply faster than this and model/linear.py keeps widening.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -37,103 +40,129 @@ namespace {
 using ggml::kGroup;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr int kLanes = 16;  // weight rows a tile: one int32 or fp32 lane each
-constexpr int kXRows = 8;  // rows of x sharing each load of the tile's weights (3 registers a row: dot, part, acc)
+constexpr int kLanes = 16;  // rows of x a panel: one int32 or fp32 lane each
+constexpr int kRows = 8;  // weight rows sharing each load of x (3 registers a row: dot, part, acc)
 using VecI = __m512i;
 using VecF = __m512;
 inline VecI load_i(const uint8_t* p) { return _mm512_load_si512(p); }
 inline VecF load_f(const float* p) { return _mm512_load_ps(p); }
-inline VecI zero_i() { return _mm512_setzero_si512(); }
+inline VecI broadcast_i(int32_t v) { return _mm512_set1_epi32(v); }
+inline VecF broadcast_f(float v) { return _mm512_set1_ps(v); }
 inline VecF zero_f() { return _mm512_setzero_ps(); }
-inline VecF broadcast(float v) { return _mm512_set1_ps(v); }
+inline VecF add_f(VecF a, VecF b) { return _mm512_add_ps(a, b); }
 inline VecF to_float(VecI v) { return _mm512_cvtepi32_ps(v); }
 inline VecF fmadd(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
-// dot + four products of u8 w with the same four s8 x in every lane, summed
-inline VecI dot4(VecI dot, VecI w, int32_t x4) { return _mm512_dpbusd_epi32(dot, w, _mm512_set1_epi32(x4)); }
-inline void store(float* p, VecF v, int lanes) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << lanes) - 1), v); }
+// dot + in each lane the four products of its u8 x with the same four s8 w, summed
+inline VecI dot4(VecI dot, VecI x, const int8_t* w) {
+  int32_t w4;
+  std::memcpy(&w4, w, 4);
+  return _mm512_dpbusd_epi32(dot, x, _mm512_set1_epi32(w4));
+}
+inline void store_f(float* p, VecF v) { _mm512_store_ps(p, v); }
 #else
 constexpr int kLanes = 8;
-constexpr int kXRows = 4;  // (16 registers)
+constexpr int kRows = 4;  // (16 registers)
 using VecI = __m256i;
 using VecF = __m256;
 inline VecI load_i(const uint8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
 inline VecF load_f(const float* p) { return _mm256_load_ps(p); }
-inline VecI zero_i() { return _mm256_setzero_si256(); }
+inline VecI broadcast_i(int32_t v) { return _mm256_set1_epi32(v); }
+inline VecF broadcast_f(float v) { return _mm256_set1_ps(v); }
 inline VecF zero_f() { return _mm256_setzero_ps(); }
-inline VecF broadcast(float v) { return _mm256_set1_ps(v); }
+inline VecF add_f(VecF a, VecF b) { return _mm256_add_ps(a, b); }
 inline VecF to_float(VecI v) { return _mm256_cvtepi32_ps(v); }
 inline VecF fmadd(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
-inline VecI dot4(VecI dot, VecI w, int32_t x4) {
+inline VecI dot4(VecI dot, VecI x, const int8_t* w) {
+  int32_t w4;
+  std::memcpy(&w4, w, 4);
 #if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(dot, w, _mm256_set1_epi32(x4));
-#else  // pairs of products in int16 (q <= 63, |x| <= 127: at most 16,002), then pairs of pairs in int32
-  const __m256i pairs = _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4));
+  return _mm256_dpbusd_avx_epi32(dot, x, _mm256_set1_epi32(w4));
+#else  // pairs of products in int16 (x + 128 <= 255, -32 <= w <= 63: within 2 * 255 * 63 = 32,130), then in int32
+  const __m256i pairs = _mm256_maddubs_epi16(x, _mm256_set1_epi32(w4));
   return _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
-inline void store(float* p, VecF v, int lanes) {
-  alignas(32) float all[kLanes];
-  _mm256_store_ps(all, v);
-  std::memcpy(p, all, lanes * sizeof(float));
-}
+inline void store_f(float* p, VecF v) { _mm256_store_ps(p, v); }
 #endif
 
-// A tile of kLanes weight rows, unpacked (see the top): groups = K / 16.
+constexpr int kTileRows = 4 * kRows;  // weight rows unpacked at a time (a task)
+
+template <typename T>
+T* aligned(std::vector<T>& buffer, int64_t n) {
+  buffer.resize(n + 64 / sizeof(T));
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) / 64 * 64);
+}
+
+// kTileRows weight rows unpacked, groups = K / 16: w = q - z (rows, K) int8; per row and group (rows, groups):
+// a, -m, and the start of its dot products, -128 sum w (for two groups that share a and m, both sums in the first).
 struct Tile {
-  std::vector<uint8_t> q_buffer;
-  std::vector<float> a_buffer, bias_buffer;
-  uint8_t* q = nullptr;
-  float *a = nullptr, *bias = nullptr;
+  std::vector<int8_t> w_buffer;
+  std::vector<float> a_buffer, neg_m_buffer;
+  std::vector<int32_t> start_buffer;
+  int8_t* w = nullptr;
+  float *a = nullptr, *neg_m = nullptr;
+  int32_t* start = nullptr;
 
   void resize(int64_t groups) {
-    q = aligned(q_buffer, groups * kGroup * kLanes);
-    a = aligned(a_buffer, groups * kLanes);
-    bias = aligned(bias_buffer, groups * kLanes);
-  }
-  template <typename T>
-  static T* aligned(std::vector<T>& buffer, int64_t n) {
-    buffer.resize(n + 64 / sizeof(T));
-    return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) / 64 * 64);
+    w = aligned(w_buffer, groups * kGroup * kTileRows);
+    a = aligned(a_buffer, groups * kTileRows);
+    neg_m = aligned(neg_m_buffer, groups * kTileRows);
+    start = aligned(start_buffer, groups * kTileRows);
   }
 };
 
-// rows (<= kLanes) weight rows of `blocks` blocks each, from `w`, into the tile; lanes past them hold zeros.
+// `rows` (<= kTileRows) weight rows of `blocks` blocks each, from `w`, into the tile; rows past them are zeros.
 void unpack_tile(const ggml::Format& f, const uint8_t* w, int rows, int64_t blocks, Tile& t) {
-  const int64_t groups = blocks * f.block / kGroup, per_block = f.block / kGroup;
-  if (rows < kLanes) {
-    std::memset(t.q, 0, groups * kGroup * kLanes);
-    std::memset(t.a, 0, groups * kLanes * sizeof(float));
-    std::memset(t.bias, 0, groups * kLanes * sizeof(float));
+  const int64_t k_dim = blocks * f.block, groups = k_dim / kGroup, per_block = f.block / kGroup;
+  if (rows < kTileRows) {
+    std::memset(t.w + rows * k_dim, 0, (kTileRows - rows) * k_dim);
+    std::fill(t.a + rows * groups, t.a + kTileRows * groups, 0.f);
+    std::fill(t.neg_m + rows * groups, t.neg_m + kTileRows * groups, 0.f);
+    std::fill(t.start + rows * groups, t.start + kTileRows * groups, 0);
   }
+  const bool pairs = f.scale_group == 2 * kGroup;
   ggml::Unpacked u;
   for (int r = 0; r < rows; r++) {
     const uint8_t* row = w + r * blocks * f.bytes;
+    int8_t* out = t.w + r * k_dim;
+    float *a = t.a + r * groups, *neg_m = t.neg_m + r * groups;
+    int32_t* start = t.start + r * groups;
     for (int64_t b = 0; b < blocks; b++) {
       f.unpack(row + b * f.bytes, u);
+      const __m128i z = _mm_set1_epi8(static_cast<char>(u.z));
       for (int64_t i = 0; i < per_block; i++) {
+        const __m128i q = _mm_load_si128(reinterpret_cast<const __m128i*>(u.q + i * kGroup));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (b * per_block + i) * kGroup), _mm_sub_epi8(q, z));
+        const __m128i halves = _mm_sad_epu8(q, _mm_setzero_si128());  // the sums of q's two halves
+        const int32_t sum = _mm_cvtsi128_si32(halves) + _mm_extract_epi16(halves, 4) - kGroup * u.z;
         const int64_t g = b * per_block + i;
-        t.a[g * kLanes + r] = u.a[i];
-        t.bias[g * kLanes + r] = -(u.a[i] * static_cast<float>(u.z) + u.m[i]);
-        for (int j = 0; j < 4; j++) std::memcpy(t.q + ((g * 4 + j) * kLanes + r) * 4, u.q + i * kGroup + 4 * j, 4);
+        a[g] = u.a[i];
+        neg_m[g] = -u.m[i];
+        start[g] = -128 * sum;
+        if (pairs && i % 2 == 1) start[g - 1] += start[g];
       }
     }
   }
 }
 
-// x rounded to int8 (ggml::round_x_row), with each 16 values' sum as fp32 for the bias's products.
-struct XRows {
-  at::Tensor q, scales, sums;  // int8 (M, K), fp32 (M, K / group), fp32 (M, K / 16)
+// x rounded to int8 (ggml::round_x_row), in panels of kLanes rows: per panel, x + 128 as u8 (groups, 4, kLanes, 4)
+// (lane m of vector (g, j): x[m][16 g + 4 j ..+ 3]), the scales (K / group, kLanes) and each 16 values' sum of int8
+// (groups, kLanes) as fp32. Lanes past the last row are x = 0.
+struct Panels {
+  at::Tensor u, scales, sums;
   int64_t group;
 };
 
-XRows round_x(const at::Tensor& x) {
+Panels round_x(const at::Tensor& x) {
   const int64_t rows = x.size(0), k_dim = x.size(1), group = k_dim % 256 == 0 ? 256 : ggml::kXBlock;
-  XRows out{at::empty({rows, k_dim}, x.options().dtype(at::kChar)),
-            at::empty({rows, k_dim / group}, x.options().dtype(at::kFloat)),
-            at::empty({rows, k_dim / kGroup}, x.options().dtype(at::kFloat)), group};
+  const int64_t panels = (rows + kLanes - 1) / kLanes, groups = k_dim / kGroup;
+  Panels out{at::full({panels, k_dim * kLanes}, 128, x.options().dtype(at::kByte)),
+             at::zeros({panels, k_dim / group * kLanes}, x.options().dtype(at::kFloat)),
+             at::zeros({panels, groups * kLanes}, x.options().dtype(at::kFloat)), group};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> widened(k_dim);
-    std::vector<int16_t> sums(k_dim / kGroup);
+    std::vector<float> widened(k_dim), scales(k_dim / group);
+    std::vector<int8_t> q(k_dim);
+    std::vector<int16_t> sums(groups);
     for (int64_t m = begin; m < end; m++) {
       const float* row = widened.data();
       if (x.scalar_type() == at::kFloat) {
@@ -142,56 +171,68 @@ XRows round_x(const at::Tensor& x) {
         const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>() + m * k_dim;
         for (int64_t k = 0; k < k_dim; k++) widened[k] = static_cast<float>(xb[k]);
       }
-      ggml::round_x_row(row, k_dim, group, out.q.data_ptr<int8_t>() + m * k_dim, sums.data(),
-                        out.scales.data_ptr<float>() + m * (k_dim / group));
-      float* fsums = out.sums.data_ptr<float>() + m * (k_dim / kGroup);
-      for (int64_t g = 0; g < k_dim / kGroup; g++) fsums[g] = static_cast<float>(sums[g]);
+      ggml::round_x_row(row, k_dim, group, q.data(), sums.data(), scales.data());
+      const int64_t panel = m / kLanes, lane = m % kLanes;
+      uint8_t* u = out.u.data_ptr<uint8_t>() + panel * k_dim * kLanes;
+      for (int64_t k4 = 0; k4 < k_dim / 4; k4++)
+        for (int i = 0; i < 4; i++) u[(k4 * kLanes + lane) * 4 + i] = static_cast<uint8_t>(q[4 * k4 + i] + 128);
+      float* xs = out.scales.data_ptr<float>() + panel * (k_dim / group) * kLanes;
+      for (int64_t s = 0; s < k_dim / group; s++) xs[s * kLanes + lane] = scales[s];
+      float* xsum = out.sums.data_ptr<float>() + panel * groups * kLanes;
+      for (int64_t g = 0; g < groups; g++) xsum[g * kLanes + lane] = static_cast<float>(sums[g]);
     }
   });
   return out;
 }
 
-// Rows m0 .. m0 + XR - 1 of x through the tile: y[m][0 .. lanes - 1] for each, y's rows `ld` apart.
-template <int XR>
-void tile_rows(const Tile& t, int64_t groups, const XRows& x, int64_t m0, float* y, int64_t ld, int lanes) {
+// One panel of x through kRows rows of a tile (from row r0): y[m][r] for the panel's `lanes` rows and `rows` weight
+// rows, y's rows `ld` apart. Pairs: two groups share a and m; Mins: m is not always 0.
+template <bool Pairs, bool Mins>
+void panel_rows(const Tile& t, int r0, int64_t groups, const Panels& x, int64_t panel, float* y, int64_t ld,
+                int lanes, int rows) {
+  constexpr int step = Pairs ? 2 : 1;
   const int64_t k_dim = groups * kGroup, per_scale = x.group / kGroup;
-  const int8_t* xq = x.q.data_ptr<int8_t>() + m0 * k_dim;
-  const float* xs = x.scales.data_ptr<float>() + m0 * (k_dim / x.group);
-  const float* sums = x.sums.data_ptr<float>() + m0 * groups;
-  VecF acc[XR];
-  for (int m = 0; m < XR; m++) acc[m] = zero_f();
+  const uint8_t* xu = x.u.data_ptr<uint8_t>() + panel * k_dim * kLanes;
+  const float* xs = x.scales.data_ptr<float>() + panel * (k_dim / x.group) * kLanes;
+  const float* xsum = x.sums.data_ptr<float>() + panel * groups * kLanes;
+  const int8_t* w = t.w + r0 * k_dim;
+  const float *a = t.a + r0 * groups, *neg_m = t.neg_m + r0 * groups;
+  const int32_t* start = t.start + r0 * groups;
+  VecF acc[kRows];
+  for (int r = 0; r < kRows; r++) acc[r] = zero_f();
   for (int64_t s = 0; s < groups / per_scale; s++) {
-    VecF part[XR];
-    for (int m = 0; m < XR; m++) part[m] = zero_f();
-    for (int64_t g = s * per_scale; g < (s + 1) * per_scale; g++) {
-      VecI dot[XR];
-      for (int m = 0; m < XR; m++) dot[m] = zero_i();
-      for (int j = 0; j < 4; j++) {
-        const VecI w = load_i(t.q + (g * 4 + j) * kLanes * 4);
-        for (int m = 0; m < XR; m++) {
-          int32_t x4;
-          std::memcpy(&x4, xq + m * k_dim + g * kGroup + 4 * j, 4);
-          dot[m] = dot4(dot[m], w, x4);
+    VecF part[kRows];
+    for (int r = 0; r < kRows; r++) part[r] = zero_f();
+    for (int64_t g = s * per_scale; g < (s + 1) * per_scale; g += step) {
+      VecI dot[kRows];
+      for (int r = 0; r < kRows; r++) dot[r] = broadcast_i(start[r * groups + g]);
+      for (int h = 0; h < step; h++)
+        for (int j = 0; j < 4; j++) {
+          const VecI xv = load_i(xu + ((g + h) * 4 + j) * kLanes * 4);
+          for (int r = 0; r < kRows; r++) dot[r] = dot4(dot[r], xv, w + r * k_dim + (g + h) * kGroup + 4 * j);
         }
-      }
-      const VecF a = load_f(t.a + g * kLanes), bias = load_f(t.bias + g * kLanes);
-      for (int m = 0; m < XR; m++) {
-        part[m] = fmadd(to_float(dot[m]), a, part[m]);
-        part[m] = fmadd(bias, broadcast(sums[m * groups + g]), part[m]);
+      for (int r = 0; r < kRows; r++) part[r] = fmadd(to_float(dot[r]), broadcast_f(a[r * groups + g]), part[r]);
+      if constexpr (Mins) {
+        VecF sums = load_f(xsum + g * kLanes);
+        if constexpr (Pairs) sums = add_f(sums, load_f(xsum + (g + 1) * kLanes));
+        for (int r = 0; r < kRows; r++) part[r] = fmadd(sums, broadcast_f(neg_m[r * groups + g]), part[r]);
       }
     }
-    for (int m = 0; m < XR; m++) acc[m] = fmadd(part[m], broadcast(xs[m * (k_dim / x.group) + s]), acc[m]);
+    const VecF scale = load_f(xs + s * kLanes);
+    for (int r = 0; r < kRows; r++) acc[r] = fmadd(part[r], scale, acc[r]);
   }
-  for (int m = 0; m < XR; m++) store(y + m * ld, acc[m], lanes);
+  alignas(64) float out[kRows][kLanes];
+  for (int r = 0; r < kRows; r++) store_f(out[r], acc[r]);
+  for (int m = 0; m < lanes; m++)
+    for (int r = 0; r < rows; r++) y[m * ld + r] = out[r][m];
 }
 
-// The rows of x left after whole groups of kXRows, one compiled loop each count.
-template <int XR = kXRows - 1>
-void tail_rows(int rows, const Tile& t, int64_t groups, const XRows& x, int64_t m0, float* y, int64_t ld, int lanes) {
-  if constexpr (XR >= 1) {
-    if (rows == XR) return tile_rows<XR>(t, groups, x, m0, y, ld, lanes);
-    tail_rows<XR - 1>(rows, t, groups, x, m0, y, ld, lanes);
-  }
+using PanelRows = void (*)(const Tile&, int, int64_t, const Panels&, int64_t, float*, int64_t, int, int);
+
+PanelRows panel_rows_for(const ggml::Format& f) {
+  const bool pairs = f.scale_group == 2 * kGroup;
+  if (pairs) return f.minimums ? panel_rows<true, true> : panel_rows<true, false>;
+  return f.minimums ? panel_rows<false, true> : panel_rows<false, false>;
 }
 
 // y = x W_i^T for x (M, K) fp32 or bf16 and weights in llama.cpp's blocks, uint8 (N_i, K / block, bytes) each, of
@@ -214,13 +255,13 @@ at::Tensor prefill_blocks(const at::Tensor& x, at::TensorList ws) {
     TORCH_CHECK(t.size(1) * f->block == k_dim, "prefill_blocks: w[", i, "] holds ", t.size(1), " ", f->name,
                 " blocks a row (", t.size(1) * f->block, " weights) but x has K=", k_dim);
     formats.push_back(f);
-    first_tile.push_back(first_tile.back() + (t.size(0) + kLanes - 1) / kLanes);
+    first_tile.push_back(first_tile.back() + (t.size(0) + kTileRows - 1) / kTileRows);
     first_column.push_back(first_column.back() + t.size(0));
   }
   at::Tensor y = at::empty({rows, first_column.back()}, x.options().dtype(at::kFloat));
   if (rows == 0) return y.to(x.scalar_type());
-  const XRows xq = round_x(x);
-  const int64_t groups = k_dim / kGroup, ld = y.size(1);
+  const Panels panels = round_x(x);
+  const int64_t groups = k_dim / kGroup, ld = y.size(1), panel_count = panels.u.size(0);
   float* out = y.data_ptr<float>();
   at::parallel_for(0, first_tile.back(), 1, [&](int64_t begin, int64_t end) {
     thread_local Tile tile;
@@ -229,13 +270,16 @@ at::Tensor prefill_blocks(const at::Tensor& x, at::TensorList ws) {
       size_t i = 0;
       while (first_tile[i + 1] <= task) i++;
       const ggml::Format& f = *formats[i];
-      const int64_t r0 = (task - first_tile[i]) * kLanes, n = ws[i].size(0), blocks = ws[i].size(1);
-      const int lanes = static_cast<int>(std::min<int64_t>(kLanes, n - r0));
-      unpack_tile(f, ws[i].data_ptr<uint8_t>() + r0 * blocks * f.bytes, lanes, blocks, tile);
-      float* y0 = out + first_column[i] + r0;
-      int64_t m = 0;
-      for (; m + kXRows <= rows; m += kXRows) tile_rows<kXRows>(tile, groups, xq, m, y0 + m * ld, ld, lanes);
-      if (m < rows) tail_rows(static_cast<int>(rows - m), tile, groups, xq, m, y0 + m * ld, ld, lanes);
+      const int64_t r0 = (task - first_tile[i]) * kTileRows, n = ws[i].size(0), blocks = ws[i].size(1);
+      const int tile_rows = static_cast<int>(std::min<int64_t>(kTileRows, n - r0));
+      unpack_tile(f, ws[i].data_ptr<uint8_t>() + r0 * blocks * f.bytes, tile_rows, blocks, tile);
+      const PanelRows run = panel_rows_for(f);
+      for (int64_t p = 0; p < panel_count; p++) {
+        const int lanes = static_cast<int>(std::min<int64_t>(kLanes, rows - p * kLanes));
+        for (int r = 0; r < tile_rows; r += kRows)
+          run(tile, r, groups, panels, p, out + p * kLanes * ld + first_column[i] + r0 + r, ld, lanes,
+              std::min(kRows, tile_rows - r));
+      }
     }
   });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());

@@ -71,6 +71,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8, help="decode steps per format per round")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--ceiling", action="store_true",
+                   help="also read 1 GiB (x.sum()) each round, in turn: the best is the read ceiling")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -108,16 +110,23 @@ def main() -> int:
     for run in runs.values():
         step(run, run["prompt"])
         step(run, [run["token"]])  # warm-up: the first decode step primes the kernels
+    ones, reads = (torch.ones(2**28), []) if args.ceiling else (None, [])  # 1 GiB of float32
     for _ in range(args.rounds):
         for run in runs.values():
             start = time.perf_counter()
             for _ in range(args.steps):
                 step(run, [run["token"]])
             run["times"].append((time.perf_counter() - start) / args.steps)
+        if ones is not None:
+            start = time.perf_counter()
+            ones.sum()
+            reads.append(ones.nbytes / (time.perf_counter() - start) / 1e9)
 
     info = machine()
     print(f"{args.shape}, {info['cpu']}, {args.threads} threads, torch {info['torch']}, decode kernel "
-          f"{model.kernels.decode_path()}; {args.rounds} rounds of {args.steps} steps\n")
+          f"{model.kernels.decode_path()}; {args.rounds} rounds of {args.steps} steps" +
+          (f"; read ceiling (x.sum() of 1 GiB, best / median round) {max(reads):.1f} / {statistics.median(reads):.1f} GB/s"
+           if reads else "") + "\n")
     print("| weights | GB read a step | tok/s (best round) | tok/s (median) | weight GB/s (best) | vs " +
           f"{next(iter(runs))} (best) | vs {next(iter(runs))} (median) |")
     print("|---|---|---|---|---|---|---|")
@@ -125,7 +134,8 @@ def main() -> int:
     for name, run in runs.items():
         nbytes = run["bytes"] if "llm" in run else decode_bytes(run["ckpt"].model)
         best, median = min(run["times"]), statistics.median(run["times"])
-        print(f"| {name} | {nbytes / 1e9:.2f} | {1 / best:.2f} | {1 / median:.2f} | {nbytes / best / 1e9:.1f} | "
+        of_ceiling = f" ({100 * nbytes / best / 1e9 / max(reads):.0f}% of the ceiling)" if reads else ""
+        print(f"| {name} | {nbytes / 1e9:.2f} | {1 / best:.2f} | {1 / median:.2f} | {nbytes / best / 1e9:.1f}{of_ceiling} | "
               f"{min(first['times']) / best:.2f}x | {statistics.median(first['times']) / median:.2f}x |")
     return 0
 

@@ -87,6 +87,9 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Ten
         flat = x.reshape(rows, k_dim)
         y = torch.cat([linears(flat[i:i + 1], weights, scales, offsets, fp32_out) for i in range(rows)])
         return y.view(*x.shape[:-1], -1)
+    if kinds == {"blocks"} and (ops := prefill_ops(x)):  # llama.cpp's blocks, all of them in one call
+        y = ops.prefill_blocks(x.reshape(rows, k_dim).contiguous(), weights, fp32_out)
+        return y.view(*x.shape[:-1], -1)
     outputs = [packed_linear(x, w, s, fp32_out) if is_packed(s) else blockwise_linear(x, w, s, o)
                for w, s, o in zip(weights, scales, offsets)]
     y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)

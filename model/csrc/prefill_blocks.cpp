@@ -236,8 +236,8 @@ PanelRows panel_rows_for(const ggml::Format& f) {
 }
 
 // y = x W_i^T for x (M, K) fp32 or bf16 and weights in llama.cpp's blocks, uint8 (N_i, K / block, bytes) each, of
-// any of ggml_blocks.h's formats: outputs side by side (M, sum N_i) in x's dtype.
-at::Tensor prefill_blocks(const at::Tensor& x, at::TensorList ws) {
+// any of ggml_blocks.h's formats: outputs side by side (M, sum N_i) in x's dtype, or in fp32 with fp32_out.
+at::Tensor prefill_blocks(const at::Tensor& x, at::TensorList ws, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() &&
               (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "prefill_blocks: x must be a contiguous float32 or bfloat16 CPU tensor (M, K); got ", x.scalar_type(),
@@ -259,7 +259,8 @@ at::Tensor prefill_blocks(const at::Tensor& x, at::TensorList ws) {
     first_column.push_back(first_column.back() + t.size(0));
   }
   at::Tensor y = at::empty({rows, first_column.back()}, x.options().dtype(at::kFloat));
-  if (rows == 0) return y.to(x.scalar_type());
+  const at::ScalarType out_type = fp32_out ? at::kFloat : x.scalar_type();
+  if (rows == 0) return y.to(out_type);
   const Panels panels = round_x(x);
   const int64_t groups = k_dim / kGroup, ld = y.size(1), panel_count = panels.u.size(0);
   float* out = y.data_ptr<float>();
@@ -282,7 +283,7 @@ at::Tensor prefill_blocks(const at::Tensor& x, at::TensorList ws) {
       }
     }
   });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y.to(out_type);
 }
 
 }  // namespace
@@ -291,7 +292,7 @@ at::Tensor prefill_blocks(const at::Tensor& x, at::TensorList ws) {
 #define FRAGMENT_LIBRARY(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
 #define IMPL_LIBRARY(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
 
-FRAGMENT_LIBRARY(TORCH_EXTENSION_NAME, m) { m.def("prefill_blocks(Tensor x, Tensor[] w) -> Tensor"); }
+FRAGMENT_LIBRARY(TORCH_EXTENSION_NAME, m) { m.def("prefill_blocks(Tensor x, Tensor[] w, bool fp32_out=False) -> Tensor"); }
 
 IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) { m.impl("prefill_blocks", prefill_blocks); }
 

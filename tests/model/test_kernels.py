@@ -550,6 +550,9 @@ def test_blocks_prefill_products(ops, kernels, name, x_dtype):
     ws = [torch.from_numpy(random_blocks(kind, n, 512, seed=n)) for kind, n in [("Q4_K", 40), ("Q6_K", 8), ("Q2_K", 3)]]
     x = torch.randn(m, 512)
     assert torch.equal(ops.prefill_blocks(x, ws), torch.cat([ops.prefill_blocks(x, [w]) for w in ws], dim=1))
+    wide = ops.prefill_blocks(x.bfloat16(), ws, True)  # fp32_out: the fp32 sums, not rounded to x's bf16
+    assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), ops.prefill_blocks(x.bfloat16(), ws))
+    assert not torch.equal(wide, wide.bfloat16().float())
 
 
 def test_blocks_that_are_not_a_format_are_refused(ops):

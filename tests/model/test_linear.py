@@ -190,6 +190,10 @@ def test_prefill_multiplies_blocks_in_their_integers_where_the_kernel_has_them(m
     assert (ops is None) == (kernels() is None or not hasattr(kernels(), "prefill_blocks") or model.linear.has_amx())
     if ops is not None:
         assert widened == [] and torch.equal(ours, ops.prefill_blocks(x.reshape(40, 512), [blocks]).view(2, 20, 24))
+        q6_k = torch.from_numpy(random_blocks("Q6_K", 8, 512, seed=2))  # q|k|v of two formats: one call, fp32 out
+        both = model.linear.linears(x.bfloat16(), [blocks, q6_k], [None, None], fp32_out=True)
+        assert both.dtype == torch.float32 and torch.equal(
+            both, ops.prefill_blocks(x.bfloat16().reshape(40, 512), [blocks, q6_k], True).view(2, 20, 32))
     monkeypatch.setattr(model.linear, "has_amx", lambda: True)
     widened.clear()
     torch.testing.assert_close(linear(x, blocks), F.linear(x, dequantize_blocks(blocks)), rtol=1e-5, atol=1e-4)

@@ -123,10 +123,10 @@ def main() -> int:
             reads.append(ones.nbytes / (time.perf_counter() - start) / 1e9)
 
     info = machine()
+    ceiling = (f"; read ceiling (x.sum() of 1 GiB, best / median round) {max(reads):.1f} / "
+               f"{statistics.median(reads):.1f} GB/s") if reads else ""
     print(f"{args.shape}, {info['cpu']}, {args.threads} threads, torch {info['torch']}, decode kernel "
-          f"{model.kernels.decode_path()}; {args.rounds} rounds of {args.steps} steps" +
-          (f"; read ceiling (x.sum() of 1 GiB, best / median round) {max(reads):.1f} / {statistics.median(reads):.1f} GB/s"
-           if reads else "") + "\n")
+          f"{model.kernels.decode_path()}; {args.rounds} rounds of {args.steps} steps{ceiling}\n")
     print("| weights | GB read a step | tok/s (best round) | tok/s (median) | weight GB/s (best) | vs " +
           f"{next(iter(runs))} (best) | vs {next(iter(runs))} (median) |")
     print("|---|---|---|---|---|---|---|")
@@ -135,8 +135,9 @@ def main() -> int:
         nbytes = run["bytes"] if "llm" in run else decode_bytes(run["ckpt"].model)
         best, median = min(run["times"]), statistics.median(run["times"])
         of_ceiling = f" ({100 * nbytes / best / 1e9 / max(reads):.0f}% of the ceiling)" if reads else ""
-        print(f"| {name} | {nbytes / 1e9:.2f} | {1 / best:.2f} | {1 / median:.2f} | {nbytes / best / 1e9:.1f}{of_ceiling} | "
-              f"{min(first['times']) / best:.2f}x | {statistics.median(first['times']) / median:.2f}x |")
+        print(f"| {name} | {nbytes / 1e9:.2f} | {1 / best:.2f} | {1 / median:.2f} | "
+              f"{nbytes / best / 1e9:.1f}{of_ceiling} | {min(first['times']) / best:.2f}x | "
+              f"{statistics.median(first['times']) / median:.2f}x |")
     return 0
 
 

@@ -9,8 +9,8 @@ again by llama.cpp to each kind (`--allow-requantize`; q4_1: the file as it ship
 a checkpoint), the prompt a chat question tokenized by llama.cpp: real logits are not the near-ties of random ones.
 
 Per file: the largest difference of the last position's logits over the logits' spread (their standard deviation),
-fp32 activations on our side, by our prefill (the blocks widened, x as it is) and with the prompt through our
-decode steps (x rounded to int8 per 256 as llama.cpp rounds it); and the greedy continuation of both,
+fp32 activations on our side, by our prefill (x rounded to int8 per 256 as llama.cpp rounds it, where the kernel has
+prefill_blocks; else the blocks widened, x as it is) and with the prompt through our decode steps (x rounded alike); and the greedy continuation of both,
 token by token, with the first step where they part and whether llama.cpp's best led its second there by less than
 our difference (a near-tie). Random weights: logits of random models are close together, so ties come often.
 """

@@ -292,7 +292,9 @@ at::Tensor prefill_blocks(const at::Tensor& x, at::TensorList ws, bool fp32_out)
 #define FRAGMENT_LIBRARY(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
 #define IMPL_LIBRARY(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
 
-FRAGMENT_LIBRARY(TORCH_EXTENSION_NAME, m) { m.def("prefill_blocks(Tensor x, Tensor[] w, bool fp32_out=False) -> Tensor"); }
+FRAGMENT_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def("prefill_blocks(Tensor x, Tensor[] w, bool fp32_out=False) -> Tensor");
+}
 
 IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) { m.impl("prefill_blocks", prefill_blocks); }
 

@@ -538,7 +538,8 @@ def test_blocks_prefill_products(ops, kernels, name, x_dtype):
     f, m = BY_NAME[name], 19
     for n, k in PREFILL_SHAPES[f.block]:
         blocks = torch.from_numpy(random_blocks(name, n, k, seed=n + k))
-        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * torch.linspace(0.1, 3, m)[:, None]).to(x_dtype)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * torch.linspace(0.1, 3, m)[:, None]
+        x = x.to(x_dtype)
         rounded, either_way = x_in_int8_blocks(x, 256 if k % 256 == 0 else 32)
         wd, magnitude = blocks_reference(blocks, rounded)
         ours = ops.prefill_blocks(x, [blocks])
@@ -566,9 +567,9 @@ def test_blocks_that_are_not_a_format_are_refused(ops):
         ops.dequantize_blocks(torch.zeros(4, 2, 143, dtype=torch.uint8), torch.float32)
     if hasattr(ops, "prefill_blocks"):
         q4_k = torch.from_numpy(random_blocks("Q4_K", 4, 512, seed=0))
-        with pytest.raises(RuntimeError, match=r"prefill_blocks: w\[0\] holds 2 Q4_K blocks a row \(512 weights\) but x"):
+        with pytest.raises(RuntimeError, match=r"prefill_blocks: w\[0\] holds 2 Q4_K blocks a row \(512 weights\)"):
             ops.prefill_blocks(torch.zeros(20, 256), [q4_k])
-        with pytest.raises(RuntimeError, match=r"prefill_blocks: x must be a contiguous float32 or bfloat16 CPU tensor"):
+        with pytest.raises(RuntimeError, match=r"prefill_blocks: x must be a contiguous float32 or bfloat16 CPU"):
             ops.prefill_blocks(torch.zeros(512), [q4_k])
         with pytest.raises(RuntimeError, match=r"prefill_blocks: w\[1\] must be a contiguous uint8 CPU tensor"):
             ops.prefill_blocks(torch.zeros(20, 512), [q4_k, torch.zeros(4, 2, 143, dtype=torch.uint8)])

@@ -9,6 +9,8 @@ Ways (each in a fresh process, so peaks never mix):
   naive-fp32   the same naive steps with the model built in fp32
   ours-int8    model.load_checkpoint(folder, dtype=bfloat16, quantize="int8")
   ours-int4    model.load_checkpoint(folder, dtype=bfloat16, quantize="int4")
+  ours-q4_k_m  model.load_checkpoint of the weights quantized by llama.cpp to Q4_K_M and imported (ours-q6_k: Q6_K);
+               only when named in --ways (needs llama-cpp-python)
 
 Peak RSS (VmHWM of /proc/self/status) is read after loading and again after a 512-token prefill (in
 the engine's chunks, into a KV cache) and 128 decoded tokens, which touch every memory-mapped page. It counts file-backed pages of the mapping too (RssFile): the page
@@ -59,6 +61,9 @@ WAYS = {  # name: (loader, load_checkpoint keywords); the file is always bf16
     "ours-int8": ("ours", {"dtype": "bfloat16", "quantize": "int8"}),
     "ours-int4": ("ours", {"dtype": "bfloat16", "quantize": "int4"}),
 }
+# The same weights quantized by llama.cpp to a GGUF kind and imported as our import keeps them (K-quants: the file's
+# blocks, memory-mapped; bench/gguf_file.py, which needs llama-cpp-python): only when named in --ways.
+GGUF_WAYS = {"ours-q4_k_m": "q4_k_m", "ours-q6_k": "q6_k"}
 SLACK, OVERHEAD_MB = 1.15, 300.0
 PROMPT_TOKENS, NEW_TOKENS = 512, 128
 
@@ -132,7 +137,7 @@ def main() -> int:
                                 epilog="\n".join(__doc__.split("\n")[2:]))
     p.add_argument("--shape", default="llama3.2-1b", help="a LlamaConfig preset (default: llama3.2-1b)")
     p.add_argument("--ways", default="all",
-                   help=f"comma list among {', '.join(WAYS)} (default: all)")
+                   help=f"comma list among {', '.join([*WAYS, *GGUF_WAYS])} (default: all but the GGUF ways)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--check", action="store_true", help="exit 1 if one of our rows fails the requirement")
     p.add_argument("--fp32-activations", action="store_true",
@@ -156,10 +161,15 @@ def main() -> int:
     print(f"{args.shape}: {n_params(config) / 1e9:.3f} B parameters, file {file_mb:.0f} MB (bf16), "
           f"{args.threads} threads{', fp32 activations, AVX2 kernels' if args.fp32_activations else ''}; "
           f"engine at {engine}")
-    for name, (loader, options) in WAYS.items():
+    ways = {**WAYS, **{name: ("ours", {"dtype": "bfloat16"}) for name in GGUF_WAYS if wanted and name in wanted}}
+    for name, (loader, options) in ways.items():
         if wanted and name not in wanted:
             continue
-        r = run_worker(Path(__file__), {"loader": loader, "options": options, "folder": str(folder),
+        way_folder = folder
+        if name in GGUF_WAYS:  # made before the worker starts, so its memory is not the worker's
+            from gguf_file import imported_checkpoint
+            way_folder = imported_checkpoint(folder, args.shape, GGUF_WAYS[name])
+        r = run_worker(Path(__file__), {"loader": loader, "options": options, "folder": str(way_folder),
                                         "threads": args.threads, "fp32_activations": args.fp32_activations},
                        idle_wait=args.idle_wait)
         rows.append({"way": name, "loader": loader, "options": options, **r})

@@ -6,9 +6,9 @@
 // out and read it back first; on AVX2 CPUs, to fp32, 8.
 //
 // A vector's lanes are kLanes rows of x (a panel), each lane four of its int8 made unsigned (+128), and each
-// weight row's four integers w = q - z (ggml_blocks.h's form: weight = a (q - z) - m per group of 16) are
-// broadcast to every lane:
-//   y[m][r] = sum over x's scales s: xs[m][s] sum over its groups g (a[r][g] dot[m][r][g] - m[r][g] sum16[m][g])
+// weight row's four integers w = q - z (ggml_blocks.h's form: weight = a (q - z) - min per group of 16) are
+// broadcast to every lane. For row i of x and weight row r:
+//   y[i][r] = sum over x's scales s: xs[i][s] sum over its groups g (a[r][g] dot[i][r][g] - min[r][g] sum16[i][g])
 //   dot = sum (x + 128) w - 128 sum w   (the second sum is the weight row's, set as the sum's start)
 // exact in int32; then the fp32 sums in that order, two groups at a time where they share a and m (Q4_K, Q5_K,
 // Q5_0, Q5_1). The weight rows are taken kTileRows at a time, each row's blocks unpacked once (Format::unpack);

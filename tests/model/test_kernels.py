@@ -498,18 +498,25 @@ def test_blocks_dequantize_as_the_gguf_library_bit_for_bit(ops, name):
 @pytest.mark.parametrize("name", list(BY_NAME))
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_blocks_weights(ops, m, name, x_dtype):
-    f = BY_NAME[name]
-    for n, k in BLOCK_SHAPES[f.block]:
-        blocks = torch.from_numpy(random_blocks(name, n, k, seed=n + k + m))
-        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * torch.linspace(0.1, 3, m)[:, None]).to(x_dtype)
-        rounded, either_way = x_in_int8_blocks(x, 256 if k % 256 == 0 else 32)  # as csrc/matvec.cpp rounds it
-        wd, magnitude = blocks_reference(blocks, rounded)
-        ours = ops.matvec_blocks(x, [blocks])
-        assert ours.shape == (m, n) and ours.dtype == x_dtype
-        exact, tol = bound(wd, rounded, x_dtype, extra=F.linear(either_way, wd.abs()))
-        check(ours, exact, tol + 4 * math.sqrt(k) * 2**-24 * magnitude)
-        alone = torch.cat([ops.matvec_blocks(x[i:i + 1].contiguous(), [blocks]) for i in range(m)])
-        assert torch.equal(ours, alone)  # a row's result does not depend on the rows beside it
+    for n, k in BLOCK_SHAPES[BY_NAME[name].block]:
+        check_blocks_op(ops.matvec_blocks, name, m, n, k, x_dtype, seed=n + k + m)
+
+
+def check_blocks_op(op, name, m, n, k, x_dtype, seed):
+    """op(x, [blocks]) on m rows of x and random blocks of `name` (n, k): within the bound of x rounded to int8 as the
+    kernel rounds it (per 256 where K is whole 256s, else per 32), the products summed in int32, the scaled sums in
+    fp32; and a row's result the same alone as beside the others."""
+    blocks = torch.from_numpy(random_blocks(name, n, k, seed=seed))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * torch.linspace(0.1, 3, m)[:, None]
+    x = x.to(x_dtype)
+    rounded, either_way = x_in_int8_blocks(x, 256 if k % 256 == 0 else 32)
+    wd, magnitude = blocks_reference(blocks, rounded)
+    ours = op(x, [blocks])
+    assert ours.shape == (m, n) and ours.dtype == x_dtype
+    exact, tol = bound(wd, rounded, x_dtype, extra=F.linear(either_way, wd.abs()))
+    check(ours, exact, tol + 4 * math.sqrt(k) * 2**-24 * magnitude)
+    alone = torch.cat([op(x[i:i + 1].contiguous(), [blocks]) for i in range(m)])
+    assert torch.equal(ours, alone)  # a row's result does not depend on the rows beside it
 
 
 def test_blocks_of_several_formats_side_by_side(ops):
@@ -535,19 +542,9 @@ def test_blocks_prefill_products(ops, kernels, name, x_dtype):
     if kernels.path == "portable":
         assert not hasattr(ops, "prefill_blocks")  # model/linear.py widens the blocks for F.linear there
         return
-    f, m = BY_NAME[name], 19
-    for n, k in PREFILL_SHAPES[f.block]:
-        blocks = torch.from_numpy(random_blocks(name, n, k, seed=n + k))
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * torch.linspace(0.1, 3, m)[:, None]
-        x = x.to(x_dtype)
-        rounded, either_way = x_in_int8_blocks(x, 256 if k % 256 == 0 else 32)
-        wd, magnitude = blocks_reference(blocks, rounded)
-        ours = ops.prefill_blocks(x, [blocks])
-        assert ours.shape == (m, n) and ours.dtype == x_dtype
-        exact, tol = bound(wd, rounded, x_dtype, extra=F.linear(either_way, wd.abs()))
-        check(ours, exact, tol + 4 * math.sqrt(k) * 2**-24 * magnitude)
-        alone = torch.cat([ops.prefill_blocks(x[i:i + 1].contiguous(), [blocks]) for i in range(m)])
-        assert torch.equal(ours, alone)
+    m = 19
+    for n, k in PREFILL_SHAPES[BY_NAME[name].block]:
+        check_blocks_op(ops.prefill_blocks, name, m, n, k, x_dtype, seed=n + k)
     ws = [torch.from_numpy(random_blocks(kind, n, 512, seed=n)) for kind, n in [("Q4_K", 40), ("Q6_K", 8), ("Q2_K", 3)]]
     x = torch.randn(m, 512)
     assert torch.equal(ops.prefill_blocks(x, ws), torch.cat([ops.prefill_blocks(x, [w]) for w in ws], dim=1))

@@ -6,7 +6,8 @@ by llama.cpp: bench/gguf_file.py), measured in turn.
 Ours: the file as our import keeps it (its blocks), the default dtype for this CPU, a prompt of `--tokens` into a
 fresh KV cache (the kernel's prefill_blocks multiplies the blocks by x rounded to int8; with `--widened`, also
 as before it, 8 MB of rows of blocks at a time widened for F.linear, in turn with the others). llama.cpp:
-llama-cpp-python's `eval` of the same tokens in one batch, its cache reset each round. Best of `--rounds`, each system in turn.
+llama-cpp-python's `eval` of the same tokens in one batch, its cache reset each round. Best of `--rounds`, each
+system in turn.
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ from pathlib import Path
 from common import ROOT, machine
 from first_answer import free_port, q4_k_m_file
 
-WORDS = ("river stone garden window morning letter bridge market silver orange thunder pencil harbor meadow candle "
-         "forest engine ladder velvet puzzle lantern compass blanket whistle canyon marble saddle feather glacier").split()
+WORDS = ("river stone garden window morning letter bridge market silver orange thunder pencil harbor meadow "
+         "candle forest engine ladder velvet puzzle lantern compass blanket whistle canyon marble saddle feather "
+         "glacier").split()
 
 
 def start(checkout: Path, gguf: Path, folder: Path):

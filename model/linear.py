@@ -4,8 +4,9 @@ Prefill (many rows) goes to `F.linear`; a quantized matrix is dequantized a bloc
 into the activations' dtype (`widen`: the kernel's C++ loops, or model/quantize.py's), so it never
 exists whole in that dtype. Matrices in llama.cpp's blocks (a GGUF's K-quants) are instead multiplied in
 their integers by x rounded to int8 (the kernel's prefill_blocks), where the build has it.
-Decode (one row per sequence, up to MAX_KERNEL_ROWS) is bound by memory bandwidth: the decode kernel (model/kernels.py) streams the 32-, 16-, 8- or 4-bit weights once for all
-rows, several matrices of the same input in one call (q|k|v, gate|up).
+Decode (one row per sequence, up to MAX_KERNEL_ROWS) is bound by memory bandwidth: the decode kernel
+(model/kernels.py) streams the 32-, 16-, 8- or 4-bit weights once for all rows, several matrices of the same
+input in one call (q|k|v, gate|up).
 A matrix repacked for torch's weight-only matmul ops (model/packed.py: a GPU's, at load) goes to them, whatever
 the rows, and is never widened.
 """

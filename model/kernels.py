@@ -71,10 +71,8 @@ class Kernels:
     matvec_int4(x, ws, scales, offsets), matvec_blocks(x, ws) (llama.cpp's blocks, model/blocks.py) (each with
     fp32_out=True for y in fp32 whatever x's dtype), dequantize_blocks(w, dtype),
     decode_layers(...) (model/decode_step.py calls it; teams(): its steps run as one parallel region, csrc/team.h), dequantize_int4(w, scale, offset, dtype) and dequantize_int8(w, scale, dtype) (prefill), path(),
-    set_int8_x(on) and int8_x() (AVX-512 and AVX2 builds round x to int8 blocks for int4 weights, decode's and
-    prefill's, and AMX builds for int8 batches in tiles; off: int16 rows in decode and int4 widened in prefill,
-    for tests), prefill_blocks(x, ws) and prefill_int4(x, ws, scales, offsets) (prefill's products in the weights'
-    integers), set_amx(on) (bf16 and int8 batches in AMX tiles where the CPU has
+    set_int8_x(on) (AVX-512 and AVX2 builds round x to int8 blocks for int4 weights, and AMX builds for int8
+    batches in tiles; off: int16 rows, for tests), set_amx(on) (bf16 and int8 batches in AMX tiles where the CPU has
     them; off: the AVX-512 loops) and set_amx_int8(on) (int8 batches alone)."""
 
     march: str

@@ -2,8 +2,8 @@
 
 Prefill (many rows) goes to `F.linear`; a quantized matrix is dequantized a block of rows at a time
 into the activations' dtype (`widen`: the kernel's C++ loops, or model/quantize.py's), so it never
-exists whole in that dtype. Matrices in llama.cpp's blocks (a GGUF's K-quants) and int4 ones are instead
-multiplied in their integers by x rounded to int8 (the kernel's prefill_blocks, prefill_int4), where it is built.
+exists whole in that dtype. Matrices in llama.cpp's blocks (a GGUF's K-quants) are instead multiplied in
+their integers by x rounded to int8 (the kernel's prefill_blocks), where the build has it.
 Decode (one row per sequence, up to MAX_KERNEL_ROWS) is bound by memory bandwidth: the decode kernel
 (model/kernels.py) streams the 32-, 16-, 8- or 4-bit weights once for all rows, several matrices of the same
 input in one call (q|k|v, gate|up).
@@ -88,8 +88,9 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Ten
         flat = x.reshape(rows, k_dim)
         y = torch.cat([linears(flat[i:i + 1], weights, scales, offsets, fp32_out) for i in range(rows)])
         return y.view(*x.shape[:-1], -1)
-    if (y := integer_prefill(x, weights, scales, offsets, fp32_out)) is not None:  # all in one call
-        return y
+    if kinds == {"blocks"} and (ops := prefill_ops(x)):  # llama.cpp's blocks, all of them in one call
+        y = ops.prefill_blocks(x.reshape(rows, k_dim).contiguous(), weights, fp32_out)
+        return y.view(*x.shape[:-1], -1)
     outputs = [packed_linear(x, w, s, fp32_out) if is_packed(s) else blockwise_linear(x, w, s, o)
                for w, s, o in zip(weights, scales, offsets)]
     y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
@@ -102,8 +103,8 @@ def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor 
     activations on CPUs without bf16 arithmetic) is widened into x's dtype a block of rows at a time."""
     if weight.dtype == x.dtype:
         return F.linear(x, weight)
-    if (y := integer_prefill(x, [weight], [scale], [offset])) is not None:
-        return y
+    if is_blocks(weight) and (ops := prefill_ops(x)):  # llama.cpp's blocks times x rounded to int8, never widened
+        return ops.prefill_blocks(x.reshape(-1, x.shape[-1]).contiguous(), [weight]).view(*x.shape[:-1], -1)
     n, k = weight.shape[0], x.shape[-1]  # blocks: (N, K / block, bytes)
     block = max(1, DEQUANTIZE_BLOCK_BYTES // (k * x.element_size()))
     if block >= n:
@@ -117,31 +118,10 @@ def blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor 
     return y
 
 
-def integer_prefill(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
-                    offsets: list[torch.Tensor | None], fp32_out: bool = False) -> torch.Tensor | None:
-    """x (..., K) through matrices all in llama.cpp's blocks or all int4, multiplied in their integers by x rounded
-    to int8 (csrc/prefill_blocks.cpp), outputs side by side; None where that does not apply (other or mixed kinds,
-    or no such op here: prefill_ops)."""
-    kinds = {"blocks" if is_blocks(w) else w.dtype for w in weights}
-    if kinds not in ({"blocks"}, {torch.uint8}) or any(map(is_packed, scales)) or x.shape[-1] % 32:
-        return None
-    if not (ops := prefill_ops(x)):
-        return None
-    if kinds == {torch.uint8} and not ops.int8_x():  # int4 with x in int16 in the decode kernel (tests): widened
-        return None
-    flat = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
-    if kinds == {"blocks"}:
-        y = ops.prefill_blocks(flat, weights, fp32_out)
-    else:
-        y = ops.prefill_int4(flat, weights, [s.half().contiguous() for s in scales],
-                             [None if o is None else o.half().contiguous() for o in offsets], fp32_out)
-    return y.view(*x.shape[:-1], -1)
-
-
 def prefill_ops(x: torch.Tensor):
-    """The kernel's ops where a prefill multiplies llama.cpp's blocks and int4 matrices in their integers
-    (csrc/prefill_blocks.cpp: built for AVX2 and AVX-512); None on other builds, off the CPU, and where oneDNN's AMX
-    bf16 tiles are faster (the matrices widened for F.linear there)."""
+    """The kernel's ops where a prefill multiplies llama.cpp's blocks in their integers (csrc/prefill_blocks.cpp:
+    built for AVX2 and AVX-512); None on other builds, off the CPU, and where oneDNN's AMX bf16 tiles are faster
+    (blocks widened for F.linear there)."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or has_amx():
         return None
     ops = kernels()

@@ -470,15 +470,6 @@ bool set_int8_x(bool on) {
 #endif
 }
 
-// The setting of int8 x (prefill's integer products follow it for int4: model/linear.py). Builds without it: false.
-bool int8_x_on() {
-#ifdef HAVE_Q4_INT8_X
-  return int8_x.load();
-#else
-  return false;
-#endif
-}
-
 // The float values of row m of x: x's own for fp32, else widened into `buffer` (reused from call to call).
 const float* float_row(const at::Tensor& x, int64_t m, std::vector<float>& buffer) {
   const int64_t k_dim = x.size(-1);
@@ -973,7 +964,6 @@ DEFINE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("matvec_blocks(Tensor x, Tensor[] w, bool fp32_out=False) -> Tensor");
   m.def("path() -> str", &path);  // which of the code paths above this build compiled
   m.def("set_int8_x(bool on) -> bool", &set_int8_x);
-  m.def("int8_x() -> bool", &int8_x_on);
   m.def("set_amx(bool on) -> bool", &set_amx);
   m.def("set_amx_int8(bool on) -> bool", &set_amx_int8);
 }

@@ -18,20 +18,16 @@
 // Built where the CPU has AVX2 (the op is absent from plain x86-64 builds, where model/linear.py widens). On
 // CPUs with AMX, oneDNN's bf16 tiles multiply faster than this and model/linear.py keeps widening.
 #include <ATen/Parallel.h>
-#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <optional>
 #include <vector>
 
 #include "ggml_blocks.h"
@@ -115,79 +111,37 @@ struct Tile {
   }
 };
 
-// A weight matrix as the tile takes it: n rows, each unpacked by unpack_row(r, w, a, neg_m, start) into w = q - z
-// (K int8) and per group of 16 a, -min and -128 sum w; pairs: groups 2j and 2j + 1 share a and min.
-struct Matrix {
-  int64_t n;
-  bool pairs, minimums;
-  std::function<void(int64_t, int8_t*, float*, float*, int32_t*)> unpack_row;
-};
-
-// One group of 16 q (unsigned) less z into w, with its start -128 sum w.
-inline int32_t group_of_16(__m128i q, int z, int8_t* w) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(w), _mm_sub_epi8(q, _mm_set1_epi8(static_cast<char>(z))));
-  const __m128i halves = _mm_sad_epu8(q, _mm_setzero_si128());  // the sums of q's two halves
-  return -128 * (_mm_cvtsi128_si32(halves) + _mm_extract_epi16(halves, 4) - static_cast<int>(kGroup) * z);
-}
-
-// A matrix of llama.cpp's blocks, uint8 (N, K / block, bytes) of format f.
-Matrix blocks_matrix(const ggml::Format& f, const at::Tensor& t) {
-  const uint8_t* data = t.data_ptr<uint8_t>();
-  const int64_t blocks = t.size(1), per_block = f.block / kGroup;
-  return {t.size(0), f.scale_group == 2 * kGroup, f.minimums,
-          [&f, data, blocks, per_block](int64_t r, int8_t* w, float* a, float* neg_m, int32_t* start) {
-            ggml::Unpacked u;
-            const uint8_t* row = data + r * blocks * f.bytes;
-            for (int64_t b = 0; b < blocks; b++) {
-              f.unpack(row + b * f.bytes, u);
-              for (int64_t i = 0; i < per_block; i++) {
-                const int64_t g = b * per_block + i;
-                start[g] = group_of_16(_mm_load_si128(reinterpret_cast<const __m128i*>(u.q + i * kGroup)), u.z,
-                                       w + g * kGroup);
-                a[g] = u.a[i];
-                neg_m[g] = -u.m[i];
-              }
-            }
-          }};
-}
-
-// An int4 matrix (model/quantize.py): packed uint8 (N, K / 2), fp16 scale and offset (N, K / 32), weight = q scale +
-// offset (Q4_1: a = scale, min = -offset), or without offset (q - 8) scale (Q4_0: z = 8). A block's 16 bytes hold
-// its first 16 weights in their low nibbles, the next 16 in their high ones.
-Matrix int4_matrix(const at::Tensor& t, const at::Tensor& scale, const std::optional<at::Tensor>& offset) {
-  const uint8_t* data = t.data_ptr<uint8_t>();
-  const c10::Half* scales = scale.data_ptr<c10::Half>();
-  const c10::Half* offsets = offset ? offset->data_ptr<c10::Half>() : nullptr;
-  const int64_t blocks = t.size(1) * 2 / 32;
-  return {t.size(0), true, offsets != nullptr,
-          [data, scales, offsets, blocks](int64_t r, int8_t* w, float* a, float* neg_m, int32_t* start) {
-            const __m128i nibble = _mm_set1_epi8(0x0F);
-            const int z = offsets ? 0 : 8;
-            for (int64_t b = 0; b < blocks; b++) {
-              const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (r * blocks + b) * 16));
-              start[2 * b] = group_of_16(_mm_and_si128(v, nibble), z, w + 32 * b);
-              start[2 * b + 1] = group_of_16(_mm_and_si128(_mm_srli_epi16(v, 4), nibble), z, w + 32 * b + 16);
-              a[2 * b] = a[2 * b + 1] = static_cast<float>(scales[r * blocks + b]);
-              neg_m[2 * b] = neg_m[2 * b + 1] = offsets ? static_cast<float>(offsets[r * blocks + b]) : 0.f;
-            }
-          }};
-}
-
-// Rows r0 .. r0 + rows - 1 (rows <= kTileRows) of m into the tile; rows past them are zeros. For pairs, both groups'
-// starts go in the first (the kernel sums a pair's products in one int32 sum).
-void unpack_tile(const Matrix& m, int64_t r0, int rows, int64_t groups, Tile& t) {
-  const int64_t k_dim = groups * kGroup;
+// `rows` (<= kTileRows) weight rows of `blocks` blocks each, from `w`, into the tile; rows past them are zeros.
+void unpack_tile(const ggml::Format& f, const uint8_t* w, int rows, int64_t blocks, Tile& t) {
+  const int64_t k_dim = blocks * f.block, groups = k_dim / kGroup, per_block = f.block / kGroup;
   if (rows < kTileRows) {
     std::memset(t.w + rows * k_dim, 0, (kTileRows - rows) * k_dim);
     std::fill(t.a + rows * groups, t.a + kTileRows * groups, 0.f);
     std::fill(t.neg_m + rows * groups, t.neg_m + kTileRows * groups, 0.f);
     std::fill(t.start + rows * groups, t.start + kTileRows * groups, 0);
   }
+  const bool pairs = f.scale_group == 2 * kGroup;
+  ggml::Unpacked u;
   for (int r = 0; r < rows; r++) {
+    const uint8_t* row = w + r * blocks * f.bytes;
+    int8_t* out = t.w + r * k_dim;
+    float *a = t.a + r * groups, *neg_m = t.neg_m + r * groups;
     int32_t* start = t.start + r * groups;
-    m.unpack_row(r0 + r, t.w + r * k_dim, t.a + r * groups, t.neg_m + r * groups, start);
-    if (m.pairs)
-      for (int64_t g = 0; g < groups; g += 2) start[g] += start[g + 1];
+    for (int64_t b = 0; b < blocks; b++) {
+      f.unpack(row + b * f.bytes, u);
+      const __m128i z = _mm_set1_epi8(static_cast<char>(u.z));
+      for (int64_t i = 0; i < per_block; i++) {
+        const __m128i q = _mm_load_si128(reinterpret_cast<const __m128i*>(u.q + i * kGroup));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (b * per_block + i) * kGroup), _mm_sub_epi8(q, z));
+        const __m128i halves = _mm_sad_epu8(q, _mm_setzero_si128());  // the sums of q's two halves
+        const int32_t sum = _mm_cvtsi128_si32(halves) + _mm_extract_epi16(halves, 4) - kGroup * u.z;
+        const int64_t g = b * per_block + i;
+        a[g] = u.a[i];
+        neg_m[g] = -u.m[i];
+        start[g] = -128 * sum;
+        if (pairs && i % 2 == 1) start[g - 1] += start[g];
+      }
+    }
   }
 }
 
@@ -275,26 +229,34 @@ void panel_rows(const Tile& t, int r0, int64_t groups, const Panels& x, int64_t 
 
 using PanelRows = void (*)(const Tile&, int, int64_t, const Panels&, int64_t, float*, int64_t, int, int);
 
-PanelRows panel_rows_for(const Matrix& m) {
-  if (m.pairs) return m.minimums ? panel_rows<true, true> : panel_rows<true, false>;
-  return m.minimums ? panel_rows<false, true> : panel_rows<false, false>;
+PanelRows panel_rows_for(const ggml::Format& f) {
+  const bool pairs = f.scale_group == 2 * kGroup;
+  if (pairs) return f.minimums ? panel_rows<true, true> : panel_rows<true, false>;
+  return f.minimums ? panel_rows<false, true> : panel_rows<false, false>;
 }
 
-void check_x(const char* op, const at::Tensor& x, size_t matrices) {
+// y = x W_i^T for x (M, K) fp32 or bf16 and weights in llama.cpp's blocks, uint8 (N_i, K / block, bytes) each, of
+// any of ggml_blocks.h's formats: outputs side by side (M, sum N_i) in x's dtype, or in fp32 with fp32_out.
+at::Tensor prefill_blocks(const at::Tensor& x, at::TensorList ws, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() &&
-              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), op,
-              ": x must be a contiguous float32 or bfloat16 CPU tensor (M, K); got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(matrices > 0, op, ": no weight matrices");
-}
-
-// y = x M_i^T: outputs side by side (M, sum N_i) in x's dtype, or in fp32 with fp32_out. Each task is a tile of one
-// matrix's rows, every panel of x through it.
-at::Tensor product(const at::Tensor& x, const std::vector<Matrix>& ms, bool fp32_out) {
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "prefill_blocks: x must be a contiguous float32 or bfloat16 CPU tensor (M, K); got ", x.scalar_type(),
+              " ", x.sizes());
+  TORCH_CHECK(!ws.empty(), "prefill_blocks: no weight matrices");
   const int64_t rows = x.size(0), k_dim = x.size(1);
+  std::vector<const ggml::Format*> formats;
   std::vector<int64_t> first_tile{0}, first_column{0};
-  for (const Matrix& m : ms) {
-    first_tile.push_back(first_tile.back() + (m.n + kTileRows - 1) / kTileRows);
-    first_column.push_back(first_column.back() + m.n);
+  for (size_t i = 0; i < ws.size(); i++) {
+    const at::Tensor& t = ws[i];
+    const ggml::Format* f = t.dim() == 3 ? ggml::format_of(t.size(2)) : nullptr;
+    TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.device().is_cpu() && f != nullptr,
+                "prefill_blocks: w[", i, "] must be a contiguous uint8 CPU tensor (N, K / block, bytes) of a ",
+                "block format (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1); got ", t.scalar_type(), " ", t.sizes());
+    TORCH_CHECK(t.size(1) * f->block == k_dim, "prefill_blocks: w[", i, "] holds ", t.size(1), " ", f->name,
+                " blocks a row (", t.size(1) * f->block, " weights) but x has K=", k_dim);
+    formats.push_back(f);
+    first_tile.push_back(first_tile.back() + (t.size(0) + kTileRows - 1) / kTileRows);
+    first_column.push_back(first_column.back() + t.size(0));
   }
   at::Tensor y = at::empty({rows, first_column.back()}, x.options().dtype(at::kFloat));
   const at::ScalarType out_type = fp32_out ? at::kFloat : x.scalar_type();
@@ -308,10 +270,11 @@ at::Tensor product(const at::Tensor& x, const std::vector<Matrix>& ms, bool fp32
     for (int64_t task = begin; task < end; task++) {
       size_t i = 0;
       while (first_tile[i + 1] <= task) i++;
-      const int64_t r0 = (task - first_tile[i]) * kTileRows;
-      const int tile_rows = static_cast<int>(std::min<int64_t>(kTileRows, ms[i].n - r0));
-      unpack_tile(ms[i], r0, tile_rows, groups, tile);
-      const PanelRows run = panel_rows_for(ms[i]);
+      const ggml::Format& f = *formats[i];
+      const int64_t r0 = (task - first_tile[i]) * kTileRows, n = ws[i].size(0), blocks = ws[i].size(1);
+      const int tile_rows = static_cast<int>(std::min<int64_t>(kTileRows, n - r0));
+      unpack_tile(f, ws[i].data_ptr<uint8_t>() + r0 * blocks * f.bytes, tile_rows, blocks, tile);
+      const PanelRows run = panel_rows_for(f);
       for (int64_t p = 0; p < panel_count; p++) {
         const int lanes = static_cast<int>(std::min<int64_t>(kLanes, rows - p * kLanes));
         for (int r = 0; r < tile_rows; r += kRows)
@@ -323,49 +286,6 @@ at::Tensor product(const at::Tensor& x, const std::vector<Matrix>& ms, bool fp32
   return y.to(out_type);
 }
 
-// Weights in llama.cpp's blocks, uint8 (N_i, K / block, bytes) each, of any of ggml_blocks.h's formats.
-at::Tensor prefill_blocks(const at::Tensor& x, at::TensorList ws, bool fp32_out) {
-  check_x("prefill_blocks", x, ws.size());
-  std::vector<Matrix> ms;
-  for (size_t i = 0; i < ws.size(); i++) {
-    const at::Tensor& t = ws[i];
-    const ggml::Format* f = t.dim() == 3 ? ggml::format_of(t.size(2)) : nullptr;
-    TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.device().is_cpu() && f != nullptr,
-                "prefill_blocks: w[", i, "] must be a contiguous uint8 CPU tensor (N, K / block, bytes) of a ",
-                "block format (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1); got ", t.scalar_type(), " ", t.sizes());
-    TORCH_CHECK(t.size(1) * f->block == x.size(1), "prefill_blocks: w[", i, "] holds ", t.size(1), " ", f->name,
-                " blocks a row (", t.size(1) * f->block, " weights) but x has K=", x.size(1));
-    ms.push_back(blocks_matrix(*f, t));
-  }
-  return product(x, ms, fp32_out);
-}
-
-// int4 weights (model/quantize.py): packed uint8 (N_i, K / 2), fp16 scales and offsets (N_i, K / 32), offset None
-// for Q4_0's symmetric blocks.
-at::Tensor prefill_int4(const at::Tensor& x, at::TensorList ws, at::TensorList scales,
-                        const c10::List<std::optional<at::Tensor>>& offsets, bool fp32_out) {
-  check_x("prefill_int4", x, ws.size());
-  const int64_t k_dim = x.size(1);
-  TORCH_CHECK(k_dim % 32 == 0, "prefill_int4: K must be whole blocks of 32; got K=", k_dim);
-  TORCH_CHECK(scales.size() == ws.size() && offsets.size() == ws.size(), "prefill_int4: ", ws.size(),
-              " matrices but ", scales.size(), " scales and ", offsets.size(), " offsets");
-  std::vector<Matrix> ms;
-  for (size_t i = 0; i < ws.size(); i++) {
-    const at::Tensor& t = ws[i];
-    TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kByte && t.is_contiguous() && t.device().is_cpu() &&
-                t.size(1) * 2 == k_dim, "prefill_int4: w[", i, "] must be a contiguous uint8 CPU tensor (N, K / 2) ",
-                "with K=", k_dim, "; got ", t.scalar_type(), " ", t.sizes());
-    const std::optional<at::Tensor> offset = offsets.get(i);
-    for (const at::Tensor* v : {&scales[i], offset ? &*offset : nullptr})
-      TORCH_CHECK(v == nullptr || (v->dim() == 2 && v->size(0) == t.size(0) && v->size(1) == k_dim / 32 &&
-                                   v->scalar_type() == at::kHalf && v->is_contiguous() && v->device().is_cpu()),
-                  "prefill_int4: the scales and offsets of w[", i, "] must be contiguous float16 (", t.size(0), ", ",
-                  k_dim / 32, ")");
-    ms.push_back(int4_matrix(t, scales[i], offset));
-  }
-  return product(x, ms, fp32_out);
-}
-
 }  // namespace
 
 // As in matvec.cpp: a macro between, so that TORCH_EXTENSION_NAME is expanded before it is pasted.
@@ -374,12 +294,8 @@ at::Tensor prefill_int4(const at::Tensor& x, at::TensorList ws, at::TensorList s
 
 FRAGMENT_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_blocks(Tensor x, Tensor[] w, bool fp32_out=False) -> Tensor");
-  m.def("prefill_int4(Tensor x, Tensor[] w, Tensor[] scale, Tensor?[] offset, bool fp32_out=False) -> Tensor");
 }
 
-IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) {
-  m.impl("prefill_blocks", prefill_blocks);
-  m.impl("prefill_int4", prefill_int4);
-}
+IMPL_LIBRARY(TORCH_EXTENSION_NAME, CPU, m) { m.impl("prefill_blocks", prefill_blocks); }
 
 #endif

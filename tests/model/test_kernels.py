@@ -553,36 +553,6 @@ def test_blocks_prefill_products(ops, kernels, name, x_dtype):
     assert not torch.equal(wide, wide.bfloat16().float())
 
 
-@pytest.mark.parametrize("symmetric", [False, True])
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_int4_prefill_products(ops, kernels, symmetric, x_dtype):
-    """Many rows of x through prefill_int4 (Q4_1's blocks with offsets, Q4_0's without): within the bound of x
-    rounded to int8 per 256 (K = 1024) or per 32 (K = 576, 96), side by side, a row's result the same alone."""
-    if kernels.path == "portable":
-        assert not hasattr(ops, "prefill_int4")
-        return
-    m = 19
-    for n, k in [(33, 576), (16, 1024), (7, 96)]:
-        packed, scale, offset = quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(n)))
-        offset = None if symmetric else offset
-        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * torch.linspace(0.1, 3, m)[:, None])
-        x = x.to(x_dtype)
-        rounded, either_way = x_in_int8_blocks(x, 256 if k % 256 == 0 else 32)
-        wd = dequantize_int4(packed, scale, offset).double()
-        zero = int4_offset(scale, offset).double().repeat_interleave(32, dim=1)  # each weight's offset
-        magnitude = F.linear(rounded.abs(), (wd - zero).abs() + zero.abs())
-        ours = ops.prefill_int4(x, [packed], [scale], [offset])
-        assert ours.shape == (m, n) and ours.dtype == x_dtype
-        exact, tol = bound(wd, rounded, x_dtype, extra=F.linear(either_way, wd.abs()))
-        check(ours, exact, tol + 4 * math.sqrt(k) * 2**-24 * magnitude)
-        alone = torch.cat([ops.prefill_int4(x[i:i + 1].contiguous(), [packed], [scale], [offset]) for i in range(m)])
-        assert torch.equal(ours, alone)
-        two = ops.prefill_int4(x, [packed, packed[:5]], [scale, scale[:5]], [offset, None if offset is None else offset[:5]])
-        assert torch.equal(two, torch.cat([ours, ours[:, :5]], dim=1))
-    with pytest.raises(RuntimeError, match=r"prefill_int4: w\[0\] must be a contiguous uint8 CPU tensor \(N, K / 2\)"):
-        ops.prefill_int4(torch.zeros(20, 64), [packed], [scale], [offset])
-
-
 def test_blocks_that_are_not_a_format_are_refused(ops):
     with pytest.raises(RuntimeError, match=r"w\[0\] must be a contiguous uint8 CPU tensor \(N, K / block, bytes\) "
                                            r"of a block format .*; got Byte \[4, 2, 143\]"):

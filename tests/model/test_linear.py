@@ -143,16 +143,14 @@ def test_fp32_out_gives_the_sums_before_their_rounding(spy, kind, x_dtype):
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_prefill_dequantizes_a_block_of_rows_at_a_time(monkeypatch, kind, x_dtype):
-    """Many rows: F.linear on blocks of the dequantized matrix, each of at most DEQUANTIZE_BLOCK_BYTES (int4 where x is
-    not rounded to int8: its prefill in its integers is the next test's)."""
+    """Many rows: F.linear on blocks of the dequantized matrix, each of at most DEQUANTIZE_BLOCK_BYTES."""
     monkeypatch.setattr(model.linear, "DEQUANTIZE_BLOCK_BYTES", 10 * 64 * x_dtype.itemsize)  # blocks of 10 rows
     widened = []
     real = model.linear.widen
     monkeypatch.setattr(model.linear, "widen", lambda *a: widened.append(a[0].shape[0]) or real(*a))
     w, x = torch.randn(25, 64), torch.randn(3, 12, 64).to(x_dtype)
     weight, scale, offset = stored(w, kind)
-    with x_in_int8(False):
-        ours = linear(x, weight, scale, offset)
+    ours = linear(x, weight, scale, offset)
     assert widened == [10, 10, 5] and ours.dtype == x_dtype
     torch.testing.assert_close(ours, F.linear(x, dequantize(weight, scale, offset, x_dtype)))  # dtype's tolerance
 
@@ -199,27 +197,6 @@ def test_prefill_multiplies_blocks_in_their_integers_where_the_kernel_has_them(m
     monkeypatch.setattr(model.linear, "has_amx", lambda: True)
     widened.clear()
     torch.testing.assert_close(linear(x, blocks), F.linear(x, dequantize_blocks(blocks)), rtol=1e-5, atol=1e-4)
-    assert widened == [24]
-
-
-@pytest.mark.parametrize("symmetric", [False, True])
-def test_prefill_multiplies_int4_in_its_integers_where_x_is_rounded_to_int8(monkeypatch, symmetric):
-    """int4 (the default model's; Q4_0 and Q4_1 GGUFs) and a prompt chunk's many rows: the kernel's prefill_int4 where
-    built and x is rounded to int8 (the kernel's default); with x in int16 (close comparisons), widened."""
-    widened = []
-    real = model.linear.widen
-    monkeypatch.setattr(model.linear, "widen", lambda *a: widened.append(a[0].shape[0]) or real(*a))
-    weight, scale, offset = stored(torch.randn(24, 64), "int4")
-    offset = None if symmetric else offset
-    x = torch.randn(2, 20, 64)
-    ours = linear(x, weight, scale, offset)
-    ops = model.linear.prefill_ops(x)
-    if ops is not None:
-        expected = ops.prefill_int4(x.reshape(40, 64), [weight], [scale.half()], [None if symmetric else offset.half()])
-        assert widened == [] and torch.equal(ours, expected.view(2, 20, 24))
-    widened.clear()
-    with x_in_int8(False):
-        torch.testing.assert_close(linear(x, weight, scale, offset), F.linear(x, dequantize(weight, scale, offset)))
     assert widened == [24]
 
 
@@ -349,7 +326,7 @@ def test_int4_model_is_the_float_model_with_its_dequantized_weights(folder):
     full = load_checkpoint(folder, dtype=torch.float32)
     int4 = load_checkpoint(folder, dtype=torch.float32, quantize="int4")
     ids = prompt_ids(n=32)
-    with torch.no_grad(), x_in_int8(False):  # prefill on the dequantized weights (x rounded to int8: test_kernels.py)
+    with torch.no_grad():
         a, b = full.model(ids), int4.model(ids)
         # 16 levels per block of 32 random weights (a step of range / 15, against int8's max / 127): the
         # logits of this random model move by about 40% of their size, int8's by 3.5%
@@ -370,8 +347,9 @@ def test_int4_decode_picks_what_int4_prefill_ranks_first(folder):
     ckpt = load_checkpoint(folder, dtype=torch.float32, quantize="int4")
     prompt = prompt_ids(n=FEW_ROWS + 4)[0].tolist()  # prefilled by F.linear, as the full forwards
     gen = generate(ckpt, prompt, max_new_tokens=16, stop_ids=set())
-    with x_in_int8(False), torch.no_grad():
+    with x_in_int8(False):
         list(gen)
+    with torch.no_grad():
         logits = ckpt.model(torch.tensor([prompt + gen.tokens]))[0]
     assert gen.tokens == logits[len(prompt) - 1:-1].argmax(-1).tolist()
 
